@@ -1,0 +1,44 @@
+# The two commands of the README quickstart: `make demo` and `make test`.
+# Each creates .venv on first use and installs torch pinned first: a looser torch requirement
+# installed first would pull a multi-GB CUDA build onto a CPU machine.
+# On a GPU machine: make TORCH_SPEC="torch==2.13.0" EXTRAS="dev,gpu" test
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.longstraw-installed
+
+.PHONY: demo test test-slow lint format memory clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m longstraw_core.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+memory: $(STAMP)
+	$(PY) benchmarks/prefix_memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,163 @@
+"""GRPO hyper-parameters, with the names, defaults and meaning of TRL 1.16's ``GRPOConfig``.
+
+Only the fields the loss math needs live here. A TRL user should be able to carry a config
+over unchanged; anything TRL accepts that this package cannot reproduce exactly is rejected
+with a ValueError instead of being silently ignored.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+GRADIENT_MODES = ("detached", "exact")
+
+
+def _invalid(field: str, value: object, allowed: str) -> ValueError:
+    """One message shape for every bad field, so a config error is always easy to trace."""
+    return ValueError(f"GRPOConfig.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _is_real(value: object) -> bool:
+    # bool is an int subclass; a flag passed for a number is a mistake, not 1.0.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def normalize_scale_rewards(value: object) -> str:
+    """TRL accepts True/False for backward compatibility and maps them to "group"/"none"."""
+    if value is True:
+        return "group"
+    if value is False:
+        return "none"
+    if value not in SCALE_REWARDS:
+        raise _invalid("scale_rewards", value, f"one of {SCALE_REWARDS} or True/False")
+    return value
+
+
+@dataclass
+class GRPOConfig:
+    """Loss and advantage settings for one GRPO step over one group of G responses.
+
+    Field meanings follow TRL's ``GRPOConfig``; ``gradient`` is LongStraw's own.
+
+    - ``num_generations``: G, responses sampled per prompt (TRL requires at least 2).
+    - ``max_completion_length``: generation cap; also the ``dr_grpo`` normaliser constant.
+    - ``beta``: KL coefficient (k3 estimator against a reference policy); 0 disables it.
+    - ``epsilon``: lower clip, the ratio is clipped below at ``1 - epsilon``.
+    - ``epsilon_high``: upper clip, ratio clipped above at ``1 + epsilon_high``; ``None`` means
+      ``epsilon``. For ``cispo`` it is the absolute cap on the ratio (ScaleRL's eps_max,
+      recommended 5.0), not an offset from 1.
+    - ``delta``: INTELLECT-2 two-sided clipping, caps the unclipped ratio at ``delta``.
+    - ``importance_sampling_level``: ``"token"`` ratios, or one ``"sequence"`` ratio per branch
+      from the mean log-ratio over its tokens (GSPO).
+    - ``scale_rewards``: divide centred rewards by the group std (``"group"``/``"batch"``, the
+      same for one group) or not (``"none"``).
+    - ``loss_type``: how per-token terms are normalised, see ``losses.loss_weights``.
+    - ``mask_truncated_completions``: truncated responses get no loss and no token count.
+    - ``use_bias_correction_kl``: multiply the KL term by the (differentiable) ratio, TRL's
+      default since the DeepSeek-V3.2 correction.
+    - ``top_entropy_quantile``: only 1.0 is supported (its threshold is a quantile over every
+      token of the group, which is not known before the branches are replayed).
+    - ``gradient``: ``"detached"`` (prompt state is a constant) or ``"exact"`` (gradients
+      also flow through the prompt state, section 3 of DESIGN.md).
+    """
+
+    num_generations: int = 8
+    max_completion_length: int | None = 512
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
+    top_entropy_quantile: float = 1.0
+    gradient: str = "detached"
+
+    def __post_init__(self) -> None:
+        self.scale_rewards = normalize_scale_rewards(self.scale_rewards)
+        self._check_choices()
+        self._check_numbers()
+        self._check_combinations()
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        """TRL resolves ``epsilon_high=None`` to ``epsilon`` in the trainer, not the config."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def _check_choices(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise _invalid("loss_type", self.loss_type, f"one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise _invalid(
+                "importance_sampling_level",
+                self.importance_sampling_level,
+                f"one of {IMPORTANCE_SAMPLING_LEVELS}",
+            )
+        if self.gradient not in GRADIENT_MODES:
+            raise _invalid("gradient", self.gradient, f"one of {GRADIENT_MODES}")
+        for name in ("mask_truncated_completions", "use_bias_correction_kl"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, getattr(self, name), "True or False")
+
+    def _check_numbers(self) -> None:
+        if not _is_int(self.num_generations) or self.num_generations < 2:
+            raise _invalid(
+                "num_generations", self.num_generations, "an int >= 2 (advantages need a group)"
+            )
+        mcl = self.max_completion_length
+        if mcl is not None and (not _is_int(mcl) or mcl < 1):
+            raise _invalid("max_completion_length", mcl, "None or an int >= 1")
+        if not _is_real(self.beta) or self.beta < 0:
+            raise _invalid("beta", self.beta, "a finite float >= 0")
+        if not _is_real(self.epsilon) or self.epsilon < 0:
+            raise _invalid("epsilon", self.epsilon, "a finite float >= 0")
+        if self.epsilon_high is not None and (
+            not _is_real(self.epsilon_high) or self.epsilon_high < 0
+        ):
+            raise _invalid("epsilon_high", self.epsilon_high, "None or a finite float >= 0")
+        if self.delta is not None and (not _is_real(self.delta) or self.delta <= 1.0):
+            raise _invalid(
+                "delta", self.delta, "None or a finite float > 1 (TRL recommends > 1 + epsilon)"
+            )
+        q = self.top_entropy_quantile
+        if not _is_real(q) or q != 1.0:
+            raise _invalid(
+                "top_entropy_quantile",
+                q,
+                "1.0 only (the entropy quantile spans the whole group, unknown per branch)",
+            )
+
+    def _check_combinations(self) -> None:
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise _invalid(
+                "max_completion_length", None, "an int >= 1 with loss_type='dr_grpo' (normaliser)"
+            )
+        if self.loss_type == "cispo":
+            # TRL would silently cap every ratio at epsilon (0.2): all tokens clipped, gradient /5.
+            if self.epsilon_high is None or self.epsilon_high <= 0:
+                raise _invalid(
+                    "epsilon_high",
+                    self.epsilon_high,
+                    "an explicit float > 0 with loss_type='cispo' (the ratio cap; ScaleRL uses 5.0)",
+                )
+            if self.delta is not None:
+                raise _invalid("delta", self.delta, "None with loss_type='cispo' (TRL ignores it)")
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            warnings.warn(
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums "
+                "per-token terms, weighting each sequence by its length; GSPO uses loss_type='grpo'.",
+                stacklevel=4,
+            )

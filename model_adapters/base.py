@@ -1,0 +1,219 @@
+"""The adapter contract: prefill a prompt once without autograd, then score branches from it.
+
+An adapter wraps a transformers causal LM (plain or PEFT-wrapped) and reuses its modules and
+parameter names, so checkpoints, LoRA and sharding keep working; it only drives the
+per-layer computation with an explicit ``PrefixState``. Subclasses implement three hooks:
+which state each layer keeps (``new_layer_states``), how one decoder layer runs over a span
+of positions (``run_layers``), and optional model checks (``check_model``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from longstraw_core.state import LayerState, PrefixState
+
+_OWNER_ATTRIBUTE = "_longstraw_owner_id"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a run of tokens sits: its first position, and whether it extends the state.
+
+    ``write=True`` is a prefill chunk: its keys/values are written into the state and it
+    attends to the state before ``start``. ``write=False`` is a branch: it attends to the
+    whole state and leaves it untouched.
+    """
+
+    start: int
+    length: int
+    write: bool
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.length, device=device)[None]
+
+
+def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers model under a PEFT wrapper (LoRA layers stay in place inside it)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(
+            f"expected a transformers PreTrainedModel (optionally wrapped by peft), "
+            f"got {type(model).__name__}"
+        )
+    return base
+
+
+def as_token_ids(ids: torch.Tensor | Sequence[int], name: str, vocab_size: int) -> torch.Tensor:
+    """Validate a 1-D sequence of token ids; errors name the argument and the fix."""
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1:
+        raise ValueError(
+            f"{name} must be a 1-D tensor of token ids (one sequence), got shape "
+            f"{tuple(ids.shape)}; pass ids[0] for a batch of one"
+        )
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty: it needs at least one token")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
+            "was it tokenized with another tokenizer?"
+        )
+    return ids.long()
+
+
+class ModelAdapter(ABC):
+    """Prefill once, score many branches: the per-architecture engine behind LongStraw."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.causal_lm = unwrap_causal_lm(model)
+        self.config = self.causal_lm.config
+        self.decoder = self.causal_lm.get_decoder()
+        self.embed_tokens = self.causal_lm.get_input_embeddings()
+        self.lm_head = self.causal_lm.get_output_embeddings()
+        self.check_model()
+        # States remember the model they came from; the id lives on the model so that two
+        # adapters of one model can share states, and a state from another model is refused.
+        if not hasattr(self.causal_lm, _OWNER_ATTRIBUTE):
+            setattr(self.causal_lm, _OWNER_ATTRIBUTE, uuid.uuid4().hex)
+        self.owner_id: str = getattr(self.causal_lm, _OWNER_ATTRIBUTE)
+
+    # --- architecture hooks ---------------------------------------------------------------
+
+    def check_model(self) -> None:
+        """Refuse configurations the adapter cannot reproduce exactly (override to add)."""
+
+    @abstractmethod
+    def new_layer_states(self, capacity: int) -> list[LayerState]:
+        """Empty per-layer records sized for ``capacity`` prompt positions."""
+
+    @abstractmethod
+    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+        """Run every decoder layer over ``hidden`` ``[1, T, hidden]`` at ``span``."""
+
+    # --- properties -------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    # --- the public API ---------------------------------------------------------------------
+
+    def prefill(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int],
+        chunk_size: int = 4096,
+        progress: bool | None = None,
+    ) -> PrefixState:
+        """Run the prompt once under ``no_grad``, in chunks, keeping only the prefix state.
+
+        All prompt tokens but the last are stored; the last is kept as ``state.last_token``
+        and replayed at the head of every branch (see ``score``). ``progress=None`` shows a
+        progress bar only on a terminal.
+        """
+        prompt_ids = as_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self._check_positions(len(prompt_ids), 0)
+        prompt_ids = prompt_ids.to(self.device)
+        stored = prompt_ids[:-1]
+        state = PrefixState(
+            layers=self.new_layer_states(len(stored)),
+            last_token=prompt_ids[-1:].clone(),
+            owner=self.owner_id,
+            meta={"model_type": self.config.model_type, "chunk_size": chunk_size},
+        )
+        bar = tqdm(
+            total=len(stored),
+            desc="prefill",
+            unit="tok",
+            unit_scale=True,
+            disable=(not progress) if progress is not None else None,
+            leave=False,
+        )
+        with torch.no_grad(), bar:
+            for start in range(0, len(stored), chunk_size):
+                chunk = stored[start : start + chunk_size]
+                span = Span(start=start, length=len(chunk), write=True)
+                self.run_layers(self.embed_tokens(chunk[None]), span, state)
+                state.length = span.start + span.length
+                bar.update(len(chunk))
+        return state
+
+    def score(self, state: PrefixState, response_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Per-token log-probabilities of a response given the prompt held by ``state``.
+
+        ``logps[t] = log p(response[t] | prompt, response[:t])``, differentiable with respect
+        to the parameters. The branch replays the last prompt token first, so every logit
+        that scores a response token runs with autograd. ``state`` is only read.
+        """
+        self.check_state(state)
+        response_ids = as_token_ids(response_ids, "response_ids", self.vocab_size)
+        self._check_positions(state.prompt_length, len(response_ids))
+        response_ids = response_ids.to(self.device)
+        inputs = torch.cat([state.last_token, response_ids[:-1]])
+        span = Span(start=state.length, length=len(inputs), write=False)
+        hidden = self.run_layers(self.embed_tokens(inputs[None]), span, state)
+        return self.token_logps(hidden[0], response_ids)
+
+    def token_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of ``targets`` from final hidden states ``[T, hidden]``."""
+        logits = self.lm_head(self.decoder.norm(hidden))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def check_state(self, state: PrefixState) -> None:
+        if not isinstance(state, PrefixState):
+            raise ValueError(f"state must be a PrefixState from adapter.prefill, got {type(state)}")
+        if state.owner != self.owner_id:
+            raise ValueError(
+                "state was prefilled by another model; prefill the prompt with this adapter "
+                "(states cannot be shared between models)"
+            )
+        if state.device != self.device:
+            raise ValueError(
+                f"state is on {state.device} but the model is on {self.device}; "
+                f"move it with state.to({str(self.device)!r})"
+            )
+
+    def _check_positions(self, prompt_length: int, response_length: int) -> None:
+        limit = self.max_positions
+        total = prompt_length + response_length
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"prompt ({prompt_length} tokens) + response ({response_length} tokens) = "
+                f"{total} positions exceeds the model's limit of {limit} "
+                "(config.max_position_embeddings); shorten the prompt or use a model "
+                "configured for longer contexts"
+            )

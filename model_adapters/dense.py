@@ -1,0 +1,115 @@
+"""Dense decoder-only models with full (GQA) attention: Qwen3, Qwen2, Llama.
+
+Each layer keeps its keys (after ``k_norm`` and RoPE) and values over the prompt. The layer
+computation is the model's own, module by module (norms, projections, RoPE function, MLP),
+with attention replaced by ``segmented_attention`` over the stored prefix plus the span.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from longstraw_core.attention import segmented_attention
+from longstraw_core.state import AttentionKV, PrefixState
+from model_adapters.base import ModelAdapter, Span
+from model_adapters.registry import register_adapter
+
+RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def model_rotary_function(attention: nn.Module) -> RotaryFn:
+    """The ``apply_rotary_pos_emb`` of the module that defines ``attention``'s class.
+
+    Using the model's own function keeps its RoPE variant (partial, interleaved, ...) exact.
+    """
+    module = inspect.getmodule(type(attention))
+    rotary = getattr(module, "apply_rotary_pos_emb", None)
+    if rotary is None:
+        raise TypeError(f"{type(attention).__name__}'s module has no apply_rotary_pos_emb")
+    return rotary
+
+
+def run_full_attention(
+    attention: nn.Module,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    record: AttentionKV,
+    span: Span,
+    apply_rotary: RotaryFn,
+) -> torch.Tensor:
+    """One full-attention block over ``hidden`` ``[1, T, hidden]``, reading/writing ``record``.
+
+    Mirrors the transformers attention forward (q/k norms when present, RoPE, GQA) and
+    returns the input of ``o_proj``'s caller: the projected attention output.
+    """
+    batch, length, _ = hidden.shape
+    head_dim = attention.head_dim
+    shape = (batch, length, -1, head_dim)
+    queries = attention.q_proj(hidden).view(shape)
+    keys = attention.k_proj(hidden).view(shape)
+    values = attention.v_proj(hidden).view(shape).transpose(1, 2)
+    if hasattr(attention, "q_norm"):
+        queries, keys = attention.q_norm(queries), attention.k_norm(keys)
+    cos, sin = position_embeddings
+    queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+
+    prefix = record.segments(end=span.start if span.write else None)
+    if span.write:
+        record.write(span.start, keys[0], values[0])
+    output = segmented_attention(queries, keys, values, prefix, scale=attention.scaling)
+    return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+
+
+@register_adapter
+class DenseAdapter(ModelAdapter):
+    """Qwen3 / Qwen2 / Llama: pre-norm decoder layers of full attention and a gated MLP."""
+
+    model_types = ("qwen3", "qwen2", "llama")
+
+    def check_model(self) -> None:
+        config = self.config
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if sliding:
+            raise ValueError(
+                f"layers {sliding} of this {config.model_type} model use "
+                f"{layer_types[sliding[0]]!r}; only full attention is supported "
+                "(set use_sliding_window=False in the model config)"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError(
+                f"config.attention_dropout={config.attention_dropout}: scoring must be "
+                "deterministic for RL; set attention_dropout=0.0"
+            )
+        self.apply_rotary = model_rotary_function(self.decoder.layers[0].self_attn)
+
+    def new_layer_states(self, capacity: int) -> list[AttentionKV]:
+        records = []
+        kv_heads = self.config.num_key_value_heads
+        for layer in self.decoder.layers:
+            head_dim = layer.self_attn.head_dim
+            records.append(
+                AttentionKV.empty(
+                    kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
+                )
+            )
+        return records
+
+    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        for layer, record in zip(self.decoder.layers, state.layers, strict=True):
+            attended = run_full_attention(
+                layer.self_attn,
+                layer.input_layernorm(hidden),
+                position_embeddings,
+                record,
+                span,
+                self.apply_rotary,
+            )
+            hidden = hidden + attended
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden

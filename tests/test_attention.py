@@ -1,0 +1,364 @@
+"""segmented_attention against a plain softmax reference written here (float64, CPU).
+
+The reference concatenates [prefix..., branch], expands K/V over the GQA group and the batch,
+and applies the bottom-right-aligned causal mask to the branch part: everything the kernel
+must not do, which is why it is easy to trust.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from longstraw_core import attention
+from longstraw_core.attention import segmented_attention
+
+SCALE = 0.37
+TOL = 1e-10
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def reference_attention(q, k, v, prefix, scale):
+    batch, heads, tq, _ = q.shape
+    kv_heads, tk = k.shape[1], k.shape[2]
+    keys = torch.cat([ks.expand(batch, -1, -1, -1) for ks, _ in prefix] + [k], dim=2)
+    values = torch.cat([vs.expand(batch, -1, -1, -1) for _, vs in prefix] + [v], dim=2)
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+    values = values.repeat_interleave(heads // kv_heads, dim=1)
+    prefix_len = keys.shape[2] - tk
+    query_pos = tk - tq + torch.arange(tq)[:, None]
+    branch_hidden = torch.arange(tk)[None, :] > query_pos
+    hidden = torch.cat([torch.zeros(tq, prefix_len, dtype=torch.bool), branch_hidden], dim=1)
+    scores = (scale * q @ keys.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    tq: int
+    tk: int
+    dk: int
+    dv: int
+    lengths: tuple[int, ...]
+    block_size: int | None
+
+
+CASES = {
+    "gqa-uneven-segments": Case(1, 4, 2, 7, 7, 8, 8, (5, 0, 11, 3), 3),
+    "mha-one-segment": Case(2, 3, 3, 6, 6, 4, 4, (9,), None),
+    "no-prefix": Case(2, 4, 2, 10, 10, 8, 8, (), 4),
+    "one-token-branch": Case(1, 4, 1, 1, 1, 8, 8, (4, 6), 3),
+    "one-token-no-prefix": Case(2, 2, 2, 1, 1, 4, 4, (), None),
+    "decode-batch3": Case(3, 4, 2, 1, 9, 8, 8, (10, 7), 3),
+    "chunk-batch3-dv-differs": Case(3, 6, 2, 3, 8, 8, 5, (0, 12, 5), 3),
+    "block-larger-than-keys": Case(2, 4, 2, 4, 6, 8, 8, (5, 7), 1000),
+}
+
+
+def make_inputs(case, *, dtype=torch.float64, device="cpu", seed=0, prefix_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, grad=True):
+        x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        return x.requires_grad_(grad)
+
+    q = rand(case.batch, case.heads, case.tq, case.dk)
+    k = rand(case.batch, case.kv_heads, case.tk, case.dk)
+    v = rand(case.batch, case.kv_heads, case.tk, case.dv)
+    prefix = [
+        (
+            rand(case.kv_heads, n, case.dk, grad=prefix_grad),
+            rand(case.kv_heads, n, case.dv, grad=prefix_grad),
+        )
+        for n in case.lengths
+    ]
+    return q, k, v, prefix
+
+
+def flat(prefix):
+    return [t for segment in prefix for t in segment]
+
+
+def assert_close(actual, expected, name="", tol=TOL):
+    assert actual.shape == expected.shape, f"{name}: {actual.shape} != {expected.shape}"
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    assert torch.allclose(actual, expected, rtol=tol, atol=tol), f"{name}: max error {err:.3e}"
+
+
+def grads_of(out, grad_out, tensors):
+    return torch.autograd.grad(out, tensors, grad_out)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference_outputs_and_grads(case):
+    q, k, v, prefix = make_inputs(case)
+    out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=case.block_size)
+    want = reference_attention(q, k, v, prefix, SCALE)
+    assert out.dtype == q.dtype
+    assert_close(out, want, "out")
+
+    grad_out = torch.randn_like(want)
+    inputs = [q, k, v, *flat(prefix)]
+    names = ["q", "k", "v"] + [f"prefix[{i // 2}].{'kv'[i % 2]}" for i in range(2 * len(prefix))]
+    got = grads_of(out, grad_out, inputs)
+    expected = grads_of(want, grad_out, inputs)
+    for name, g, e in zip(names, got, expected, strict=True):
+        assert_close(g, e, name)
+
+
+def test_default_block_size_splits_long_segments(monkeypatch):
+    """block_size=None picks blocks from the element budget; shrink it so several run."""
+    monkeypatch.setattr(attention, "_MAX_SCORE_ELEMENTS", 300)
+    case = CASES["chunk-batch3-dv-differs"]
+    q, k, v, prefix = make_inputs(case)
+    out = segmented_attention(q, k, v, prefix, scale=SCALE)
+    want = reference_attention(q, k, v, prefix, SCALE)
+    assert_close(out, want, "out")
+    grad_out = torch.randn_like(want)
+    inputs = [q, k, v, *flat(prefix)]
+    for g, e in zip(grads_of(out, grad_out, inputs), grads_of(want, grad_out, inputs), strict=True):
+        assert_close(g, e)
+
+
+def test_prefix_without_grad_gets_none_and_others_stay_exact():
+    case = CASES["chunk-batch3-dv-differs"]
+    q, k, v, prefix = make_inputs(case)
+    frozen = prefix[1]
+    for t in frozen:
+        t.requires_grad_(False)
+    out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=case.block_size)
+    want = reference_attention(q, k, v, prefix, SCALE)
+    grad_out = torch.randn_like(want)
+    trainable = [q, k, v, *prefix[0], *prefix[2]]
+    expected = grads_of(want, grad_out, trainable)
+    out.backward(grad_out)
+    assert frozen[0].grad is None and frozen[1].grad is None
+    for t, e in zip(trainable, expected, strict=True):
+        assert_close(t.grad, e)
+
+
+def test_only_query_needs_grad():
+    case = CASES["decode-batch3"]
+    q, k, v, prefix = make_inputs(case, prefix_grad=False)
+    k.requires_grad_(False)
+    out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=case.block_size)
+    want = reference_attention(q, k, v, prefix, SCALE)
+    grad_out = torch.randn_like(want)
+    (expected,) = grads_of(want, grad_out, [q])
+    out.backward(grad_out)
+    assert_close(q.grad, expected, "q")
+    assert k.grad is None
+    assert all(t.grad is None for t in flat(prefix))
+
+
+def test_strided_prefix_views_get_grads_in_place():
+    """Prefix segments as views of a preallocated cache, as the prefix state holds them."""
+    case = CASES["gqa-uneven-segments"]
+    q, k, v, _ = make_inputs(case)
+    capacity = torch.randn(case.kv_heads, 30, case.dk, dtype=torch.float64, requires_grad=True)
+    token_major = torch.randn(20, case.kv_heads, case.dv, dtype=torch.float64, requires_grad=True)
+    prefix = [(capacity[:, :9], token_major[:9].transpose(0, 1))]
+    out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=4)
+    want = reference_attention(q, k, v, prefix, SCALE)
+    assert_close(out, want, "out")
+    grad_out = torch.randn_like(want)
+    inputs = [q, k, v, capacity, token_major]
+    for g, e in zip(grads_of(out, grad_out, inputs), grads_of(want, grad_out, inputs), strict=True):
+        assert_close(g, e)
+
+
+def test_no_grad_call_matches_reference():
+    case = CASES["decode-batch3"]
+    q, k, v, prefix = make_inputs(case)
+    with torch.no_grad():
+        out = segmented_attention(q, k, v, prefix, scale=SCALE)
+        want = reference_attention(q, k, v, prefix, SCALE)
+    assert out.grad_fn is None
+    assert_close(out, want)
+
+
+def test_gradcheck_tiny():
+    case = Case(2, 2, 1, 2, 3, 3, 2, (3, 0, 2), 2)
+    q, k, v, prefix = make_inputs(case)
+
+    def attention(q, k, v, *prefix_flat):
+        segments = list(zip(prefix_flat[::2], prefix_flat[1::2], strict=True))
+        return segmented_attention(q, k, v, segments, scale=SCALE, block_size=case.block_size)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, *flat(prefix)))
+
+
+def test_bfloat16_accumulates_in_float32():
+    case = CASES["chunk-batch3-dv-differs"]
+    q, k, v, prefix = make_inputs(case, dtype=torch.bfloat16)
+    out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=case.block_size)
+    assert out.dtype == torch.bfloat16
+    as64 = [t.detach().double() for t in (q, k, v)]
+    prefix64 = [(ks.detach().double(), vs.detach().double()) for ks, vs in prefix]
+    want = reference_attention(*as64, prefix64, SCALE)
+    assert_close(out.double(), want, "out", tol=2e-2)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and prefix[2][0].grad.dtype == torch.bfloat16
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records (op, output shape, output numel) of every aten op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor):
+                self.records.append((func, tuple(t.shape), t.numel()))
+        return result
+
+
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+@pytest.mark.parametrize("prefix_grad", [False, True], ids=["frozen-prefix", "exact-mode"])
+def test_prefix_is_never_copied(prefix_grad):
+    """No op outside views produces a prefix-sized tensor, except the prefix grads themselves."""
+    long = 4096
+    case = Case(2, 4, 2, 3, 3, 8, 8, (long,), 256)
+    q, k, v, prefix = make_inputs(case, prefix_grad=prefix_grad)
+    prefix_numel = prefix[0][0].numel()
+    with _RecordOps() as recorder:
+        out = segmented_attention(q, k, v, prefix, scale=SCALE, block_size=case.block_size)
+        out.sum().backward()
+    big = [
+        (str(func), shape)
+        for func, shape, numel in recorder.records
+        if not func.is_view and (numel >= prefix_numel or long in shape)
+    ]
+    allocations = [op for op in big if op[0].split(".")[1] in _ALLOCATIONS]
+    assert big == allocations, f"prefix-sized non-view ops: {big}"
+    assert len(allocations) == (2 if prefix_grad else 0), allocations
+
+
+def test_flash_backend_unavailable_raises():
+    case = CASES["mha-one-segment"]
+    q, k, v, prefix = make_inputs(case)
+    with pytest.raises(RuntimeError, match="flash"):
+        segmented_attention(q, k, v, prefix, scale=SCALE, backend="flash")
+    with pytest.raises(ValueError, match="backend"):
+        segmented_attention(q, k, v, prefix, scale=SCALE, backend="triton")
+
+
+def test_shape_errors():
+    case = CASES["gqa-uneven-segments"]
+    q, k, v, prefix = make_inputs(case)
+    with pytest.raises(ValueError, match="multiple"):
+        segmented_attention(q[:, :3], k, v, prefix, scale=SCALE)
+    with pytest.raises(ValueError, match="Tq"):
+        segmented_attention(q, k[:, :, :5], v[:, :, :5], prefix, scale=SCALE)
+    with pytest.raises(ValueError, match="prefix segment 0"):
+        segmented_attention(q, k, v, [(prefix[0][0], prefix[2][1])], scale=SCALE)
+
+
+class _FakeFlashInterface:
+    """flash-attn 2.8's low-level API in plain torch, [B, T, H, D] layout, GQA, bottom-right
+    causal. Lets the flash backend's layouts, folding, merging and chunked backward run on CPU.
+    """
+
+    @staticmethod
+    def _scores(q, k, v, scale, causal):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        scores = scale * q @ k.transpose(-1, -2)
+        if causal:
+            tq, tk = q.shape[2], k.shape[2]
+            hidden = torch.arange(tk)[None, :] > tk - tq + torch.arange(tq)[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return q, k, v, scores
+
+    @staticmethod
+    def _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+        softcap, alibi_slopes, return_softmax,
+    ):  # fmt: skip
+        _, _, v, scores = _FakeFlashInterface._scores(q, k, v, softmax_scale, causal)
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous()
+        return out, torch.logsumexp(scores, dim=-1).float(), torch.empty(0), torch.empty(2)
+
+    @staticmethod
+    def _flash_attn_backward(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+        rng_state=None,
+    ):  # fmt: skip
+        kv_heads = k.shape[2]
+        q_, k_, v_, scores = _FakeFlashInterface._scores(q, k, v, softmax_scale, causal)
+        dout, out = dout.transpose(1, 2), out.transpose(1, 2)
+        probs = torch.exp(scores - softmax_lse.unsqueeze(-1))
+        d_scores = probs * (dout @ v_.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+        d_scores = d_scores * softmax_scale
+
+        def per_kv_head(x):  # [B, H, T, D] -> [B, T, KVH, D], summed over the GQA group
+            b, h, t, d = x.shape
+            return x.reshape(b, kv_heads, h // kv_heads, t, d).sum(2).transpose(1, 2)
+
+        dq.copy_((d_scores @ k_).transpose(1, 2))
+        dk.copy_(per_kv_head(d_scores.transpose(-1, -2) @ q_))
+        dv.copy_(per_kv_head(probs.transpose(-1, -2) @ dout))
+        return torch.empty(0)
+
+
+def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
+    """The flash backend's own logic (no GPU): against the reference, float64 on CPU."""
+    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    case = Case(3, 4, 2, 3, 8, 8, 8, (7, 0, 5), 3)
+    q, k, v, prefix = make_inputs(case)
+    for t in prefix[2]:
+        t.requires_grad_(False)
+    out = attention._FlashSegmentedAttention.apply(
+        q, k, v, SCALE, case.block_size, len(prefix), *flat(prefix)
+    )
+    want = reference_attention(q, k, v, prefix, SCALE)
+    assert_close(out, want, "out", tol=1e-6)  # the wrapper merges in float32, like flash-attn
+    grad_out = torch.randn_like(want)
+    trainable = [q, k, v, *prefix[0], *prefix[1]]
+    expected = grads_of(want, grad_out, trainable)
+    out.backward(grad_out)
+    for t, e in zip(trainable, expected, strict=True):
+        assert_close(t.grad, e, tol=1e-6)
+    assert prefix[2][0].grad is None and prefix[2][1].grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_FLASH), reason="needs CUDA and flash-attn"
+)
+@pytest.mark.parametrize("case", [Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128)])
+def test_flash_matches_torch_backend_bf16(case):
+    results = {}
+    for backend in ("flash", "torch"):
+        q, k, v, prefix = make_inputs(case, dtype=torch.bfloat16, device="cuda", seed=1)
+        for t in prefix[2]:
+            t.requires_grad_(False)  # exercises the scratch path of the flash backward
+        out = segmented_attention(
+            q, k, v, prefix, scale=SCALE, backend=backend, block_size=case.block_size
+        )
+        assert backend in type(out.grad_fn).__name__.lower()
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        out.backward(grad_out.to(out))
+        tensors = [q, k, v, *prefix[0], *prefix[1]]
+        results[backend] = [out.detach(), *(t.grad for t in tensors)]
+        assert prefix[2][0].grad is None
+    for flash, torch_ in zip(results["flash"], results["torch"], strict=True):
+        assert flash.shape == torch_.shape
+        if flash.numel():
+            err = (flash.float() - torch_.float()).abs().max() / torch_.float().abs().max()
+            assert err < 2e-2, f"relative error {err:.3e}"
