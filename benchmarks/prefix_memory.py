@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -63,7 +64,10 @@ def run_worker(prompt_tokens: int, args: argparse.Namespace) -> dict[str, float]
         "--chunk-size",
         str(args.chunk_size),
     ]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    # NOTE: glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would
+    # measure the allocator's history rather than live memory; a fixed threshold returns them.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1000000"}
+    output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 

@@ -1,22 +1,30 @@
-"""LongStraw core: prefix state, segmented attention, prefill and branch scoring.
+"""LongStraw core: prefix state, segmented attention, prefill, branch scoring, GRPO replay.
 
-import longstraw_core as ls
-adapter = ls.adapt(model)
-state = adapter.prefill(prompt_ids, chunk_size=4096)
-logps = adapter.score(state, response_ids)
+    import longstraw_core as ls
+    adapter = ls.adapt(model)
+    state = adapter.prefill(prompt_ids, chunk_size=4096)
+    logps = adapter.score(state, response_ids)
+    metrics = ls.grpo_step(adapter, prompt_ids, responses, rewards, config=ls.GRPOConfig())
 """
 
 from longstraw_core.attention import segmented_attention
+from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.losses import group_advantages
+from longstraw_core.reference_policy import lora_reference
+from longstraw_core.replay import grpo_step
 from longstraw_core.state import AttentionKV, PrefixState, format_bytes
-
-# NOTE: imported last: the adapters import the modules above.
-from model_adapters import adapt, supported_model_types
+from model_adapters import ModelAdapter, adapt, supported_model_types
 
 __all__ = [
     "AttentionKV",
+    "GRPOConfig",
+    "ModelAdapter",
     "PrefixState",
     "adapt",
     "format_bytes",
+    "group_advantages",
+    "grpo_step",
+    "lora_reference",
     "segmented_attention",
     "supported_model_types",
 ]

@@ -40,7 +40,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 Segment = tuple[torch.Tensor, torch.Tensor]
 
 # Budget, in elements, for one block's scores plus its K/V when block_size is None.
-_MAX_SCORE_ELEMENTS = 1 << 26
+_MAX_SCORE_ELEMENTS = 1 << 22  # ~16 MB of fp32 scores: big blocks thrash memory on CPU
 # Keys per flash-attn backward call when block_size is None (bounds the dK/dV scratch).
 _FLASH_BWD_CHUNK = 1 << 16
 # Number of non-tensor arguments before the flat prefix tensors in ``Function.apply``.
@@ -69,7 +69,7 @@ def segmented_attention(
         scale: softmax scale applied to ``q @ k^T``.
         backend: ``"auto"`` (flash-attn when usable, else torch), ``"torch"`` or ``"flash"``.
         block_size: keys per block in the torch backend (and per backward call in the flash
-            backend); ``None`` keeps one block's scores and K/V under ~64M elements.
+            backend); ``None`` keeps one block's scores and K/V under ~4M elements.
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head

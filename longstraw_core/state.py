@@ -8,6 +8,7 @@ quadratic copying of a growing cache.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -118,6 +119,10 @@ class PrefixState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def holds_prompt(self, prompt_ids: torch.Tensor) -> bool:
+        """Whether this state was prefilled from exactly ``prompt_ids``."""
+        return self.meta.get("prompt_fingerprint") == prompt_fingerprint(prompt_ids)
+
     def summary(self) -> dict[str, dict[str, float | int | bool]]:
         """Bytes by layer type: how many layers, total bytes, bytes per stored prompt token."""
         table: dict[str, dict[str, float | int | bool]] = {}
@@ -151,6 +156,12 @@ class PrefixState:
             f"PrefixState(prompt_length={self.prompt_length}, "
             f"{format_bytes(self.nbytes())} on {self.device}; {kinds})"
         )
+
+
+def prompt_fingerprint(prompt_ids: torch.Tensor) -> str:
+    """A short digest of the prompt, so a state handed to a step can be checked against it."""
+    data = prompt_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from longstraw_core.state import LayerState, PrefixState
+from longstraw_core.state import LayerState, PrefixState, prompt_fingerprint
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
 
@@ -150,7 +150,11 @@ class ModelAdapter(ABC):
             layers=self.new_layer_states(len(stored)),
             last_token=prompt_ids[-1:].clone(),
             owner=self.owner_id,
-            meta={"model_type": self.config.model_type, "chunk_size": chunk_size},
+            meta={
+                "model_type": self.config.model_type,
+                "chunk_size": chunk_size,
+                "prompt_fingerprint": prompt_fingerprint(prompt_ids),
+            },
         )
         bar = tqdm(
             total=len(stored),
@@ -169,12 +173,18 @@ class ModelAdapter(ABC):
                 bar.update(len(chunk))
         return state
 
-    def score(self, state: PrefixState, response_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def score(
+        self,
+        state: PrefixState,
+        response_ids: torch.Tensor | Sequence[int],
+        return_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probabilities of a response given the prompt held by ``state``.
 
         ``logps[t] = log p(response[t] | prompt, response[:t])``, differentiable with respect
         to the parameters. The branch replays the last prompt token first, so every logit
-        that scores a response token runs with autograd. ``state`` is only read.
+        that scores a response token runs with autograd. ``state`` is only read. With
+        ``return_entropy`` also returns the (detached) entropy of each predictive distribution.
         """
         self.check_state(state)
         response_ids = as_token_ids(response_ids, "response_ids", self.vocab_size)
@@ -183,13 +193,16 @@ class ModelAdapter(ABC):
         inputs = torch.cat([state.last_token, response_ids[:-1]])
         span = Span(start=state.length, length=len(inputs), write=False)
         hidden = self.run_layers(self.embed_tokens(inputs[None]), span, state)
-        return self.token_logps(hidden[0], response_ids)
-
-    def token_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of ``targets`` from final hidden states ``[T, hidden]``."""
-        logits = self.lm_head(self.decoder.norm(hidden))
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+        logits = self.lm_head(self.decoder.norm(hidden[0]))
+        log_probs = torch.log_softmax(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
+        )
+        logps = log_probs.gather(-1, response_ids[:, None])[:, 0]
+        if not return_entropy:
+            return logps
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return logps, entropy
 
     # --- checks -----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """References written against the transformers model itself, never against LongStraw code.
 
 - ``full_sequence_logps``: the model's own forward over prompt + response.
+- ``trl_group_loss``: TRL's ``GRPOTrainer._compute_loss`` on padded ``[G, T]`` tensors.
 - ``detached_reference_logps``: the transformers cache of all prompt tokens but the last,
   computed under ``no_grad``; then the last prompt token and the response run with autograd
   on a copy of that cache. This is what LongStraw's detached mode must equal, gradients
@@ -66,3 +67,62 @@ def assert_grads_close(
         scale = want.abs().max().clamp_min(1e-30)
         err = (got - want).abs().max() / scale
         assert err <= rtol, f"{name}: max relative error {err:.3e} > {rtol:.1e}"
+
+
+def trl_group_loss(lp, old, ref, adv, mask, cfg):
+    """TRL 1.16 ``_compute_loss`` on padded [G, T] tensors (one micro-batch, one process)."""
+    log_ratio = lp - old
+    if cfg.importance_sampling_level == "token":
+        log_iw = log_ratio
+    else:
+        log_iw = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_iw)
+    per_token_kl = None
+    if cfg.beta != 0.0:
+        per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if cfg.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    a = adv.unsqueeze(1)
+    eps_low = cfg.epsilon
+    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    if cfg.loss_type == "cispo":
+        ptl = -torch.clamp(coef_1, max=eps_high).detach() * a * lp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if cfg.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+        ptl = -torch.min(coef_1 * a, coef_2 * a)
+    if cfg.beta != 0.0:
+        ptl = ptl + cfg.beta * per_token_kl
+    if cfg.loss_type == "grpo":
+        loss = ((ptl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif cfg.loss_type == "bnpo":
+        loss = (ptl * mask).sum() / mask.sum().clamp(min=1.0)
+    elif cfg.loss_type == "dr_grpo":
+        loss = (ptl * mask).sum() / (ptl.size(0) * cfg.max_completion_length)
+    else:  # dapo, cispo: num_items_in_batch = mask.sum() of the generation batch
+        loss = (ptl * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def gmm(x):  # TRL's global_masked_mean
+        if x.shape[1] == 1:
+            return (x.sum() / x.shape[0]).item()
+        return ((x * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+    def seq_mean(x):  # TRL's masked_seq_mean
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    metrics = {}
+    if per_token_kl is not None:
+        metrics["kl"] = gmm(per_token_kl)
+    if cfg.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = gmm(((coef_1 > eps_high) & (a > 0)).to(torch.float64))
+    else:
+        low = ((coef_1 < 1 - eps_low) & (a < 0)).to(torch.float64)
+        high = ((coef_1 > 1 + eps_high) & (a > 0)).to(torch.float64)
+        metrics["clip_ratio/low_mean"] = gmm(low)
+        metrics["clip_ratio/high_mean"] = gmm(high)
+        metrics["clip_ratio/region_mean"] = gmm(torch.maximum(low, high))
+        low_seq, high_seq = seq_mean(low), seq_mean(high)
+        metrics["clip_ratio/low_min"] = low_seq[~low_seq.isnan()].min().item()
+        metrics["clip_ratio/high_max"] = high_seq[~high_seq.isnan()].max().item()
+    return loss, metrics

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from reference import trl_group_loss
 
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import (
@@ -255,65 +256,6 @@ def test_loss_weights_edge_cases():
 # ---------------------------------------------------------------------------------------------
 # Per-branch decomposition == TRL's padded whole-group loss (value, gradient, metrics)
 # ---------------------------------------------------------------------------------------------
-
-
-def trl_group_loss(lp, old, ref, adv, mask, cfg):
-    """TRL 1.16 ``_compute_loss`` on padded [G, T] tensors (one micro-batch, one process)."""
-    log_ratio = lp - old
-    if cfg.importance_sampling_level == "token":
-        log_iw = log_ratio
-    else:
-        log_iw = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_iw)
-    per_token_kl = None
-    if cfg.beta != 0.0:
-        per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
-        if cfg.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
-    a = adv.unsqueeze(1)
-    eps_low = cfg.epsilon
-    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    if cfg.loss_type == "cispo":
-        ptl = -torch.clamp(coef_1, max=eps_high).detach() * a * lp
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-        if cfg.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=cfg.delta)
-        ptl = -torch.min(coef_1 * a, coef_2 * a)
-    if cfg.beta != 0.0:
-        ptl = ptl + cfg.beta * per_token_kl
-    if cfg.loss_type == "grpo":
-        loss = ((ptl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif cfg.loss_type == "bnpo":
-        loss = (ptl * mask).sum() / mask.sum().clamp(min=1.0)
-    elif cfg.loss_type == "dr_grpo":
-        loss = (ptl * mask).sum() / (ptl.size(0) * cfg.max_completion_length)
-    else:  # dapo, cispo: num_items_in_batch = mask.sum() of the generation batch
-        loss = (ptl * mask).sum() / mask.sum().clamp(min=1.0)
-
-    def gmm(x):  # TRL's global_masked_mean
-        if x.shape[1] == 1:
-            return (x.sum() / x.shape[0]).item()
-        return ((x * mask).sum() / mask.sum().clamp(min=1.0)).item()
-
-    def seq_mean(x):  # TRL's masked_seq_mean
-        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-    metrics = {}
-    if per_token_kl is not None:
-        metrics["kl"] = gmm(per_token_kl)
-    if cfg.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = gmm(((coef_1 > eps_high) & (a > 0)).to(F64))
-    else:
-        low = ((coef_1 < 1 - eps_low) & (a < 0)).to(F64)
-        high = ((coef_1 > 1 + eps_high) & (a > 0)).to(F64)
-        metrics["clip_ratio/low_mean"] = gmm(low)
-        metrics["clip_ratio/high_mean"] = gmm(high)
-        metrics["clip_ratio/region_mean"] = gmm(torch.maximum(low, high))
-        low_seq, high_seq = seq_mean(low), seq_mean(high)
-        metrics["clip_ratio/low_min"] = low_seq[~low_seq.isnan()].min().item()
-        metrics["clip_ratio/high_max"] = high_seq[~high_seq.isnan()].max().item()
-    return loss, metrics
 
 
 def make_group(seed=0):

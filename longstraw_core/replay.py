@@ -1,0 +1,206 @@
+"""One GRPO update for one group, by branch replay.
+
+The prompt is prefilled once (or the rollout's state is reused); then each response is
+replayed alone with autograd against that state, its share of the group loss is computed
+with denominators fixed up front, and ``backward()`` runs before the next branch starts.
+Parameter gradients accumulate in ``.grad``; the memory of the step is the state plus one
+branch's graph, whatever the group size.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
+from longstraw_core.state import PrefixState
+from model_adapters.base import ModelAdapter, as_token_ids
+
+
+class Policy(Protocol):
+    """What a reference policy must offer: an adapter, or ``lora_reference(adapter)``."""
+
+    def prefill(self, prompt_ids: torch.Tensor, chunk_size: int = ...) -> PrefixState: ...
+
+    def score(self, state: PrefixState, response_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def grpo_step(
+    adapter: ModelAdapter,
+    prompt_ids: torch.Tensor | Sequence[int],
+    responses: Sequence[torch.Tensor | Sequence[int]],
+    rewards: Sequence[float] | torch.Tensor,
+    *,
+    config: GRPOConfig | None = None,
+    old_logps: Sequence[torch.Tensor] | None = None,
+    ref_adapter: Policy | None = None,
+    state: PrefixState | None = None,
+    truncated: Sequence[bool] | None = None,
+    chunk_size: int = 4096,
+) -> dict[str, float | list[float]]:
+    """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return metrics.
+
+    ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each.
+    ``old_logps`` are the behaviour policy's per-token log-probs (``None``: on-policy).
+    ``ref_adapter`` scores the reference policy when ``config.beta > 0``. ``state`` reuses a
+    prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
+    ``truncated`` marks responses cut at the length limit (for
+    ``mask_truncated_completions``). No optimizer step is taken.
+    """
+    config = config or GRPOConfig()
+    if config.gradient == "exact":
+        raise NotImplementedError(
+            "gradient='exact' (gradients through the prompt state) arrives with issue #6; "
+            "use gradient='detached' until then"
+        )
+    prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
+    responses = _check_responses(responses, adapter.vocab_size)
+    reward_tensor = _check_rewards(rewards, len(responses))
+    old_logps = _check_old_logps(old_logps, responses)
+    if truncated is not None and len(truncated) != len(responses):
+        raise ValueError(f"truncated has {len(truncated)} entries for {len(responses)} responses")
+    if config.beta != 0.0 and ref_adapter is None:
+        raise ValueError(
+            f"config.beta={config.beta} needs a reference policy: pass ref_adapter "
+            "(ls.lora_reference(adapter) for LoRA, or ls.adapt(frozen_model))"
+        )
+    if state is not None:
+        adapter.check_state(state)
+        if not state.holds_prompt(prompt_ids):
+            raise ValueError("state was prefilled from a different prompt than prompt_ids")
+
+    _reset_peak_memory(adapter.device)
+    advantages = group_advantages(reward_tensor, config.scale_rewards)
+    lengths = [len(response) for response in responses]
+    weights = loss_weights(lengths, truncated, config)
+    timings = {"ref_seconds": 0.0, "prefill_seconds": 0.0, "replay_seconds": 0.0}
+
+    ref_logps: list[torch.Tensor | None] = [None] * len(responses)
+    if config.beta != 0.0:
+        started = time.perf_counter()
+        ref_logps = _reference_logps(ref_adapter, prompt_ids, responses, weights, chunk_size)
+        timings["ref_seconds"] = time.perf_counter() - started
+
+    if state is None:
+        started = time.perf_counter()
+        state = adapter.prefill(prompt_ids, chunk_size=chunk_size)
+        timings["prefill_seconds"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    total_loss, branch_stats, entropy_sum, replayed = 0.0, [], 0.0, 0
+    for index, response in enumerate(responses):
+        if _contributes_nothing(weights[index], float(advantages[index]), config):
+            continue
+        logps, entropy = adapter.score(state, response, return_entropy=True)
+        loss, stats = branch_loss(
+            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
+        )
+        loss.backward()  # frees this branch's graph before the next one is built
+        total_loss += loss.item()
+        entropy_sum += entropy.sum().item()
+        branch_stats.append(stats)
+        replayed += 1
+    timings["replay_seconds"] = time.perf_counter() - started
+
+    replayed_tokens = sum(int(s["num_tokens"]) for s in branch_stats)
+    return {
+        "loss": total_loss,
+        "reward_mean": float(reward_tensor.mean()),
+        "reward_std": float(reward_tensor.std()) if len(responses) > 1 else 0.0,
+        "advantages": [float(a) for a in advantages],
+        "entropy": entropy_sum / replayed_tokens if replayed_tokens else math.nan,
+        "prompt_tokens": state.prompt_length,
+        "completion_tokens": sum(lengths),
+        "completion_length_mean": sum(lengths) / len(lengths),
+        "branches_replayed": replayed,
+        "state_bytes": state.nbytes(),
+        "peak_memory_bytes": _peak_memory(adapter.device),
+        **timings,
+        **reduce_branch_stats(branch_stats),
+    }
+
+
+def _contributes_nothing(weight: float, advantage: float, config: GRPOConfig) -> bool:
+    """A branch with zero weight, or zero advantage and no KL term, has zero loss and gradient.
+
+    Skipping it is exact, and turns a group whose rewards are all equal into a free step.
+    """
+    return weight == 0.0 or (advantage == 0.0 and config.beta == 0.0)
+
+
+def _reference_logps(
+    ref_adapter: Policy,
+    prompt_ids: torch.Tensor,
+    responses: list[torch.Tensor],
+    weights: list[float],
+    chunk_size: int,
+) -> list[torch.Tensor | None]:
+    """The reference policy's log-probs, from its own prefill (freed before the policy's)."""
+    with torch.no_grad():
+        ref_state = ref_adapter.prefill(prompt_ids, chunk_size=chunk_size)
+        logps = [
+            ref_adapter.score(ref_state, response).detach() if weight else None
+            for response, weight in zip(responses, weights, strict=True)
+        ]
+    del ref_state
+    return logps
+
+
+def _check_responses(
+    responses: Sequence[torch.Tensor | Sequence[int]], vocab_size: int
+) -> list[torch.Tensor]:
+    if isinstance(responses, torch.Tensor) or not isinstance(responses, Sequence):
+        raise ValueError("responses must be a list of 1-D token id tensors, one per response")
+    if len(responses) < 2:
+        raise ValueError(
+            f"responses has {len(responses)} response(s); GRPO needs a group of at least 2 "
+            "(advantages are relative to the group)"
+        )
+    return [as_token_ids(r, f"responses[{i}]", vocab_size) for i, r in enumerate(responses)]
+
+
+def _check_rewards(rewards: Sequence[float] | torch.Tensor, count: int) -> torch.Tensor:
+    reward_tensor = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    if len(reward_tensor) != count:
+        raise ValueError(f"rewards has {len(reward_tensor)} values for {count} responses")
+    bad = [i for i, r in enumerate(reward_tensor.tolist()) if not math.isfinite(r)]
+    if bad:
+        raise ValueError(
+            f"rewards[{bad[0]}] is {reward_tensor[bad[0]].item()}: every reward must be finite "
+            "(score failed samples with a number, e.g. 0.0)"
+        )
+    return reward_tensor
+
+
+def _check_old_logps(
+    old_logps: Sequence[torch.Tensor] | None, responses: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    if old_logps is None:
+        return [None] * len(responses)
+    if len(old_logps) != len(responses):
+        raise ValueError(f"old_logps has {len(old_logps)} entries for {len(responses)} responses")
+    for index, (old, response) in enumerate(zip(old_logps, responses, strict=True)):
+        if old.shape != response.shape:
+            raise ValueError(
+                f"old_logps[{index}] has shape {tuple(old.shape)}, but responses[{index}] has "
+                f"{len(response)} tokens"
+            )
+    return list(old_logps)
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory(device: torch.device) -> int:
+    """Peak GPU memory of this step on CUDA; on CPU, the process's lifetime peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

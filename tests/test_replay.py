@@ -1,0 +1,222 @@
+"""grpo_step (detached) against the whole group backpropagated at once through transformers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from reference import (
+    assert_grads_close,
+    detached_reference_logps,
+    parameter_grads,
+    trl_group_loss,
+)
+
+import longstraw_core as ls
+from longstraw_core.tiny_models import tiny_model
+
+VOCAB = 512
+LENGTHS = [5, 9, 2]
+REWARDS = [1.0, 0.5, -0.5]
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def _group(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _ids(23, seed), [_ids(n, seed + 1 + i) for i, n in enumerate(LENGTHS)]
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G, T] padded tensor (padding holds junk, masked out) and its mask."""
+    width = max(len(row) for row in rows)
+    padded = torch.stack([torch.cat([row, row.new_full((width - len(row),), -3.0)]) for row in rows])
+    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
+    return padded, mask
+
+
+def _hand_advantages(rewards: list[float]) -> torch.Tensor:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return (r - r.mean()) / (r.std() + 1e-4)
+
+
+def _reference_grads(model, ref_logps_fn, prompt, responses, old, cfg, truncated=None):
+    """Every response through the transformers cache reference, the group loss at once."""
+    logps, mask = _pad([detached_reference_logps(model, prompt, r) for r in responses])
+    if truncated is not None and cfg.mask_truncated_completions:
+        mask = mask * torch.tensor([0.0 if t else 1.0 for t in truncated])[:, None]
+    old_padded = logps.detach() if old is None else _pad(old)[0]
+    ref = _pad([ref_logps_fn(r) for r in responses])[0] if cfg.beta else None
+    loss, _ = trl_group_loss(logps, old_padded, ref, _hand_advantages(REWARDS), mask, cfg)
+    return loss, parameter_grads(model, loss)
+
+
+def _step_grads(adapter, model, prompt, responses, cfg, **kwargs):
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=cfg, **kwargs)
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return metrics, grads
+
+
+@pytest.fixture(scope="module")
+def models():
+    policy = tiny_model("qwen3", dtype=torch.float64, seed=0)
+    reference = tiny_model("qwen3", dtype=torch.float64, seed=1)
+    return policy, reference
+
+
+CASES = list(
+    itertools.product(
+        ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"], [0.0, 0.04], ["token", "sequence"]
+    )
+)
+
+
+@pytest.mark.filterwarnings("ignore:.*importance_sampling_level.*")
+@pytest.mark.parametrize(("loss_type", "beta", "level"), CASES)
+def test_grpo_step_gradients_equal_whole_group_reference(models, loss_type, beta, level):
+    policy, reference = models
+    adapter, ref_adapter = ls.adapt(policy), ls.adapt(reference)
+    prompt, responses = _group()
+    cfg = ls.GRPOConfig(
+        loss_type=loss_type,
+        beta=beta,
+        importance_sampling_level=level,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        max_completion_length=16,
+    )
+    # Behaviour log-probs that differ from the current policy, so ratios clip on both sides.
+    with torch.no_grad():
+        state = adapter.prefill(prompt)
+        old = [
+            adapter.score(state, r) + 0.3 * torch.randn(len(r), dtype=torch.float64)
+            for r in responses
+        ]
+        ref_state = ref_adapter.prefill(prompt)
+
+    metrics, grads = _step_grads(
+        adapter, policy, prompt, responses, cfg, old_logps=old, ref_adapter=ref_adapter
+    )
+    loss, expected = _reference_grads(
+        policy,
+        lambda r: ref_adapter.score(ref_state, r).detach(),
+        prompt,
+        responses,
+        old,
+        cfg,
+    )
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert sum(g.abs().sum() for g in expected.values()) > 0
+    assert_grads_close(grads, expected, rtol=1e-5)
+
+
+def test_on_policy_state_reuse_and_truncation_mask(models):
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=10)
+    cfg = ls.GRPOConfig(loss_type="dapo", mask_truncated_completions=True)
+    truncated = [False, True, False]
+    state = adapter.prefill(prompt, chunk_size=5)
+    metrics, grads = _step_grads(
+        adapter, policy, prompt, responses, cfg, state=state, truncated=truncated
+    )
+    loss, expected = _reference_grads(
+        policy, None, prompt, responses, None, cfg, truncated=truncated
+    )
+    assert metrics["branches_replayed"] == 2 and metrics["prefill_seconds"] == 0.0
+    assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-12)
+    assert_grads_close(grads, expected, rtol=1e-5)
+
+
+def test_lora_reference_uses_the_same_weights_with_adapters_disabled():
+    model = tiny_model("qwen3", dtype=torch.float64, seed=2)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.2)
+    adapter = ls.adapt(peft_model)
+    prompt, responses = _group(seed=20)
+    cfg = ls.GRPOConfig(loss_type="grpo", beta=0.1)
+
+    def base_logps(response):
+        with torch.no_grad(), peft_model.disable_adapter():
+            return detached_reference_logps(peft_model, prompt, response)
+
+    metrics, grads = _step_grads(
+        adapter, peft_model, prompt, responses, cfg, ref_adapter=ls.lora_reference(adapter)
+    )
+    loss, expected = _reference_grads(peft_model, base_logps, prompt, responses, None, cfg)
+    assert metrics["kl"] > 0  # LoRA moved the policy away from its base weights
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9)
+    assert all("lora_" in name for name, g in grads.items() if g.abs().sum() > 0)
+    assert_grads_close(grads, expected, rtol=1e-5)
+
+
+def test_equal_rewards_skip_every_branch_and_leave_no_gradient(models):
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=30)
+    policy.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, [0.5, 0.5, 0.5])
+    assert metrics["branches_replayed"] == 0 and metrics["loss"] == 0.0
+    assert all(p.grad is None for p in policy.parameters())
+
+
+def test_metrics_report_the_step(models):
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=40)
+    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS)
+    policy.zero_grad(set_to_none=True)
+    assert metrics["completion_tokens"] == sum(LENGTHS)
+    assert metrics["prompt_tokens"] == 23
+    assert metrics["branches_replayed"] == 3
+    assert metrics["advantages"] == pytest.approx(_hand_advantages(REWARDS).tolist())
+    assert metrics["state_bytes"] == ls.adapt(policy).prefill(prompt).nbytes() > 0
+    assert metrics["entropy"] > 0 and metrics["peak_memory_bytes"] > 0
+    assert metrics["clip_ratio/region_mean"] == 0.0  # on-policy: ratio 1, nothing clipped
+    for key in ("prefill_seconds", "replay_seconds", "reward_mean", "reward_std"):
+        assert key in metrics
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"rewards": [1.0, 0.0]}, ValueError, "rewards has 2 values for 3 responses"),
+        ({"responses_count": 1, "rewards": [1.0]}, ValueError, "at least 2"),
+        ({"empty": True}, ValueError, r"responses\[1\] is empty"),
+        ({"rewards": [1.0, float("nan"), 0.0]}, ValueError, r"rewards\[1\] is nan"),
+        ({"config": {"beta": 0.1}}, ValueError, "needs a reference policy"),
+        ({"config": {"gradient": "exact"}}, NotImplementedError, "issue #6"),
+        ({"other_prompt_state": True}, ValueError, "different prompt"),
+    ],
+)
+def test_bad_input_is_refused_with_the_argument_named(models, kwargs, error, message):
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=50)
+    responses = responses[: kwargs.get("responses_count", 3)]
+    if kwargs.get("empty"):
+        responses[1] = torch.tensor([], dtype=torch.long)
+    state = adapter.prefill(_ids(23, 99)) if kwargs.get("other_prompt_state") else None
+    with pytest.raises(error, match=message):
+        ls.grpo_step(
+            adapter,
+            prompt,
+            responses,
+            kwargs.get("rewards", REWARDS),
+            config=ls.GRPOConfig(**kwargs.get("config", {})),
+            state=state,
+        )
+
+
+def test_unknown_loss_type_names_the_field():
+    with pytest.raises(ValueError, match="loss_type"):
+        ls.GRPOConfig(loss_type="ppo")
