@@ -1,10 +1,10 @@
 """LongStraw core: prefix state, segmented attention, prefill, branch scoring, GRPO replay.
 
-    import longstraw_core as ls
-    adapter = ls.adapt(model)
-    state = adapter.prefill(prompt_ids, chunk_size=4096)
-    logps = adapter.score(state, response_ids)
-    metrics = ls.grpo_step(adapter, prompt_ids, responses, rewards, config=ls.GRPOConfig())
+import longstraw_core as ls
+adapter = ls.adapt(model)
+state = adapter.prefill(prompt_ids, chunk_size=4096)
+logps = adapter.score(state, response_ids)
+metrics = ls.grpo_step(adapter, prompt_ids, responses, rewards, config=ls.GRPOConfig())
 """
 
 from longstraw_core.attention import segmented_attention

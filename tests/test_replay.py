@@ -33,7 +33,9 @@ def _group(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
 def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """[G, T] padded tensor (padding holds junk, masked out) and its mask."""
     width = max(len(row) for row in rows)
-    padded = torch.stack([torch.cat([row, row.new_full((width - len(row),), -3.0)]) for row in rows])
+    padded = torch.stack(
+        [torch.cat([row, row.new_full((width - len(row),), -3.0)]) for row in rows]
+    )
     mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
     return padded, mask
 
