@@ -56,6 +56,7 @@ def segmented_attention(
     scale: float,
     backend: str = "auto",
     block_size: int | None = None,
+    prefix_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """Attention of branch queries over prefix segments (fully visible) and the branch (causal).
 
@@ -70,6 +71,11 @@ def segmented_attention(
         backend: ``"auto"`` (flash-attn when usable, else torch), ``"torch"`` or ``"flash"``.
         block_size: keys per block in the torch backend (and per backward call in the flash
             backend); ``None`` keeps one block's scores and K/V under ~4M elements.
+        prefix_grads: optional ``(dk_buffer, dv_buffer)`` per prefix segment, shaped like it
+            (either may be ``None``). Backward *adds* the segment's gradients into them, block
+            by block, instead of returning them: exact mode accumulates ``dL/dstate`` over many
+            branches and chunks without a state-sized temporary per call. Backward runs only
+            if some input requires grad.
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -80,7 +86,28 @@ def segmented_attention(
     use_flash = _use_flash(backend, q, k, v, segments)
     function = _FlashSegmentedAttention if use_flash else _TorchSegmentedAttention
     flat = [t for segment in segments for t in segment]
-    return function.apply(q, k, v, float(scale), block_size, len(segments), *flat)
+    sinks = _check_sinks(prefix_grads, segments)
+    return function.apply(q, k, v, float(scale), block_size, sinks, *flat)
+
+
+def _check_sinks(
+    prefix_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    segments: Sequence[Segment],
+) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
+    """One ``(dk, dv)`` accumulation buffer pair per segment (``None`` where not wanted)."""
+    if prefix_grads is None:
+        return tuple((None, None) for _ in segments)
+    sinks = tuple(tuple(pair) for pair in prefix_grads)
+    if len(sinks) != len(segments):
+        raise ValueError(f"prefix_grads has {len(sinks)} pairs for {len(segments)} segments")
+    for i, (pair, segment) in enumerate(zip(sinks, segments, strict=True)):
+        for buffer, tensor in zip(pair, segment, strict=True):
+            if buffer is not None and buffer.shape != tensor.shape:
+                raise ValueError(
+                    f"prefix_grads[{i}] buffer {tuple(buffer.shape)} does not match its "
+                    f"segment {tuple(tensor.shape)}"
+                )
+    return sinks
 
 
 def _check_shapes(
@@ -229,29 +256,46 @@ def _segment_backward(
     query_positions: torch.Tensor | None,
     need_k: bool,
     need_v: bool,
+    sinks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """FlashAttention backward over one segment, recomputing probabilities per key block.
 
     ``dK``/``dV`` sum over every query row of the layout, hence over the GQA group (and the
     batch for folded prefix rows). They are written block by block into tensors shaped and
-    placed like ``k``/``v``.
+    placed like ``k``/``v``, or added into the ``sinks`` buffers when those are given.
     """
     block = _block_length(block_size, q, k, v)
     d_q = torch.zeros_like(q)
     d_k = torch.empty_like(k) if need_k else None
     d_v = torch.empty_like(v) if need_v else None
+    sink_k, sink_v = sinks
     for start in _key_blocks(k.shape[-2], block):
         k_block = _load_block(k, start, block, q)
         scores = _block_scores(q, k_block, scale, query_positions, start)
         probs = torch.exp(scores - lse.unsqueeze(-1))
-        if d_v is not None:
-            d_v[..., start : start + block, :] = probs.transpose(-1, -2) @ d_out
+        if d_v is not None or sink_v is not None:
+            _store(d_v, sink_v, start, block, probs.transpose(-1, -2) @ d_out)
         d_probs = d_out @ _load_block(v, start, block, q).transpose(-1, -2)
         d_scores = probs * (d_probs - d_sum.unsqueeze(-1)) * scale
         d_q += d_scores @ k_block
-        if d_k is not None:
-            d_k[..., start : start + block, :] = d_scores.transpose(-1, -2) @ q
+        if d_k is not None or sink_k is not None:
+            _store(d_k, sink_k, start, block, d_scores.transpose(-1, -2) @ q)
     return d_q, d_k, d_v
+
+
+def _store(
+    grad: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    start: int,
+    block: int,
+    value: torch.Tensor,
+) -> None:
+    """Write a block's gradient into ``grad`` and/or add it into the accumulation ``sink``."""
+    if grad is not None:
+        grad[..., start : start + block, :] = value
+    if sink is not None:
+        target = sink[..., start : start + block, :]
+        target += value.to(device=sink.device, dtype=sink.dtype)
 
 
 class _TorchSegmentedAttention(torch.autograd.Function):
@@ -265,7 +309,7 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         v: torch.Tensor,
         scale: float,
         block_size: int | None,
-        n_segments: int,
+        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         batch, heads, tq, _ = q.shape
@@ -283,7 +327,7 @@ class _TorchSegmentedAttention(torch.autograd.Function):
             )
         result = out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1])
         ctx.save_for_backward(q, k, v, result, lse, *flat_prefix)
-        ctx.scale, ctx.block_size = scale, block_size
+        ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
         return result
 
     @staticmethod
@@ -304,10 +348,11 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         prefix_grads: list[torch.Tensor | None] = []
         for i, (k_seg, v_seg) in enumerate(_unflatten_segments(flat_prefix)):
             need_k, need_v = needs[_N_LEADING_ARGS + 2 * i : _N_LEADING_ARGS + 2 * i + 2]
-            if needs[0] or need_k or need_v:
+            sinks = ctx.sinks[i]
+            if needs[0] or need_k or need_v or any(sink is not None for sink in sinks):
                 seg_d_q, seg_d_k, seg_d_v = _segment_backward(
                     q_f, k_seg, v_seg, d_out_f, lse_f, d_sum_f, scale, block_size, None,
-                    need_k, need_v,
+                    need_k, need_v, sinks,
                 )  # fmt: skip
                 d_q += _unfold_batch(seg_d_q, batch)
                 prefix_grads += [seg_d_k, seg_d_v]
@@ -435,6 +480,7 @@ def _flash_segment_backward(
     need_v: bool,
     scale: float,
     chunk: int,
+    sinks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients from one prefix segment, one flash-attn call per key chunk.
 
@@ -457,6 +503,9 @@ def _flash_segment_backward(
             scale, False,
         )  # fmt: skip
         d_q += grads[0]
+        for sink, grad in zip(sinks, (d_keys, d_values), strict=True):
+            if sink is not None:
+                sink[:, start : start + chunk] += grad.to(sink.dtype)
     return d_q, d_k, d_v
 
 
@@ -471,7 +520,7 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         v: torch.Tensor,
         scale: float,
         block_size: int | None,
-        n_segments: int,
+        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         batch, heads, tq, dim = q.shape
@@ -490,7 +539,7 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         lse = lse.permute(0, 2, 1).contiguous()  # flash-attn's [B, H, Tq]
         ctx.save_for_backward(q, k, v, out, lse, *flat_prefix)
-        ctx.scale, ctx.block_size = scale, block_size
+        ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
         return out.transpose(1, 2)
 
     @staticmethod
@@ -515,9 +564,10 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         prefix_grads: list[torch.Tensor | None] = []
         for i, (k_seg, v_seg) in enumerate(_unflatten_segments(flat_prefix)):
             need_k, need_v = needs[_N_LEADING_ARGS + 2 * i : _N_LEADING_ARGS + 2 * i + 2]
-            if needs[0] or need_k or need_v:
+            sinks = ctx.sinks[i]
+            if needs[0] or need_k or need_v or any(sink is not None for sink in sinks):
                 seg_d_q, seg_d_k, seg_d_v = _flash_segment_backward(
-                    k_seg, v_seg, folded, need_k, need_v, scale, chunk
+                    k_seg, v_seg, folded, need_k, need_v, scale, chunk, sinks
                 )
                 d_q += seg_d_q.view_as(d_q)
                 prefix_grads += [seg_d_k, seg_d_v]

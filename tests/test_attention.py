@@ -324,7 +324,7 @@ def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
     for t in prefix[2]:
         t.requires_grad_(False)
     out = attention._FlashSegmentedAttention.apply(
-        q, k, v, SCALE, case.block_size, len(prefix), *flat(prefix)
+        q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), *flat(prefix)
     )
     want = reference_attention(q, k, v, prefix, SCALE)
     assert_close(out, want, "out", tol=1e-6)  # the wrapper merges in float32, like flash-attn
@@ -362,3 +362,39 @@ def test_flash_matches_torch_backend_bf16(case):
         if flash.numel():
             err = (flash.float() - torch_.float()).abs().max() / torch_.float().abs().max()
             assert err < 2e-2, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefix_grads_accumulate_into_buffers_without_returning(batch):
+    """Exact mode's sinks: backward adds dK/dV of each prefix segment into given buffers."""
+    torch.manual_seed(7)
+    q = torch.randn(batch, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    prefix = [(torch.randn(2, n, 8, dtype=torch.float64), torch.randn(2, n, 8, dtype=torch.float64))
+              for n in (7, 4)]  # fmt: skip
+    weights = torch.randn(batch, 4, 5, 8, dtype=torch.float64)
+
+    leaves = [(pk.clone().requires_grad_(), pv.clone().requires_grad_()) for pk, pv in prefix]
+    (segmented_attention(q, k, v, leaves, scale=0.3, block_size=3) * weights).sum().backward()
+    expected_q = q.grad.clone()
+    q.grad = None
+
+    earlier = [(torch.ones_like(pk), None) for pk, _ in prefix]  # sinks start non-zero
+    sinks = [(earlier[0][0].clone(), torch.zeros_like(prefix[0][1])), (earlier[1][0].clone(), None)]
+    out = segmented_attention(q, k, v, prefix, scale=0.3, block_size=3, prefix_grads=sinks)
+    (out * weights).sum().backward()
+    assert torch.allclose(q.grad, expected_q, atol=1e-12)
+    assert torch.allclose(sinks[0][0], 1 + leaves[0][0].grad, atol=1e-12)
+    assert torch.allclose(sinks[0][1], leaves[0][1].grad, atol=1e-12)
+    assert torch.allclose(sinks[1][0], 1 + leaves[1][0].grad, atol=1e-12)
+
+
+def test_prefix_grads_shape_mismatch_is_refused():
+    q = torch.randn(1, 2, 3, 4)
+    k = v = torch.randn(1, 2, 3, 4)
+    prefix = [(torch.randn(2, 5, 4), torch.randn(2, 5, 4))]
+    with pytest.raises(ValueError, match="does not match its segment"):
+        segmented_attention(q, k, v, prefix, scale=1.0, prefix_grads=[(torch.zeros(2, 4, 4), None)])
+    with pytest.raises(ValueError, match="1 segments"):
+        segmented_attention(q, k, v, prefix, scale=1.0, prefix_grads=[])
