@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from longstraw_core.exact import new_state_grad
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
 from longstraw_core.state import PrefixState
@@ -52,13 +53,12 @@ def grpo_step(
     prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
     ``truncated`` marks responses cut at the length limit (for
     ``mask_truncated_completions``). No optimizer step is taken.
+
+    ``config.gradient="exact"`` also backpropagates through the prompt: each branch adds its
+    gradient of the prefix state into a buffer shaped like the state, and a reverse sweep
+    over the prompt's chunks turns it into parameter gradients (``longstraw_core.exact``).
     """
     config = config or GRPOConfig()
-    if config.gradient == "exact":
-        raise NotImplementedError(
-            "gradient='exact' (gradients through the prompt state) arrives with issue #6; "
-            "use gradient='detached' until then"
-        )
     prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
     responses = _check_responses(responses, adapter.vocab_size)
     reward_tensor = _check_rewards(rewards, len(responses))
@@ -80,6 +80,7 @@ def grpo_step(
     lengths = [len(response) for response in responses]
     weights = loss_weights(lengths, truncated, config)
     timings = {"ref_seconds": 0.0, "prefill_seconds": 0.0, "replay_seconds": 0.0}
+    timings["sweep_seconds"] = 0.0
 
     ref_logps: list[torch.Tensor | None] = [None] * len(responses)
     if config.beta != 0.0:
@@ -92,12 +93,15 @@ def grpo_step(
         state = adapter.prefill(prompt_ids, chunk_size=chunk_size)
         timings["prefill_seconds"] = time.perf_counter() - started
 
+    state_grad = new_state_grad(state) if config.gradient == "exact" else None
     started = time.perf_counter()
     total_loss, branch_stats, entropy_sum, replayed = 0.0, [], 0.0, 0
     for index, response in enumerate(responses):
         if _contributes_nothing(weights[index], float(advantages[index]), config):
             continue
-        logps, entropy = adapter.score(state, response, return_entropy=True)
+        logps, entropy = adapter.score(
+            state, response, return_entropy=True, state_grad=state_grad
+        )
         loss, stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
@@ -107,6 +111,10 @@ def grpo_step(
         branch_stats.append(stats)
         replayed += 1
     timings["replay_seconds"] = time.perf_counter() - started
+    if state_grad is not None and replayed:
+        started = time.perf_counter()
+        adapter.backprop_prompt(state, state_grad)
+        timings["sweep_seconds"] = time.perf_counter() - started
 
     replayed_tokens = sum(int(s["num_tokens"]) for s in branch_stats)
     return {
@@ -120,6 +128,7 @@ def grpo_step(
         "completion_length_mean": sum(lengths) / len(lengths),
         "branches_replayed": replayed,
         "state_bytes": state.nbytes(),
+        "state_grad_bytes": state_grad.nbytes() if state_grad is not None else 0,
         "peak_memory_bytes": _peak_memory(adapter.device),
         **timings,
         **reduce_branch_stats(branch_stats),

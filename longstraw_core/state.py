@@ -8,7 +8,6 @@ quadratic copying of a growing cache.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -78,6 +77,10 @@ class AttentionKV:
             return []
         return [(self.keys[:, :end], self.values[:, :end])]
 
+    def grad_segments(self, end: int | None = None) -> None:
+        """Gradient buffers for the segments: none here (exact mode's views provide them)."""
+        return None
+
     def nbytes(self) -> int:
         return _nbytes(self.keys[:, : self.length]) + _nbytes(self.values[:, : self.length])
 
@@ -99,14 +102,19 @@ class PrefixState:
 
     ``length`` prompt positions are stored: all prompt tokens but the last. The last prompt
     token (``last_token``) is replayed at the head of every branch, because its logits score
-    the branch's first token and must be computed with autograd.
+    the branch's first token and must be computed with autograd. ``prompt_ids`` are kept
+    (8 bytes a token) so exact mode can recompute chunks and a step can check its prompt.
     """
 
     layers: list[LayerState]
-    last_token: torch.Tensor
+    prompt_ids: torch.Tensor
     owner: str
     length: int = 0
     meta: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        return self.prompt_ids[-1:]
 
     @property
     def prompt_length(self) -> int:
@@ -114,17 +122,26 @@ class PrefixState:
 
     @property
     def device(self) -> torch.device:
-        return self.last_token.device
+        return self.prompt_ids.device
 
     def nbytes(self) -> int:
+        """Bytes of the per-layer records (the prompt ids are not counted)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def holds_prompt(self, prompt_ids: torch.Tensor) -> bool:
         """Whether this state was prefilled from exactly ``prompt_ids``."""
-        return self.meta.get("prompt_fingerprint") == prompt_fingerprint(prompt_ids)
+        prompt_ids = torch.as_tensor(prompt_ids).to(self.prompt_ids.device)
+        return prompt_ids.shape == self.prompt_ids.shape and bool(
+            torch.equal(prompt_ids, self.prompt_ids)
+        )
 
     def summary(self) -> dict[str, dict[str, float | int | bool]]:
-        """Bytes by layer type: how many layers, total bytes, bytes per stored prompt token."""
+        """Bytes by layer type: how many layers, total bytes, bytes per stored prompt token.
+
+        Rows of records that offer ``expanded_nbytes()`` (latent attention) also carry
+        ``expanded_bytes`` and ``expanded_bytes_per_token``: the same figures for the
+        per-head K/V a naive cache would hold.
+        """
         table: dict[str, dict[str, float | int | bool]] = {}
         for layer in self.layers:
             row = table.setdefault(
@@ -133,15 +150,21 @@ class PrefixState:
             )
             row["layers"] += 1
             row["bytes"] += layer.nbytes()
+            # Compressed records (latent attention) also report what a naive cache would hold.
+            expanded_nbytes = getattr(layer, "expanded_nbytes", None)
+            if expanded_nbytes is not None:
+                row["expanded_bytes"] = row.get("expanded_bytes", 0) + expanded_nbytes()
         for row in table.values():
             row["bytes_per_token"] = row["bytes"] / max(self.length, 1)
+            if "expanded_bytes" in row:
+                row["expanded_bytes_per_token"] = row["expanded_bytes"] / max(self.length, 1)
         return table
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixState:
         """The state on ``device``; tensors already there are shared, not copied."""
         return PrefixState(
             layers=[layer.to(device, non_blocking=non_blocking) for layer in self.layers],
-            last_token=self.last_token.to(device),
+            prompt_ids=self.prompt_ids.to(device),
             owner=self.owner,
             length=self.length,
             meta=dict(self.meta),
@@ -158,12 +181,6 @@ class PrefixState:
         )
 
 
-def prompt_fingerprint(prompt_ids: torch.Tensor) -> str:
-    """A short digest of the prompt, so a state handed to a step can be checked against it."""
-    data = prompt_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 def format_bytes(num_bytes: float) -> str:
     """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(num_bytes)
@@ -172,3 +189,94 @@ def format_bytes(num_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+@dataclass
+class LatentKV:
+    """One multi-head latent attention (MLA) layer, kept compressed (GLM-5.x, DeepSeek-V3.2).
+
+    ``latent`` is ``[capacity, kv_lora_rank + rope_dim]``: per position the normalised latent
+    ``c_kv`` followed by the roped shared key ``k_pe`` (one buffer, so attention reads it as a
+    single-head key without concatenating anything). ``index_keys`` ``[capacity,
+    index_head_dim]`` holds the DSA indexer's keys on layers that run their own indexer
+    (``None`` on layers that reuse another layer's selection). ``expanded_width`` is the number
+    of elements per position a naive cache would hold: per-head keys and values.
+    """
+
+    kind: ClassVar[str] = "mla_dsa"
+    grows_with_prompt: ClassVar[bool] = True
+
+    latent: torch.Tensor
+    index_keys: torch.Tensor | None
+    kv_lora_rank: int
+    expanded_width: int
+    length: int = 0
+
+    @classmethod
+    def empty(
+        cls,
+        capacity: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        index_dim: int | None,
+        expanded_width: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LatentKV:
+        latent = torch.empty(capacity, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        index_keys = None
+        if index_dim is not None:
+            index_keys = torch.empty(capacity, index_dim, dtype=dtype, device=device)
+        return cls(latent, index_keys, kv_lora_rank, expanded_width, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.latent.shape[0]
+
+    @property
+    def c_kv(self) -> torch.Tensor:
+        """The normalised latent of the valid positions, ``[length, kv_lora_rank]`` (a view)."""
+        return self.latent[: self.length, : self.kv_lora_rank]
+
+    @property
+    def k_pe(self) -> torch.Tensor:
+        """The roped shared key of the valid positions, ``[length, rope_dim]`` (a view)."""
+        return self.latent[: self.length, self.kv_lora_rank :]
+
+    def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store one prefill chunk's ``[T, kv_lora_rank + rope_dim]`` latent (and index keys)."""
+        end = start + latent.shape[0]
+        if start != self.length or end > self.capacity:
+            raise RuntimeError(
+                f"prefill wrote positions {start}..{end} into a state holding {self.length} "
+                f"of {self.capacity} positions; chunks must be written in order"
+            )
+        if (index_keys is None) != (self.index_keys is None):
+            raise RuntimeError("index keys must be written exactly on layers that keep them")
+        self.latent[start:end] = latent
+        if index_keys is not None:
+            self.index_keys[start:end] = index_keys
+        self.length = end
+
+    def nbytes(self) -> int:
+        total = _nbytes(self.latent[: self.length])
+        if self.index_keys is not None:
+            total += _nbytes(self.index_keys[: self.length])
+        return total
+
+    def expanded_nbytes(self) -> int:
+        """Bytes of the per-head K/V a naive cache would hold for the same positions."""
+        return self.length * self.expanded_width * self.latent.element_size()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> LatentKV:
+        index_keys = self.index_keys
+        if index_keys is not None:
+            index_keys = index_keys.to(device, non_blocking=non_blocking)
+        return LatentKV(
+            self.latent.to(device, non_blocking=non_blocking),
+            index_keys,
+            self.kv_lora_rank,
+            self.expanded_width,
+            self.length,
+        )

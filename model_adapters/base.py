@@ -20,7 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from longstraw_core.state import LayerState, PrefixState, prompt_fingerprint
+from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.state import LayerState, PrefixState
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
 
@@ -148,13 +149,9 @@ class ModelAdapter(ABC):
         stored = prompt_ids[:-1]
         state = PrefixState(
             layers=self.new_layer_states(len(stored)),
-            last_token=prompt_ids[-1:].clone(),
+            prompt_ids=prompt_ids.clone(),
             owner=self.owner_id,
-            meta={
-                "model_type": self.config.model_type,
-                "chunk_size": chunk_size,
-                "prompt_fingerprint": prompt_fingerprint(prompt_ids),
-            },
+            meta={"model_type": self.config.model_type, "chunk_size": chunk_size},
         )
         bar = tqdm(
             total=len(stored),
@@ -178,6 +175,7 @@ class ModelAdapter(ABC):
         state: PrefixState,
         response_ids: torch.Tensor | Sequence[int],
         return_entropy: bool = False,
+        state_grad: StateGrad | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probabilities of a response given the prompt held by ``state``.
 
@@ -185,6 +183,7 @@ class ModelAdapter(ABC):
         to the parameters. The branch replays the last prompt token first, so every logit
         that scores a response token runs with autograd. ``state`` is only read. With
         ``return_entropy`` also returns the (detached) entropy of each predictive distribution.
+        With ``state_grad`` (exact mode), backward also adds ``dL/dstate`` into it.
         """
         self.check_state(state)
         response_ids = as_token_ids(response_ids, "response_ids", self.vocab_size)
@@ -192,7 +191,8 @@ class ModelAdapter(ABC):
         response_ids = response_ids.to(self.device)
         inputs = torch.cat([state.last_token, response_ids[:-1]])
         span = Span(start=state.length, length=len(inputs), write=False)
-        hidden = self.run_layers(self.embed_tokens(inputs[None]), span, state)
+        reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
+        hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
         logits = self.lm_head(self.decoder.norm(hidden[0]))
         log_probs = torch.log_softmax(
             logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
@@ -203,6 +203,43 @@ class ModelAdapter(ABC):
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         return logps, entropy
+
+    def backprop_prompt(
+        self, state: PrefixState, state_grad: StateGrad, progress: bool | None = None
+    ) -> None:
+        """Exact mode's reverse sweep: push ``state_grad`` back through the prompt's chunks.
+
+        Chunk ``k`` (last to first) is recomputed with autograd from the stored state before
+        it and backpropagated with the accumulated gradient of the state it produced; its
+        reads of earlier state add into ``state_grad`` for the chunks still to come.
+        Parameter gradients accumulate in ``.grad``. Memory: one chunk's graph.
+        """
+        self.check_state(state)
+        chunk_size = int(state.meta["chunk_size"])
+        starts = list(range(0, state.length, chunk_size))
+        bar = tqdm(
+            total=state.length,
+            desc="prompt backward",
+            unit="tok",
+            unit_scale=True,
+            disable=(not progress) if progress is not None else None,
+            leave=False,
+        )
+        with torch.enable_grad(), bar:
+            for start in reversed(starts):
+                chunk = state.prompt_ids[start : min(start + chunk_size, state.length)]
+                produced: Produced = []
+                span = Span(start=start, length=len(chunk), write=True)
+                self.run_layers(
+                    self.embed_tokens(chunk[None]), span, exact_state(state, state_grad, produced)
+                )
+                # Outputs that depend on no trainable parameter (frozen early layers under
+                # LoRA, say) carry no gradient path and are left out.
+                pairs = [(out, grad) for out, grad in produced if out.requires_grad]
+                if pairs:
+                    outputs, grads = zip(*pairs, strict=True)
+                    torch.autograd.backward(outputs, grads)
+                bar.update(len(chunk))
 
     # --- checks -----------------------------------------------------------------------------
 

@@ -57,10 +57,18 @@ def run_full_attention(
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
 
-    prefix = record.segments(end=span.start if span.write else None)
+    prefix_end = span.start if span.write else None
+    prefix = record.segments(end=prefix_end)
     if span.write:
         record.write(span.start, keys[0], values[0])
-    output = segmented_attention(queries, keys, values, prefix, scale=attention.scaling)
+    output = segmented_attention(
+        queries,
+        keys,
+        values,
+        prefix,
+        scale=attention.scaling,
+        prefix_grads=record.grad_segments(end=prefix_end),
+    )
     return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -196,7 +196,6 @@ def test_metrics_report_the_step(models):
         ({"empty": True}, ValueError, r"responses\[1\] is empty"),
         ({"rewards": [1.0, float("nan"), 0.0]}, ValueError, r"rewards\[1\] is nan"),
         ({"config": {"beta": 0.1}}, ValueError, "needs a reference policy"),
-        ({"config": {"gradient": "exact"}}, NotImplementedError, "issue #6"),
         ({"other_prompt_state": True}, ValueError, "different prompt"),
     ],
 )

@@ -1,0 +1,165 @@
+"""Exact gradients through the prompt: the state gradient ``dS`` and the reverse chunk sweep.
+
+Detached mode treats the prefix state as a constant. The full objective also depends on the
+parameters through the prompt's own keys, values and recurrent states. Exact mode recovers
+those paths without a graph over the prompt (DESIGN.md section 3):
+
+1. A gradient buffer shaped like the state (``StateGrad``). Every branch's backward adds
+   ``dL/dstate`` into it: attention through ``segmented_attention``'s ``prefix_grads``
+   sinks (block by block, no state-sized temporary), small tensors through
+   ``attach_grad_sink``.
+2. After the last branch, a reverse sweep over the prefill chunks: chunk ``k`` is recomputed
+   with autograd from the stored state before it, and backpropagated with the accumulated
+   ``dS`` of the state it produced. Its reads of earlier state add into ``dS`` of earlier
+   positions, which later iterations consume. Parameter gradients accumulate in ``.grad``.
+
+Records take part through views: ``record.exact_view(grad, produced)`` returns an object
+with the record's read/write interface that reads the stored values, routes gradients into
+``grad``, and, during recompute, collects what a chunk writes (with its graph) into
+``produced`` instead of storing it. Adapters therefore run the same code in prefill,
+branch replay and recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from longstraw_core.state import AttentionKV, PrefixState
+
+# (tensor produced by a recomputed chunk, gradient to backpropagate into it)
+Produced = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class AttentionKVGrad:
+    """``dL/dK`` and ``dL/dV`` of one full-attention layer's prefix, ``[kv_heads, L, dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def zeros_like(cls, record: AttentionKV, dtype: torch.dtype) -> AttentionKVGrad:
+        length = record.length
+        return cls(
+            record.keys.new_zeros(record.keys[:, :length].shape, dtype=dtype),
+            record.values.new_zeros(record.values[:, :length].shape, dtype=dtype),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+class AttentionKVExactView:
+    """An ``AttentionKV`` as exact mode sees it: gradients of reads go into ``grad``."""
+
+    def __init__(self, record: AttentionKV, grad: AttentionKVGrad, produced: Produced | None):
+        self.record, self.grad, self.produced = record, grad, produced
+
+    @property
+    def length(self) -> int:
+        return self.record.length
+
+    def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.record.segments(end)
+
+    def grad_segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        end = self.record.length if end is None else end
+        return [(self.grad.keys[:, :end], self.grad.values[:, :end])] if end else []
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """During recompute: hand the chunk's keys/values and their ``dS`` to the sweep."""
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        end = start + keys.shape[1]
+        self.produced.append((keys, self.grad.keys[:, start:end].clone()))
+        self.produced.append((values, self.grad.values[:, start:end].clone()))
+
+
+def attention_exact_view(
+    record: AttentionKV, grad: AttentionKVGrad, produced: Produced | None
+) -> AttentionKVExactView:
+    return AttentionKVExactView(record, grad, produced)
+
+
+# Each record kind's gradient buffer and exact-mode view, by record class.
+GRAD_FACTORIES: dict[type, object] = {AttentionKV: AttentionKVGrad.zeros_like}
+VIEW_FACTORIES: dict[type, object] = {AttentionKV: attention_exact_view}
+
+
+@dataclass
+class StateGrad:
+    """``dS``: one gradient record per layer of a ``PrefixState``."""
+
+    layers: list
+    owner: str
+    length: int
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def new_state_grad(state: PrefixState, dtype: torch.dtype | None = None) -> StateGrad:
+    """Zero ``dS`` for ``state``, accumulated in ``dtype`` (default: float32 or wider)."""
+    layers = []
+    for record in state.layers:
+        factory = GRAD_FACTORIES.get(type(record))
+        if factory is None:
+            raise NotImplementedError(
+                f"exact gradients are not implemented for {type(record).__name__} records"
+            )
+        record_dtype = _record_dtype(record)
+        layers.append(factory(record, dtype or torch.promote_types(record_dtype, torch.float32)))
+    return StateGrad(layers=layers, owner=state.owner, length=state.length)
+
+
+def _record_dtype(record: object) -> torch.dtype:
+    for value in vars(record).values():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype
+    return torch.float32
+
+
+def exact_state(state: PrefixState, grad: StateGrad, produced: Produced | None) -> PrefixState:
+    """A shadow of ``state`` whose records route gradients into ``grad``.
+
+    With ``produced`` (recompute), writes are collected with their ``dS`` instead of stored.
+    """
+    if grad.owner != state.owner or grad.length != state.length:
+        raise ValueError("state_grad was made for another state; use new_state_grad(state)")
+    views = [
+        VIEW_FACTORIES[type(record)](record, layer_grad, produced)
+        for record, layer_grad in zip(state.layers, grad.layers, strict=True)
+    ]
+    return dataclasses.replace(state, layers=views)
+
+
+class _GradSink(torch.autograd.Function):
+    """Identity on ``x`` whose backward adds the incoming gradient into ``sink``."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, sink: torch.Tensor, anchor: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        ctx.sink += grad.to(ctx.sink.dtype)
+        return None, None, grad.new_zeros(0)
+
+
+def attach_grad_sink(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``x`` as part of the graph: gradients reaching it are added into ``sink``.
+
+    For small state (recurrent states, conv windows): no leaf, no ``.grad`` bookkeeping.
+    """
+    # NOTE: an empty anchor that requires grad makes the output part of the graph even
+    # though ``x`` itself is a constant; its own gradient is an empty tensor.
+    anchor = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+    return _GradSink.apply(x.detach(), sink, anchor)

@@ -1,0 +1,156 @@
+"""Exact mode: grpo_step gradients equal the full graph (every prompt + response through
+the transformers model with autograd over everything, the group backpropagated at once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from reference import assert_grads_close, full_sequence_logps, parameter_grads, trl_group_loss
+
+import longstraw_core as ls
+from longstraw_core.exact import attach_grad_sink, new_state_grad
+from longstraw_core.tiny_models import tiny_model
+
+VOCAB = 512
+LENGTHS = [6, 3, 8]
+REWARDS = [0.9, -0.2, 0.4]
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    padded = torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in rows])
+    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
+    return padded, mask
+
+
+def _advantages() -> torch.Tensor:
+    r = torch.tensor(REWARDS, dtype=torch.float64)
+    return (r - r.mean()) / (r.std() + 1e-4)
+
+
+def _full_graph_grads(model, prompt, responses, old, ref, cfg):
+    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
+    old_padded = logps.detach() if old is None else _pad(old)[0]
+    ref_padded = _pad(ref)[0] if ref is not None else None
+    loss, _ = trl_group_loss(logps, old_padded, ref_padded, _advantages(), mask, cfg)
+    return loss, parameter_grads(model, loss)
+
+
+def _step_grads(model, adapter, prompt, responses, cfg, **kwargs):
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=cfg, **kwargs)
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    model.zero_grad(set_to_none=True)
+    return metrics, grads
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (
+        tiny_model("qwen3", dtype=torch.float64, seed=3),
+        tiny_model("qwen3", dtype=torch.float64, seed=4),
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_exact_step_equals_full_graph(models, loss_type, beta):
+    policy, reference = models
+    adapter, ref_adapter = ls.adapt(policy), ls.adapt(reference)
+    prompt = _ids(29, 0)
+    responses = [_ids(n, 10 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(
+        loss_type=loss_type,
+        beta=beta,
+        gradient="exact",
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        max_completion_length=16,
+    )
+    with torch.no_grad():
+        state = adapter.prefill(prompt)
+        old = [adapter.score(state, r) + 0.3 * torch.randn(len(r), dtype=torch.float64)
+               for r in responses]  # fmt: skip
+        ref = [full_sequence_logps(reference, prompt, r) for r in responses] if beta else None
+
+    metrics, grads = _step_grads(
+        policy, adapter, prompt, responses, cfg, old_logps=old, ref_adapter=ref_adapter,
+        chunk_size=5,
+    )  # fmt: skip
+    loss, expected = _full_graph_grads(policy, prompt, responses, old, ref, cfg)
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert metrics["sweep_seconds"] > 0 and metrics["state_grad_bytes"] > 0
+    assert_grads_close(grads, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+def test_exact_chunkings_and_dense_types(model_type, chunk_size):
+    model = tiny_model(model_type, dtype=torch.float64, seed=5)
+    adapter = ls.adapt(model)
+    prompt = _ids(17 if chunk_size == 1 else 31, 1)
+    responses = [_ids(n, 20 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(loss_type="grpo", gradient="exact")
+    _, grads = _step_grads(model, adapter, prompt, responses, cfg, chunk_size=chunk_size)
+    _, expected = _full_graph_grads(model, prompt, responses, None, None, cfg)
+    assert_grads_close(grads, expected, rtol=1e-6)
+
+
+def test_exact_differs_from_detached(models):
+    """The paths through the prompt matter: detached mode misses them."""
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _ids(29, 2), [_ids(n, 30 + i) for i, n in enumerate(LENGTHS)]
+    _, exact = _step_grads(policy, adapter, prompt, responses, ls.GRPOConfig(gradient="exact"))
+    _, detached = _step_grads(policy, adapter, prompt, responses, ls.GRPOConfig())
+    name = "model.layers.0.self_attn.k_proj.weight"  # its prompt keys feed every branch
+    assert (exact[name] - detached[name]).abs().max() > 0.1 * exact[name].abs().max()
+
+
+def test_exact_with_lora_trains_only_adapters():
+    model = tiny_model("qwen3", dtype=torch.float64, seed=6)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+    )
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapter = ls.adapt(peft_model)
+    prompt, responses = _ids(23, 3), [_ids(n, 40 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(loss_type="dapo", beta=0.05, gradient="exact")
+    with torch.no_grad(), peft_model.disable_adapter():
+        ref = [full_sequence_logps(peft_model, prompt, r) for r in responses]
+    _, grads = _step_grads(
+        peft_model, adapter, prompt, responses, cfg, ref_adapter=ls.lora_reference(adapter),
+        chunk_size=6,
+    )  # fmt: skip
+    _, expected = _full_graph_grads(peft_model, prompt, responses, None, ref, cfg)
+    assert all("lora_" in name for name in grads)
+    assert_grads_close(grads, expected, rtol=1e-6)
+
+
+def test_state_grad_is_shaped_like_the_state_and_refuses_another():
+    adapter = ls.adapt(tiny_model("qwen3"))
+    state = adapter.prefill(_ids(40, 4), chunk_size=16)
+    grad = new_state_grad(state)
+    assert grad.nbytes() == state.nbytes()
+    other = adapter.prefill(_ids(12, 5))
+    with pytest.raises(ValueError, match="state_grad was made for another state"):
+        adapter.score(other, _ids(3, 6), state_grad=grad)
+
+
+def test_grad_sink_adds_the_gradient_into_its_buffer():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    sink = torch.ones(3, 4, dtype=torch.float64)
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    (attach_grad_sink(x, sink) * weight).sum().backward()
+    assert torch.allclose(sink, 1 + weight.detach())
+    assert torch.allclose(weight.grad, x)
