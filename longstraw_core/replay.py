@@ -99,9 +99,7 @@ def grpo_step(
     for index, response in enumerate(responses):
         if _contributes_nothing(weights[index], float(advantages[index]), config):
             continue
-        logps, entropy = adapter.score(
-            state, response, return_entropy=True, state_grad=state_grad
-        )
+        logps, entropy = adapter.score(state, response, return_entropy=True, state_grad=state_grad)
         loss, stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
