@@ -13,7 +13,10 @@ from longstraw_core.losses import group_advantages
 from longstraw_core.reference_policy import lora_reference
 from longstraw_core.replay import grpo_step
 from longstraw_core.state import AttentionKV, PrefixState, format_bytes
-from model_adapters import ModelAdapter, adapt, supported_model_types
+
+# NOTE: from the submodules, not the package: either package may be imported first.
+from model_adapters.base import ModelAdapter
+from model_adapters.registry import adapt, supported_model_types
 
 __all__ = [
     "AttentionKV",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core.state import AttentionKV, PrefixState
+from longstraw_core.state import AttentionKV, PrefixState, RecurrentState
 
 # (tensor produced by a recomputed chunk, gradient to backpropagate into it)
 Produced = list[tuple[torch.Tensor, torch.Tensor]]
@@ -75,19 +75,73 @@ class AttentionKVExactView:
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + keys.shape[1]
-        self.produced.append((keys, self.grad.keys[:, start:end].clone()))
-        self.produced.append((values, self.grad.values[:, start:end].clone()))
+        self.produced.append((keys, self.grad.keys[:, start:end].to(keys.dtype, copy=True)))
+        self.produced.append((values, self.grad.values[:, start:end].to(values.dtype, copy=True)))
 
 
-def attention_exact_view(
-    record: AttentionKV, grad: AttentionKVGrad, produced: Produced | None
-) -> AttentionKVExactView:
-    return AttentionKVExactView(record, grad, produced)
+@dataclass
+class RecurrentStateGrad:
+    """``dL/d(conv, recurrent)`` of one linear-attention layer at the current chunk boundary.
+
+    During the sweep it holds the gradient of the state at the end of the chunk being
+    recomputed; that chunk's backward replaces it with the gradient at the chunk's start.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def zeros_like(cls, record: RecurrentState, dtype: torch.dtype) -> RecurrentStateGrad:
+        return cls(
+            record.conv.new_zeros(record.conv.shape, dtype=dtype),
+            record.recurrent.new_zeros(record.recurrent.shape, dtype=dtype),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+class RecurrentExactView:
+    """A ``RecurrentState`` as exact mode sees it.
+
+    Reads attach gradient sinks to the state they return: the final state for a branch, the
+    checkpoint at the chunk's start during recompute. A recomputed chunk's ``update`` hands
+    the state it produced to the sweep with the accumulated gradient, then clears the buffer
+    for the gradient of the chunk's start, which that chunk's backward fills.
+    """
+
+    def __init__(self, record: RecurrentState, grad: RecurrentStateGrad, produced: Produced | None):
+        self.record, self.grad, self.produced = record, grad, produced
+
+    @property
+    def length(self) -> int:
+        return self.record.length
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.produced is None and start is not None:
+            raise RuntimeError("a branch reads the state after the whole prompt (start=None)")
+        conv, recurrent = self.record.read(start)
+        return attach_grad_sink(conv, self.grad.conv), attach_grad_sink(
+            recurrent, self.grad.recurrent
+        )
+
+    def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
+            self.produced.append((output, buffer.clone().to(output.dtype)))
+            buffer.zero_()
 
 
 # Each record kind's gradient buffer and exact-mode view, by record class.
-GRAD_FACTORIES: dict[type, object] = {AttentionKV: AttentionKVGrad.zeros_like}
-VIEW_FACTORIES: dict[type, object] = {AttentionKV: attention_exact_view}
+GRAD_FACTORIES: dict[type, object] = {
+    AttentionKV: AttentionKVGrad.zeros_like,
+    RecurrentState: RecurrentStateGrad.zeros_like,
+}
+VIEW_FACTORIES: dict[type, object] = {
+    AttentionKV: AttentionKVExactView,
+    RecurrentState: RecurrentExactView,
+}
 
 
 @dataclass
@@ -104,6 +158,11 @@ class StateGrad:
 
 def new_state_grad(state: PrefixState, dtype: torch.dtype | None = None) -> StateGrad:
     """Zero ``dS`` for ``state``, accumulated in ``dtype`` (default: float32 or wider)."""
+    if state.needs_checkpoints():
+        raise ValueError(
+            "exact gradients through recurrent layers need their state at every chunk start: "
+            "prefill with adapter.prefill(..., checkpoints='device') (or 'cpu')"
+        )
     layers = []
     for record in state.layers:
         factory = GRAD_FACTORIES.get(type(record))

@@ -66,6 +66,8 @@ class GRPOConfig:
       token of the group, which is not known before the branches are replayed).
     - ``gradient``: ``"detached"`` (prompt state is a constant) or ``"exact"`` (gradients
       also flow through the prompt state, section 3 of DESIGN.md).
+    - ``recurrent_checkpoints``: where exact mode keeps recurrent layers' state at each
+      prefill chunk start (``"device"``, or ``"cpu"`` to save accelerator memory).
     """
 
     num_generations: int = 8
@@ -81,6 +83,7 @@ class GRPOConfig:
     use_bias_correction_kl: bool = True
     top_entropy_quantile: float = 1.0
     gradient: str = "detached"
+    recurrent_checkpoints: str = "device"
 
     def __post_init__(self) -> None:
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)
@@ -108,6 +111,8 @@ class GRPOConfig:
             )
         if self.gradient not in GRADIENT_MODES:
             raise _invalid("gradient", self.gradient, f"one of {GRADIENT_MODES}")
+        if self.recurrent_checkpoints not in ("device", "cpu"):
+            raise _invalid("recurrent_checkpoints", self.recurrent_checkpoints, "'device' or 'cpu'")
         for name in ("mask_truncated_completions", "use_bias_correction_kl"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name), "True or False")

@@ -90,7 +90,8 @@ def grpo_step(
 
     if state is None:
         started = time.perf_counter()
-        state = adapter.prefill(prompt_ids, chunk_size=chunk_size)
+        checkpoints = config.recurrent_checkpoints if config.gradient == "exact" else None
+        state = adapter.prefill(prompt_ids, chunk_size=chunk_size, checkpoints=checkpoints)
         timings["prefill_seconds"] = time.perf_counter() - started
 
     state_grad = new_state_grad(state) if config.gradient == "exact" else None

@@ -125,8 +125,25 @@ class PrefixState:
         return self.prompt_ids.device
 
     def nbytes(self) -> int:
-        """Bytes of the per-layer records (the prompt ids are not counted)."""
+        """Bytes of the per-layer records (prompt ids and checkpoints not counted)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of recurrent-state checkpoints at chunk boundaries (exact mode)."""
+        return sum(getattr(layer, "checkpoint_nbytes", lambda: 0)() for layer in self.layers)
+
+    def keep_checkpoints(self, device: torch.device | str) -> None:
+        """Make recurrent records keep their state at every chunk start, on ``device``."""
+        for layer in self.layers:
+            if hasattr(layer, "checkpoint_device"):
+                layer.checkpoint_device = torch.device(device)
+
+    def needs_checkpoints(self) -> bool:
+        """Whether exact mode needs checkpoints this state lacks (recurrent layers only)."""
+        return any(
+            hasattr(layer, "checkpoints") and layer.length and not layer.checkpoints
+            for layer in self.layers
+        )
 
     def holds_prompt(self, prompt_ids: torch.Tensor) -> bool:
         """Whether this state was prefilled from exactly ``prompt_ids``."""
@@ -150,6 +167,8 @@ class PrefixState:
             )
             row["layers"] += 1
             row["bytes"] += layer.nbytes()
+            if hasattr(layer, "checkpoint_nbytes"):
+                row["checkpoint_bytes"] = row.get("checkpoint_bytes", 0) + layer.checkpoint_nbytes()
             # Compressed records (latent attention) also report what a naive cache would hold.
             expanded_nbytes = getattr(layer, "expanded_nbytes", None)
             if expanded_nbytes is not None:
@@ -178,6 +197,87 @@ class PrefixState:
         return (
             f"PrefixState(prompt_length={self.prompt_length}, "
             f"{format_bytes(self.nbytes())} on {self.device}; {kinds})"
+        )
+
+
+@dataclass
+class RecurrentState:
+    """One linear-attention (Gated DeltaNet) layer's prefix state: a fixed size at any length.
+
+    ``conv``: the last ``kernel - 1`` inputs of the causal conv, ``[conv_dim, kernel - 1]`` in
+    the model's dtype (zeros before the prompt, as the conv's own zero padding).
+    ``recurrent``: the delta-rule state ``[v_heads, d_k, d_v]`` in float32 (zeros at start).
+    ``length``: prompt positions folded in so far.
+    ``checkpoints``: with ``checkpoint_device`` set, the state at the start of every prefill
+    chunk (by position), which exact mode's reverse sweep restarts chunks from.
+    """
+
+    kind: ClassVar[str] = "linear_attention"
+    grows_with_prompt: ClassVar[bool] = False
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    length: int = 0
+    checkpoint_device: torch.device | None = None
+    checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(
+        cls,
+        conv_dim: int,
+        conv_kernel: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> RecurrentState:
+        conv = torch.zeros(conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+        recurrent = torch.zeros(value_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        return cls(conv, recurrent, 0)
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, recurrent)`` at position ``start``; ``None``: after the whole prompt."""
+        if start is None or start == self.length:
+            return self.conv, self.recurrent
+        if start in self.checkpoints:
+            conv, recurrent = self.checkpoints[start]
+            return conv.to(self.conv.device), recurrent.to(self.recurrent.device)
+        raise RuntimeError(
+            f"no recurrent state at position {start} (state holds {self.length} positions and "
+            f"checkpoints at {sorted(self.checkpoints)}); prefill with checkpoints for exact mode"
+        )
+
+    def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Fold one prefill chunk of ``length`` positions at ``start`` into the state."""
+        if start != self.length:
+            raise RuntimeError(
+                f"prefill wrote positions {start}..{start + length} into a recurrent state "
+                f"holding {self.length} positions; chunks must be written in order"
+            )
+        if self.checkpoint_device is not None:
+            self.checkpoints[start] = (
+                self.conv.to(self.checkpoint_device, copy=True),
+                self.recurrent.to(self.checkpoint_device, copy=True),
+            )
+        self.conv.copy_(conv)
+        self.recurrent.copy_(recurrent)
+        self.length = start + length
+
+    def nbytes(self) -> int:
+        return _nbytes(self.conv) + _nbytes(self.recurrent)
+
+    def checkpoint_nbytes(self) -> int:
+        return sum(_nbytes(c) + _nbytes(r) for c, r in self.checkpoints.values())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState:
+        return RecurrentState(
+            self.conv.to(device, non_blocking=non_blocking),
+            self.recurrent.to(device, non_blocking=non_blocking),
+            self.length,
+            self.checkpoint_device,
+            dict(self.checkpoints),
         )
 
 

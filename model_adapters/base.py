@@ -134,16 +134,21 @@ class ModelAdapter(ABC):
         prompt_ids: torch.Tensor | Sequence[int],
         chunk_size: int = 4096,
         progress: bool | None = None,
+        checkpoints: str | None = None,
     ) -> PrefixState:
         """Run the prompt once under ``no_grad``, in chunks, keeping only the prefix state.
 
         All prompt tokens but the last are stored; the last is kept as ``state.last_token``
         and replayed at the head of every branch (see ``score``). ``progress=None`` shows a
-        progress bar only on a terminal.
+        progress bar only on a terminal. ``checkpoints`` (``"device"`` or ``"cpu"``) keeps
+        recurrent layers' state at every chunk start, which exact mode needs; attention-only
+        models keep nothing extra.
         """
         prompt_ids = as_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        if checkpoints not in (None, "device", "cpu"):
+            raise ValueError(f"checkpoints must be None, 'device' or 'cpu', got {checkpoints!r}")
         self._check_positions(len(prompt_ids), 0)
         prompt_ids = prompt_ids.to(self.device)
         stored = prompt_ids[:-1]
@@ -153,6 +158,8 @@ class ModelAdapter(ABC):
             owner=self.owner_id,
             meta={"model_type": self.config.model_type, "chunk_size": chunk_size},
         )
+        if checkpoints is not None:
+            state.keep_checkpoints(self.device if checkpoints == "device" else "cpu")
         bar = tqdm(
             total=len(stored),
             desc="prefill",

@@ -56,20 +56,37 @@ def run_full_attention(
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+    output = attend_with_state(queries, keys, values, record, span, attention.scaling)
+    return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
 
+
+def attend_with_state(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    record: AttentionKV,
+    span: Span,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a span over the stored prefix and itself; a prefill chunk is stored.
+
+    ``queries`` ``[1, H, T, D]`` and ``keys``/``values`` ``[1, KVH, T, D]`` after RoPE. A
+    prefill chunk (``span.write``) reads the prefix before it and writes its own keys and
+    values; a branch reads the whole prefix. In exact mode ``record`` is a view whose
+    ``grad_segments`` receive the gradient of every prefix read.
+    """
     prefix_end = span.start if span.write else None
     prefix = record.segments(end=prefix_end)
     if span.write:
         record.write(span.start, keys[0], values[0])
-    output = segmented_attention(
+    return segmented_attention(
         queries,
         keys,
         values,
         prefix,
-        scale=attention.scaling,
+        scale=scale,
         prefix_grads=record.grad_segments(end=prefix_end),
     )
-    return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
 
 
 @register_adapter

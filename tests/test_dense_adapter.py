@@ -162,5 +162,5 @@ def test_score_rejects_bad_input(adapter) -> None:
 
 def test_unknown_model_type_lists_supported_types() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
-    with pytest.raises(ValueError, match=r"model_type .gpt2.*supported model types: llama"):
+    with pytest.raises(ValueError, match=r"model_type .gpt2.*supported model types: .*llama"):
         ls.adapt(gpt2)

@@ -1,0 +1,467 @@
+"""GLM-5.x (``glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``): MLA + DSA indexer + MoE.
+
+Each layer keeps only its compressed latent: the normalised ``c_kv`` and the roped shared key
+``k_pe`` per position (``LatentKV``), plus the DSA indexer's keys on layers that run their
+own indexer. The latent is never expanded into per-head keys and values (DESIGN.md section 4):
+
+- **Weight absorption.** ``kv_b_proj`` maps the latent to per-head ``k_nope`` and ``v``. The
+  key half is folded into the query (``q_nope W_uk``) and the value half into the output
+  (``(P c_kv) W_uv``), so attention runs in latent space over single-"head" keys
+  ``[c_kv, k_pe]`` and values ``c_kv``, for the prefix and the span alike.
+- **DSA.** A "full" layer's indexer scores every earlier position (prefix and span) per query,
+  streaming the keys in blocks and keeping a running top-k; "shared" layers reuse the previous
+  full layer's selection. The attention then gathers only the selected latent rows per query
+  block. When ``index_topk`` covers every visible position, the selection is everything and
+  attention is dense causal: it goes through ``segmented_attention``. The indexer runs under
+  ``no_grad``, as in transformers (its projections are frozen).
+- Everything else is the model's own modules (norms, projections, RoPE functions, router,
+  experts, shared experts), so LoRA and checkpoints keep working.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from longstraw_core.attention import segmented_attention
+from longstraw_core.state import LatentKV, PrefixState
+from model_adapters.base import ModelAdapter, Span
+from model_adapters.registry import register_adapter
+
+RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]
+
+# Elements of scratch per block (indexer scores, gathered latent rows): ~16 MB in fp32.
+_WORK_ELEMENTS = 1 << 22
+# The RoPE function each model's indexer uses (the main attention is interleaved in both).
+_INDEXER_ROPE = {
+    "glm_moe_dsa": "apply_rotary_pos_emb_interleave",
+    "deepseek_v32": "apply_rotary_pos_emb",
+}
+
+
+def _module_function(module: nn.Module, name: str) -> RotaryFn:
+    """A function of the transformers module that defines ``module``'s class (its own RoPE)."""
+    function = getattr(inspect.getmodule(type(module)), name, None)
+    if function is None:
+        raise TypeError(f"the module of {type(module).__name__} has no {name}")
+    return function
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- weight absorption -----------------------------------------------------------------------
+
+
+def effective_weight(linear: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight a linear map applies, differentiable in its parameters.
+
+    A plain ``nn.Linear`` gives its ``weight``. A wrapped one (PEFT LoRA, DoRA, ...) is applied
+    to the identity, which folds every active adapter term in exactly as its forward would.
+    """
+    if type(linear) is nn.Linear:
+        return linear.weight
+    if linear.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in linear.modules()):
+        raise ValueError(
+            "kv_b_proj is wrapped with dropout in training mode; its weight cannot be absorbed "
+            "into attention. Use lora_dropout=0.0 for kv_b_proj or call model.eval()"
+        )
+    get_base_layer = getattr(linear, "get_base_layer", None)
+    base = get_base_layer() if callable(get_base_layer) else linear
+    eye = torch.eye(base.in_features, dtype=base.weight.dtype, device=base.weight.device)
+    return linear(eye).T
+
+
+def absorbed_weights(attention: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj`` split per head: ``W_uk [H, qk_nope, r]`` and ``W_uv [H, v_head_dim, r]``."""
+    weight = effective_weight(attention.kv_b_proj)
+    weight = weight.view(attention.num_heads, -1, attention.kv_lora_rank)
+    return weight.split([attention.qk_nope_head_dim, attention.v_head_dim], dim=1)
+
+
+def mla_projections(
+    attention: nn.Module,
+    hidden: torch.Tensor,
+    position_embeddings: PositionEmbeddings,
+    w_uk: torch.Tensor,
+    rope: RotaryFn,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Absorbed queries ``[1, H, T, r + rope]``, the span's latent ``[T, r + rope]``, ``q_resid``.
+
+    Mirrors the model's attention forward up to the attention itself: ``q_a_proj`` ->
+    ``q_a_layernorm`` -> ``q_b_proj``; ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` on the
+    latent; interleaved RoPE on ``q_rot`` and the shared ``k_rot``. Then ``q_nope`` is
+    multiplied by ``W_uk``, so ``query . [c_kv, k_pe]`` equals the expanded ``q . k``.
+    """
+    batch, length, _ = hidden.shape
+    q_resid = attention.q_a_layernorm(attention.q_a_proj(hidden))
+    queries = attention.q_b_proj(q_resid).view(batch, length, -1, attention.qk_head_dim)
+    q_nope, q_rot = queries.transpose(1, 2).split(
+        [attention.qk_nope_head_dim, attention.qk_rope_head_dim], dim=-1
+    )
+    compressed = attention.kv_a_proj_with_mqa(hidden)
+    c_kv, k_rot = compressed.split([attention.kv_lora_rank, attention.qk_rope_head_dim], dim=-1)
+    c_kv = attention.kv_a_layernorm(c_kv)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rope(q_rot, k_rot.view(batch, 1, length, -1), cos, sin)
+    q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
+    latent = torch.cat([c_kv[0], k_rot[0, 0]], dim=-1)
+    return torch.cat([q_latent, q_rot], dim=-1), latent, q_resid
+
+
+# --- DSA indexer -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def indexer_projections(
+    indexer: nn.Module,
+    hidden: torch.Tensor,
+    q_resid: torch.Tensor,
+    position_embeddings: PositionEmbeddings,
+    rope: RotaryFn,
+    with_queries: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The indexer's keys ``[T, Di]`` and, when asked, queries ``[T, Hi, Di]`` and weights.
+
+    Mirrors the model's indexer: ``k_norm(wk(x))``, RoPE on the leading ``rope`` dims (the
+    model's own function: interleaved for GLM, half-split for DeepSeek-V3.2), head weights
+    from ``weights_proj`` in float32 scaled by ``Hi ** -0.5``. Frozen: no gradients.
+    """
+    batch, length, _ = hidden.shape
+    split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
+    cos, sin = position_embeddings
+    keys = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # [1, T, 1, Di]
+    k_rot, k_pass = keys.split(split, dim=-1)
+    if not with_queries:
+        _, k_rot = rope(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        return torch.cat([k_rot, k_pass], dim=-1)[0, :, 0], None, None
+    queries = indexer.wq_b(q_resid).view(batch, length, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = queries.split(split, dim=-1)
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    queries = torch.cat([q_rot, q_pass], dim=-1)[0]
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float()
+    weights = weights[0] * indexer.n_heads**-0.5
+    return torch.cat([k_rot, k_pass], dim=-1)[0, :, 0], queries, weights
+
+
+@torch.no_grad()
+def select_topk(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    prefix_keys: torch.Tensor,
+    span_keys: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """The ``topk`` highest-scoring visible positions per span query, ``[T, topk]``.
+
+    Index score of query ``t`` for key ``s``: ``sum_h w[t, h] relu(scale q[t, h] . k[s])`` in
+    float32, as the model computes it; span query ``t`` (at position ``L + t``) sees the whole
+    prefix and span keys up to itself. Keys are streamed in blocks of at least ``topk`` with a
+    running top-k, so no ``[T, L]`` score matrix is built and merging costs at most about
+    one extra pass. Entries are absolute positions; ``-1`` pads the rows of queries that see
+    fewer than ``topk`` positions (they attend to all they see).
+    """
+    length = queries.shape[0]
+    prefix_length = prefix_keys.shape[0]
+    query_positions = prefix_length + torch.arange(length, device=queries.device)
+    best_scores = queries.new_empty(length, 0, dtype=torch.float32)
+    best_positions = query_positions.new_empty(length, 0)
+    block = max(topk, _WORK_ELEMENTS // length)
+    blocks = _blocks(prefix_keys, 0, block) + _blocks(span_keys, prefix_length, block)
+    for keys, offset in blocks:
+        scores = _index_scores(queries, weights, keys.to(queries.device), scale)
+        positions = offset + torch.arange(keys.shape[0], device=queries.device)
+        scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
+        scores = torch.cat([best_scores, scores], dim=1)
+        positions = torch.cat([best_positions, positions.expand(length, -1)], dim=1)
+        best_scores, picked = scores.topk(min(topk, scores.shape[1]), dim=-1)
+        best_positions = positions.gather(1, picked)
+    return best_positions.masked_fill(best_scores == float("-inf"), -1)
+
+
+def _index_scores(
+    queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``[T, n]`` index scores of ``n`` keys, a few indexer heads at a time (bounded memory)."""
+    length, heads, _ = queries.shape
+    keys_t = keys.float().T
+    scores = queries.new_zeros(length, keys.shape[0], dtype=torch.float32)
+    step = max(1, _WORK_ELEMENTS // (length * keys.shape[0]))
+    for head in range(0, heads, step):
+        per_head = torch.relu((queries[:, head : head + step].float() @ keys_t) * scale)
+        scores += (weights[:, None, head : head + step] @ per_head)[:, 0]
+    return scores
+
+
+def _blocks(x: torch.Tensor, offset: int, block: int) -> list[tuple[torch.Tensor, int]]:
+    """Views of ``x`` in row blocks, each with the absolute position of its first row."""
+    return [(x[start : start + block], offset + start) for start in range(0, x.shape[0], block)]
+
+
+# --- latent attention ------------------------------------------------------------------------
+
+
+def latent_attention(
+    queries: torch.Tensor,
+    span_latent: torch.Tensor,
+    prefix_latent: torch.Tensor,
+    selection: torch.Tensor | None,
+    value_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention in latent space: ``[1, H, T, value_dim]`` from absorbed ``queries``.
+
+    Keys are latent rows ``[c_kv, k_pe]`` (one head shared by all query heads), values their
+    first ``value_dim`` columns (``c_kv``), as views of one buffer. ``selection=None`` is dense
+    causal attention over prefix + span through ``segmented_attention`` (prefix by reference);
+    otherwise each query attends to its selected positions only.
+    """
+    if selection is None:
+        keys = span_latent[None, None]
+        prefix = []
+        if prefix_latent.shape[0]:
+            prefix = [(prefix_latent[None], prefix_latent[None, :, :value_dim])]
+        return segmented_attention(queries, keys, keys[..., :value_dim], prefix, scale=scale)
+    output = _SparseLatentAttention.apply(
+        queries[0].transpose(0, 1), span_latent, prefix_latent, selection, value_dim, scale
+    )
+    return output.transpose(0, 1)[None]
+
+
+def _query_blocks(positions: torch.Tensor, dim: int, heads: int) -> list[slice]:
+    """Query blocks whose gathered rows and scores stay under ``_WORK_ELEMENTS``."""
+    length, topk = positions.shape
+    step = max(1, _WORK_ELEMENTS // (topk * 3 * (dim + heads)))
+    return [slice(start, start + step) for start in range(0, length, step)]
+
+
+def _gather_rows(
+    prefix_latent: torch.Tensor, span_latent: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Latent rows ``[b, k, D]`` at absolute ``positions`` ``[b, k]``, without joining the
+    prefix and the span: each is gathered where it lives and the two are selected per entry.
+    Padding entries (``-1``) yield an arbitrary row; callers mask them."""
+    prefix_length = prefix_latent.shape[0]
+    rows = span_latent[(positions - prefix_length).clamp(min=0)]
+    if prefix_length:
+        index = positions.clamp(0, prefix_length - 1).to(prefix_latent.device)
+        prefix_rows = prefix_latent[index].to(rows.device)
+        rows = torch.where((positions < prefix_length)[..., None], prefix_rows, rows)
+    return rows
+
+
+def _scatter_rows(
+    d_span: torch.Tensor,
+    d_prefix: torch.Tensor | None,
+    prefix_length: int,
+    positions: torch.Tensor,
+    d_rows: torch.Tensor,
+) -> None:
+    """Add ``d_rows [b, k, D]`` into the gradients of the rows they were gathered from."""
+    positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, d_rows.shape[-1])
+    in_span = positions >= prefix_length
+    d_span.index_add_(0, positions[in_span] - prefix_length, d_rows[in_span])
+    if d_prefix is not None:
+        in_prefix = (positions >= 0) & ~in_span
+        index = positions[in_prefix].to(d_prefix.device)
+        d_prefix.index_add_(0, index, d_rows[in_prefix].to(d_prefix.device))
+
+
+class _SparseLatentAttention(torch.autograd.Function):
+    """Each query attends to its own selected latent rows; flash-style recompute in backward.
+
+    Arguments: ``queries [T, H, D]``, ``span_latent [T, D]``, ``prefix_latent [L, D]`` (read
+    by reference), ``positions [T, k]`` (absolute, ``-1`` = none), ``value_dim``, ``scale``.
+    Saves only the inputs, the output and the log-sum-exp; rows are gathered again per query
+    block in backward. Returns a prefix gradient only when the prefix requires grad.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        queries: torch.Tensor,
+        span_latent: torch.Tensor,
+        prefix_latent: torch.Tensor,
+        positions: torch.Tensor,
+        value_dim: int,
+        scale: float,
+    ) -> torch.Tensor:
+        length, heads, dim = queries.shape
+        dtype = _accumulation_dtype(queries.dtype)
+        output = queries.new_empty(length, heads, value_dim)
+        lse = queries.new_empty(length, heads, dtype=dtype)
+        for block in _query_blocks(positions, dim, heads):
+            rows = _gather_rows(prefix_latent, span_latent, positions[block]).to(dtype)
+            scores = _masked_scores(queries[block].to(dtype), rows, positions[block], scale)
+            lse[block] = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[block, :, None])
+            output[block] = (probs @ rows[..., :value_dim]).to(queries.dtype)
+        ctx.save_for_backward(queries, span_latent, prefix_latent, positions, output, lse)
+        ctx.value_dim, ctx.scale = value_dim, scale
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, d_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        queries, span_latent, prefix_latent, positions, output, lse = ctx.saved_tensors
+        need_query, need_span, need_prefix = ctx.needs_input_grad[:3]
+        value_dim, scale, dtype = ctx.value_dim, ctx.scale, lse.dtype
+        _, heads, dim = queries.shape
+        d_queries = torch.zeros(queries.shape, dtype=dtype, device=queries.device)
+        d_span = torch.zeros(span_latent.shape, dtype=dtype, device=span_latent.device)
+        d_prefix = None
+        if need_prefix:
+            d_prefix = torch.zeros(prefix_latent.shape, dtype=dtype, device=prefix_latent.device)
+        for block in _query_blocks(positions, dim, heads):
+            rows = _gather_rows(prefix_latent, span_latent, positions[block]).to(dtype)
+            q = queries[block].to(dtype)
+            scores = _masked_scores(q, rows, positions[block], scale)
+            probs = torch.exp(scores - lse[block, :, None])
+            d_out = d_output[block].to(dtype)  # [b, H, r]
+            d_sum = (d_out * output[block].to(dtype)).sum(-1, keepdim=True)
+            d_probs = d_out @ rows[..., :value_dim].transpose(1, 2)  # [b, H, k]
+            d_scores = probs * (d_probs - d_sum) * scale
+            d_queries[block] = d_scores @ rows
+            if need_span or need_prefix:
+                d_rows = d_scores.transpose(1, 2) @ q  # [b, k, D]
+                d_rows[..., :value_dim] += probs.transpose(1, 2) @ d_out
+                _scatter_rows(d_span, d_prefix, prefix_latent.shape[0], positions[block], d_rows)
+        return (
+            d_queries.to(queries.dtype) if need_query else None,
+            d_span.to(span_latent.dtype) if need_span else None,
+            d_prefix.to(prefix_latent.dtype) if d_prefix is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def _masked_scores(
+    queries: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``scale * q . row`` ``[b, H, k]``, ``-inf`` at padding entries."""
+    scores = (queries @ rows.transpose(1, 2)) * scale
+    return scores.masked_fill((positions < 0)[:, None, :], float("-inf"))
+
+
+# --- one layer, the adapter ------------------------------------------------------------------
+
+
+@register_adapter
+class GlmMoeDsaAdapter(ModelAdapter):
+    """GLM-5.x / DeepSeek-V3.2: pre-norm layers of MLA with DSA, then a dense MLP or an MoE."""
+
+    model_types = ("glm_moe_dsa", "deepseek_v32")
+
+    def check_model(self) -> None:
+        config = self.config
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError(
+                f"config.attention_dropout={config.attention_dropout}: scoring must be "
+                "deterministic for RL; set attention_dropout=0.0"
+            )
+        if config.index_topk < 1:
+            raise ValueError(f"config.index_topk must be at least 1, got {config.index_topk}")
+        first = self.decoder.layers[0].self_attn
+        if first.indexer is None:
+            raise ValueError(
+                "layer 0 reuses another layer's DSA selection (indexer_types[0] == 'shared'), "
+                "but no earlier layer makes one; the first layer must be 'full'"
+            )
+        kv_b_proj = first.kv_b_proj
+        base = kv_b_proj.get_base_layer() if hasattr(kv_b_proj, "get_base_layer") else kv_b_proj
+        if getattr(base, "bias", None) is not None:
+            raise ValueError("kv_b_proj has a bias; weight absorption assumes none (as in GLM-5)")
+        self.rope = _module_function(first, "apply_rotary_pos_emb_interleave")
+        self.index_rope = _module_function(first, _INDEXER_ROPE[config.model_type])
+
+    def new_layer_states(self, capacity: int) -> list[LatentKV]:
+        records = []
+        for layer in self.decoder.layers:
+            attention = layer.self_attn
+            indexer = attention.indexer
+            records.append(
+                LatentKV.empty(
+                    capacity,
+                    attention.kv_lora_rank,
+                    attention.qk_rope_head_dim,
+                    None if indexer is None else indexer.head_dim,
+                    attention.num_heads * (attention.qk_head_dim + attention.v_head_dim),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            )
+        return records
+
+    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        # Dense when the last query of the span sees no more than index_topk positions.
+        dense = self.config.index_topk >= span.start + span.length
+        selection = None
+        for layer, record in zip(self.decoder.layers, state.layers, strict=True):
+            attended, selection = self.run_attention(
+                layer.self_attn,
+                layer.input_layernorm(hidden),
+                position_embeddings,
+                record,
+                span,
+                selection,
+                dense,
+            )
+            hidden = hidden + attended
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden
+
+    def run_attention(
+        self,
+        attention: nn.Module,
+        hidden: torch.Tensor,
+        position_embeddings: PositionEmbeddings,
+        record: LatentKV,
+        span: Span,
+        selection: torch.Tensor | None,
+        dense: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One MLA block over ``hidden`` ``[1, T, hidden]``: its output and the DSA selection.
+
+        A layer with its own indexer makes a new selection (none when ``dense``); a shared
+        layer passes the previous one on. Prefill chunks write their latent and index keys
+        (kept even while dense: later chunks and branches may see more than ``index_topk``).
+        """
+        w_uk, w_uv = absorbed_weights(attention)
+        queries, latent, q_resid = mla_projections(
+            attention, hidden, position_embeddings, w_uk, self.rope
+        )
+        index_keys = None
+        if attention.indexer is not None and (span.write or not dense):
+            index_keys, index_queries, index_weights = indexer_projections(
+                attention.indexer, hidden, q_resid, position_embeddings, self.index_rope, not dense
+            )
+            if not dense:
+                selection = select_topk(
+                    index_queries,
+                    index_weights,
+                    record.index_keys[: span.start],
+                    index_keys,
+                    attention.indexer.index_topk,
+                    attention.indexer.softmax_scale,
+                )
+        if span.write:
+            record.write(span.start, latent, index_keys)
+        output = latent_attention(
+            queries,
+            latent,
+            record.latent[: span.start],
+            selection,
+            attention.kv_lora_rank,
+            attention.scaling,
+        )
+        output = torch.einsum("bhtr,hvr->bthv", output, w_uv).flatten(2)
+        return attention.o_proj(output), selection

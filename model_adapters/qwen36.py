@@ -1,0 +1,418 @@
+"""Qwen3.6 (transformers ``qwen3_5``) and its kin: Gated DeltaNet layers + gated full attention.
+
+Three layers in four are Gated DeltaNet (linear attention); the rest are full attention with
+a sigmoid output gate. What each layer keeps of the prompt (DESIGN.md section 4):
+
+- full attention: keys (after ``k_norm`` and RoPE) and values, in an ``AttentionKV`` read by
+  ``segmented_attention``, exactly like the dense adapter; it grows with the prompt;
+- Gated DeltaNet: the causal conv's last ``kernel - 1`` inputs and the recurrent state
+  ``[v_heads, d_k, d_v]`` in float32, in a ``RecurrentState``; a fixed size at any length.
+
+Prefill threads both DeltaNet states across chunk boundaries: a chunk's conv runs over the
+stored inputs followed by the chunk, and its delta rule starts from the stored recurrent
+state. A branch starts from the same stored states and drops the states it ends with, so
+branches are independent and the record is never written by scoring.
+
+Every computation is the model's own: its projections (so LoRA on them keeps working), norms
+(the gated RMSNorm included), decay parameters, RoPE module and ``apply_rotary_pos_emb``, MLP
+(dense or MoE), and the conv / delta-rule functions of its transformers module. Kernels: on
+CUDA in half precision, flash-linear-attention's ``chunk_gated_delta_rule`` and the
+``causal_conv1d`` package when installed; otherwise transformers' pure-torch functions
+(``torch_chunk_gated_delta_rule``, ``causal_conv1d_fn``), which differentiate with respect to
+the initial states too.
+
+Registered for ``qwen3_5`` (``Qwen3_5ForConditionalGeneration`` text-only, or
+``Qwen3_5ForCausalLM``), ``qwen3_5_text``, the MoE variants ``qwen3_5_moe`` /
+``qwen3_5_moe_text`` (same layers, MoE MLP) and ``qwen3_next`` (same layers; the DeltaNet
+projections are packed per key head, which the model's ``fix_query_key_value_ordering``
+unpacks, and RoPE is single-axis).
+
+NOTE: what has been run. The pure-torch path is tested on CPU against the transformers
+models' own forward and their cache. The flash-linear-attention and causal-conv1d calls were
+written from those packages' sources without a GPU (the argument handling is tested on CPU
+with stand-ins); ``tests/test_qwen36_adapter.py`` compares them with the torch path when CUDA
+and the packages are present.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longstraw_core.state import AttentionKV, PrefixState, RecurrentState
+from model_adapters.base import ModelAdapter, Span, as_token_ids
+from model_adapters.dense import RotaryFn, attend_with_state, model_rotary_function
+from model_adapters.registry import register_adapter
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+# RoPE variants whose frequencies depend on the length of each forward call: a chunked prefill
+# cannot reproduce the full-sequence forward with them.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Token ids that stand for images/videos in the multimodal config: they need pixel inputs and
+# 3-D positions, which a text-only adapter does not have.
+_VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id")
+_FLA_DTYPES = (torch.float16, torch.bfloat16)  # fla's chunk kernel refuses float32
+_CAUSAL_CONV1D_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CAUSAL_CONV1D_ACTIVATIONS = (None, "silu", "swish")
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+ConvFn = Callable[..., torch.Tensor]
+DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class DeltaNetKernels:
+    """The two sequence kernels of a Gated DeltaNet layer, with transformers' signatures.
+
+    ``conv(x [B, D, T], weight [D, K], bias, activation=...) -> [B, D, T]`` (causal, zero
+    left padding); ``delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
+    use_qk_l2norm_in_kernel=) -> (out [B, T, HV, DV], final_state [B, HV, DK, DV] | None)``.
+    """
+
+    conv: ConvFn
+    delta_rule: DeltaRuleFn
+    names: tuple[str, str]
+
+
+@functools.cache
+def _model_function(deltanet_class: type, name: str) -> Callable:
+    """The pure-torch ``name`` of the module that defines ``deltanet_class``.
+
+    transformers wraps these functions so that they call flash-linear-attention or
+    causal-conv1d whenever the package is importable, even for CPU tensors; unwrapping gives
+    back the reference function, and the choice of kernel is made here instead.
+    """
+    module = inspect.getmodule(deltanet_class)
+    function = getattr(module, name, None)
+    if function is None:
+        raise TypeError(f"{deltanet_class.__name__}'s module has no {name}")
+    function = inspect.unwrap(function)
+    if function.__module__ != module.__name__:
+        raise TypeError(f"could not find the pure-torch {name} of {module.__name__}")
+    return function
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule() -> DeltaRuleFn | None:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # ImportError, or triton failing to load without a GPU
+        return None
+    return chunk_gated_delta_rule
+
+
+@functools.cache
+def _causal_conv1d_package() -> ConvFn | None:
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:
+        return None
+    return causal_conv1d_fn
+
+
+def _fla_delta_rule(chunk_gated_delta_rule: DeltaRuleFn) -> DeltaRuleFn:
+    """flash-linear-attention's chunked kernel behind transformers' signature.
+
+    Older fla releases need as many key heads as value heads, so grouped keys/queries are
+    repeated first (exact: the L2 norm is per head vector). The initial state goes in as a
+    contiguous float32 tensor, as fla keeps its states.
+    """
+
+    def delta_rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        use_qk_l2norm_in_kernel: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        groups = value.shape[2] // key.shape[2]
+        if groups > 1:
+            query = query.repeat_interleave(groups, dim=2)
+            key = key.repeat_interleave(groups, dim=2)
+        if initial_state is not None:
+            initial_state = initial_state.float().contiguous()
+        return chunk_gated_delta_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
+
+    return delta_rule
+
+
+def deltanet_kernels(
+    deltanet: nn.Module, device: torch.device, dtype: torch.dtype
+) -> DeltaNetKernels:
+    """The fastest available kernels for tensors on ``device`` in ``dtype``.
+
+    flash-linear-attention on CUDA for float16/bfloat16, causal-conv1d on CUDA for the
+    dtypes and activations it implements; transformers' pure-torch functions elsewhere.
+    """
+    conv, conv_name = _model_function(type(deltanet), "causal_conv1d_fn"), "torch"
+    rule = _model_function(type(deltanet), "torch_chunk_gated_delta_rule")
+    rule_name = "torch"
+    if device.type == "cuda":
+        package_conv = _causal_conv1d_package()
+        if (
+            package_conv is not None
+            and dtype in _CAUSAL_CONV1D_DTYPES
+            and deltanet.activation in _CAUSAL_CONV1D_ACTIVATIONS
+        ):
+            conv, conv_name = package_conv, "causal_conv1d"
+        fla_rule = _fla_chunk_gated_delta_rule()
+        if fla_rule is not None and dtype in _FLA_DTYPES:
+            rule, rule_name = _fla_delta_rule(fla_rule), "fla"
+    return DeltaNetKernels(conv, rule, (conv_name, rule_name))
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+def run_gated_attention(
+    attention: nn.Module,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    record: AttentionKV,
+    span: Span,
+    apply_rotary: RotaryFn,
+) -> torch.Tensor:
+    """One gated full-attention block over ``hidden`` ``[1, T, hidden]``, reading/writing ``record``.
+
+    The sibling of ``dense.run_full_attention``: ``q_proj`` yields each head's query and its
+    output gate side by side, and the attention output is multiplied by ``sigmoid(gate)``
+    before ``o_proj``, as the model does.
+    """
+    batch, length, _ = hidden.shape
+    head_dim = attention.head_dim
+    shape = (batch, length, -1, head_dim)
+    queries, gate = torch.chunk(
+        attention.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1
+    )
+    gate = gate.reshape(batch, length, -1)
+    queries = attention.q_norm(queries.view(shape))
+    keys = attention.k_norm(attention.k_proj(hidden).view(shape))
+    values = attention.v_proj(hidden).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+
+    output = attend_with_state(queries, keys, values, record, span, attention.scaling)
+    output = output.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
+    return attention.o_proj(output)
+
+
+def deltanet_projections(
+    deltanet: nn.Module, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mixed_qkv [B, conv_dim, T], z [B, T, v_heads, d_v], b, a [B, T, v_heads])``.
+
+    Qwen3.5 has one projection per output; Qwen3-Next packs them per key head into
+    ``in_proj_qkvz`` / ``in_proj_ba``, unpacked by the model's own method.
+    """
+    batch, length, _ = hidden.shape
+    if hasattr(deltanet, "in_proj_qkvz"):
+        query, key, value, z, b, a = deltanet.fix_query_key_value_ordering(
+            deltanet.in_proj_qkvz(hidden), deltanet.in_proj_ba(hidden)
+        )
+        mixed = torch.cat([x.reshape(batch, length, -1) for x in (query, key, value)], dim=-1)
+    else:
+        mixed = deltanet.in_proj_qkv(hidden)
+        z = deltanet.in_proj_z(hidden).reshape(batch, length, -1, deltanet.head_v_dim)
+        b, a = deltanet.in_proj_b(hidden), deltanet.in_proj_a(hidden)
+    return mixed.transpose(1, 2), z, b, a
+
+
+def run_gated_deltanet(
+    deltanet: nn.Module,
+    hidden: torch.Tensor,
+    record: RecurrentState,
+    span: Span,
+    kernels: DeltaNetKernels,
+) -> torch.Tensor:
+    """One Gated DeltaNet block over ``hidden`` ``[1, T, hidden]``, starting from ``record``.
+
+    The conv runs over the stored ``kernel - 1`` inputs followed by the span (the same
+    left context the full sequence gives it) and keeps the span's outputs; the delta rule
+    starts from the stored recurrent state. A prefill chunk (``span.write``) stores the new
+    conv inputs and final state; a branch reads the record and leaves it as it was.
+    """
+    batch, length, _ = hidden.shape
+    mixed_qkv, z, b, a = deltanet_projections(deltanet, hidden)
+    conv_state, recurrent_state = record.read(span.start if span.write else None)
+    conv_input = torch.cat([conv_state[None].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
+    conv_output = kernels.conv(
+        conv_input, deltanet.conv1d.weight.squeeze(1), deltanet.conv1d.bias,
+        activation=deltanet.activation,
+    )  # fmt: skip
+    mixed_qkv = conv_output[:, :, -length:].transpose(1, 2)
+    key_dim, value_dim = deltanet.key_dim, deltanet.value_dim
+    query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, deltanet.head_k_dim)
+    key = key.reshape(batch, length, -1, deltanet.head_k_dim)
+    value = value.reshape(batch, length, -1, deltanet.head_v_dim)
+
+    beta = b.sigmoid()
+    g = -deltanet.A_log.float().exp() * F.softplus(a.float() + deltanet.dt_bias)
+    output, final_state = kernels.delta_rule(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=recurrent_state[None],
+        output_final_state=span.write,
+        use_qk_l2norm_in_kernel=True,
+    )
+    if span.write:
+        kept = conv_input.shape[-1] - conv_state.shape[-1]
+        record.update(span.start, length, conv_input[0, :, kept:], final_state[0])
+
+    output = deltanet.norm(
+        output.reshape(-1, deltanet.head_v_dim), z.reshape(-1, deltanet.head_v_dim)
+    )
+    return deltanet.out_proj(output.reshape(batch, length, -1))
+
+
+# --- the adapter ------------------------------------------------------------------------------
+
+
+@register_adapter
+class Qwen36Adapter(ModelAdapter):
+    """Qwen3.6 / Qwen3.5 / Qwen3-Next: Gated DeltaNet and gated full-attention layers."""
+
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+    def check_model(self) -> None:
+        text = self.config.get_text_config()
+        self.text_config = text
+        self.layer_types: list[str] = list(text.layer_types[: len(self.decoder.layers)])
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"this {self.config.model_type} model has layer types {unknown}; the qwen36 "
+                f"adapter runs {LINEAR_ATTENTION!r} and {FULL_ATTENTION!r} layers only"
+            )
+        if getattr(text, "attention_dropout", 0.0):
+            raise ValueError(
+                f"attention_dropout={text.attention_dropout}: scoring must be deterministic "
+                "for RL; set attention_dropout=0.0 in the (text) config"
+            )
+        rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"rope_type={rope_type!r} changes its frequencies with the length of each "
+                "forward call, so a chunked prefill cannot match the full-sequence forward; "
+                "use a static RoPE ('default', 'linear', 'yarn', ...)"
+            )
+        if text.linear_conv_kernel_dim < 2:
+            raise ValueError(
+                f"linear_conv_kernel_dim={text.linear_conv_kernel_dim}: the adapter keeps the "
+                "conv's last kernel - 1 inputs and needs a kernel of at least 2"
+            )
+        self.vision_token_ids = {
+            getattr(self.config, field): field
+            for field in _VISION_TOKEN_FIELDS
+            if getattr(self.config, field, None) is not None
+        }
+        attention = next(
+            (layer.self_attn for layer in self.decoder.layers if hasattr(layer, "self_attn")), None
+        )
+        self.apply_rotary = model_rotary_function(attention) if attention is not None else None
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    def new_layer_states(self, capacity: int) -> list[AttentionKV | RecurrentState]:
+        records: list[AttentionKV | RecurrentState] = []
+        for layer, kind in zip(self.decoder.layers, self.layer_types, strict=True):
+            if kind == LINEAR_ATTENTION:
+                deltanet = layer.linear_attn
+                record = RecurrentState.empty(
+                    deltanet.conv_dim,
+                    deltanet.conv_kernel_size,
+                    deltanet.num_v_heads,
+                    deltanet.head_k_dim,
+                    deltanet.head_v_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            else:
+                record = AttentionKV.empty(
+                    self.text_config.num_key_value_heads,
+                    capacity,
+                    layer.self_attn.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            records.append(record)
+        return records
+
+    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        layers = zip(self.decoder.layers, self.layer_types, state.layers, strict=True)
+        for layer, kind, record in layers:
+            normed = layer.input_layernorm(hidden)
+            if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
+                kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
+                mixed = run_gated_deltanet(layer.linear_attn, normed, record, span, kernels)
+            else:
+                mixed = run_gated_attention(
+                    layer.self_attn, normed, position_embeddings, record, span, self.apply_rotary
+                )
+            hidden = hidden + mixed
+            mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
+            if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
+                mlp_output = mlp_output[0]
+            hidden = hidden + mlp_output
+        return hidden
+
+    # --- text only --------------------------------------------------------------------------
+
+    def prefill(
+        self, prompt_ids: torch.Tensor | Sequence[int], *args: Any, **kwargs: Any
+    ) -> PrefixState:
+        """``ModelAdapter.prefill``, refusing image/video placeholder tokens (text only)."""
+        self._check_text_only(prompt_ids, "prompt_ids")
+        return super().prefill(prompt_ids, *args, **kwargs)
+
+    def score(
+        self,
+        state: PrefixState,
+        response_ids: torch.Tensor | Sequence[int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``ModelAdapter.score``, refusing image/video placeholder tokens (text only)."""
+        self._check_text_only(response_ids, "response_ids")
+        return super().score(state, response_ids, *args, **kwargs)
+
+    def _check_text_only(self, ids: torch.Tensor | Sequence[int], name: str) -> None:
+        if not self.vision_token_ids:
+            return
+        ids = as_token_ids(ids, name, self.vocab_size)
+        for token_id, field in self.vision_token_ids.items():
+            if bool((ids == token_id).any()):
+                raise ValueError(
+                    f"{name} holds token {token_id} (config.{field}): images and videos need "
+                    "pixel inputs and multimodal positions, which LongStraw does not run; "
+                    "pass text-only prompts"
+                )

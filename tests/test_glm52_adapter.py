@@ -1,0 +1,308 @@
+"""The GLM-5.x / DeepSeek-V3.2 adapter (MLA + DSA + MoE) against the transformers model itself.
+
+Sparse cases pick ``index_topk`` far below the sequence length and record the index scores the
+transformers model ranks: a tie at the k-th score would make the selection depend on kernel
+order, so those tests first assert that the k-th and (k+1)-th scores differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from reference import (
+    assert_grads_close,
+    detached_reference_logps,
+    full_sequence_logps,
+    parameter_grads,
+    trl_group_loss,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import longstraw_core as ls
+from longstraw_core.state import LatentKV
+from longstraw_core.tiny_models import tiny_model
+from model_adapters import glm52
+from model_adapters.glm52 import GlmMoeDsaAdapter, latent_attention
+
+VOCAB = 512
+DENSE_TOPK = 4096  # more than any sequence here: every query attends to all it sees
+SPARSE_TOPK = 6  # far fewer than the ~50 positions the last queries see
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+class RecordIndexScores(TorchDispatchMode):
+    """Keeps the input of every ``topk`` with ``k == index_topk`` (the indexer's ranking)."""
+
+    def __init__(self, topk: int) -> None:
+        super().__init__()
+        self.topk, self.scores = topk, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.topk.default and args[1] == self.topk:
+            self.scores.append(args[0].detach().clone())
+        return func(*args, **(kwargs or {}))
+
+
+def assert_no_ties_at_k(recorder: RecordIndexScores) -> None:
+    """In every row that sees more than k positions, the k-th and (k+1)-th scores differ."""
+    k, rows = recorder.topk, 0
+    assert recorder.scores, "the reference never ranked index scores"
+    for scores in recorder.scores:
+        ranked = scores.reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values
+        ranked = ranked[torch.isfinite(ranked[:, k])]  # rows with more than k visible keys
+        gap = ranked[:, k - 1] - ranked[:, k]
+        assert (gap > 1e-6 * ranked[:, k - 1].abs().clamp_min(1.0)).all(), "tie at the k-th score"
+        rows += len(ranked)
+    assert rows > 0, "no query saw more than index_topk positions: the case is not sparse"
+
+
+# --- forward equivalence -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize(
+    ("topk", "chunk_size"), [(DENSE_TOPK, 7), (SPARSE_TOPK, 7), (SPARSE_TOPK, 1000)]
+)
+def test_score_equals_full_sequence_forward(model_type: str, topk: int, chunk_size: int) -> None:
+    model = tiny_model(model_type, index_topk=topk)
+    adapter = ls.adapt(model)
+    assert isinstance(adapter, GlmMoeDsaAdapter)
+    prompt, response = _ids(45, 1), _ids(9, 2)
+    recorder = RecordIndexScores(topk)
+    with torch.no_grad():
+        with recorder:
+            expected = full_sequence_logps(model, prompt, response)
+        logps = adapter.score(adapter.prefill(prompt, chunk_size=chunk_size), response)
+    if topk == SPARSE_TOPK:
+        assert_no_ties_at_k(recorder)
+    assert logps.shape == (9,)
+    assert (logps - expected).abs().max() <= 1e-5
+
+
+def test_small_blocks_and_a_one_token_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny scratch budgets force every loop (key blocks and top-k merges, indexer heads,
+    query blocks) through many iterations; a one-token prompt leaves the prefix empty, so the
+    branch's own keys are all the indexer can pick from."""
+    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", 64)
+    model = tiny_model("glm_moe_dsa", index_topk=SPARSE_TOPK)
+    adapter = ls.adapt(model)
+    for prompt, response in ((_ids(45, 1), _ids(9, 2)), (_ids(1, 3), _ids(14, 4))):
+        recorder = RecordIndexScores(SPARSE_TOPK)
+        with torch.no_grad():
+            with recorder:
+                expected = full_sequence_logps(model, prompt, response)
+            logps = adapter.score(adapter.prefill(prompt, chunk_size=5), response)
+        assert_no_ties_at_k(recorder)
+        assert (logps - expected).abs().max() <= 1e-5
+
+
+# --- gradients -----------------------------------------------------------------------------
+
+
+def _float64_model(topk: int, seed: int = 0):
+    # The MoE's grouped matmul has no float64 kernel on CPU: use the eager experts loop.
+    return tiny_model(
+        "glm_moe_dsa",
+        dtype=torch.float64,
+        seed=seed,
+        index_topk=topk,
+        experts_implementation="eager",
+    )
+
+
+@pytest.mark.parametrize("topk", [DENSE_TOPK, SPARSE_TOPK])
+def test_grpo_step_gradients_equal_detached_reference(topk: int) -> None:
+    model = _float64_model(topk)
+    adapter = ls.adapt(model)
+    prompt, responses = _ids(30, 3), [_ids(n, 4 + n) for n in (7, 3, 5)]
+    rewards = [1.0, -0.5, 0.25]
+    config = ls.GRPOConfig(loss_type="grpo")
+
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, rewards, config=config, chunk_size=8)
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+    }
+
+    recorder = RecordIndexScores(topk)
+    with recorder:
+        logps = [detached_reference_logps(model, prompt, r) for r in responses]
+    if topk == SPARSE_TOPK:
+        assert_no_ties_at_k(recorder)
+    width = max(len(r) for r in responses)
+    padded = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in logps])
+    mask = torch.stack([(torch.arange(width) < len(r)).double() for r in responses])
+    reward_tensor = torch.tensor(rewards, dtype=torch.float64)
+    advantages = (reward_tensor - reward_tensor.mean()) / (reward_tensor.std() + 1e-4)
+    loss, _ = trl_group_loss(padded, padded.detach(), None, advantages, mask, config)
+    expected = parameter_grads(model, loss)
+
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert sum(g.abs().sum() for g in expected.values()) > 0
+    indexer_grads = [g for name, g in grads.items() if ".indexer." in name]
+    assert indexer_grads and all(g.abs().sum() == 0 for g in indexer_grads)  # frozen
+    assert_grads_close(grads, expected, rtol=1e-6)
+
+
+def test_lora_on_kv_b_proj_uses_the_effective_weight() -> None:
+    model = _float64_model(SPARSE_TOPK, seed=1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"])
+    peft_model = get_peft_model(model, lora)
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; move off it so LoRA changes the output
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapter = ls.adapt(peft_model)
+    prompt, response = _ids(33, 12), _ids(7, 13)
+    state = adapter.prefill(prompt, chunk_size=10)
+    ours = adapter.score(state, response)
+    # 1e-6, not float64 round-off: the MoE router computes in float32 even in a float64 model.
+    with torch.no_grad():
+        assert (ours - full_sequence_logps(peft_model, prompt, response)).abs().max() <= 1e-6
+        with peft_model.disable_adapter():  # the reference policy: base weights, same code
+            base = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
+            assert (base - full_sequence_logps(peft_model, prompt, response)).abs().max() <= 1e-6
+    assert (base - ours).abs().max() > 1e-3
+    grads = parameter_grads(peft_model, ours.sum())
+    assert any("kv_b_proj.lora_" in name and g.abs().sum() > 0 for name, g in grads.items())
+    assert grads and all("lora_" in name for name in grads)
+    reference = detached_reference_logps(peft_model, prompt, response)
+    assert_grads_close(grads, parameter_grads(peft_model, reference.sum()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("work_elements", [1, 1 << 22])
+def test_sparse_latent_attention_matches_masked_softmax_and_gradcheck(
+    monkeypatch: pytest.MonkeyPatch, work_elements: int
+) -> None:
+    """The gathered sparse attention against plain masked softmax over prefix + span rows,
+    and its backward (queries, span rows, prefix rows) against finite differences, with one
+    query per block and with all queries in one block."""
+    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", work_elements)
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, dtype=torch.float64, generator=generator)
+        return x.requires_grad_()
+
+    heads, span, prefix_length, dim, value_dim, topk = 3, 5, 7, 6, 4, 4
+    queries, span_latent, prefix_latent = (
+        rand(1, heads, span, dim),
+        rand(span, dim),
+        rand(prefix_length, dim),
+    )
+    positions = torch.full((span, topk), -1)
+    for t in range(span):  # query t sits at prefix_length + t; the first ones see < topk keys
+        visible = torch.randperm(prefix_length + t + 1, generator=generator)
+        positions[t, : min(topk, len(visible))] = visible[:topk]
+    positions[1, 0] = -1  # padding inside a row
+
+    output = latent_attention(queries, span_latent, prefix_latent, positions, value_dim, 0.7)
+    keys = torch.cat([prefix_latent, span_latent])
+    selected = torch.zeros(span, prefix_length + span, dtype=torch.bool)
+    for t in range(span):
+        selected[t, positions[t][positions[t] >= 0]] = True
+    scores = (queries @ keys.T * 0.7).masked_fill(~selected, float("-inf"))
+    expected = torch.softmax(scores, -1) @ keys[:, :value_dim]
+    assert (output - expected).abs().max() <= 1e-12
+
+    torch.autograd.gradcheck(
+        lambda q, s, p: latent_attention(q, s, p, positions, value_dim, 0.7),
+        (queries, span_latent, prefix_latent),
+    )
+
+
+# --- memory: the latent is never expanded --------------------------------------------------
+
+
+class RecordLargestOutput(TorchDispatchMode):
+    """The largest numel among all op outputs while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for out in result if isinstance(result, tuple | list) else (result,):
+            if isinstance(out, torch.Tensor):
+                self.largest = max(self.largest, out.numel())
+        return result
+
+
+@pytest.mark.parametrize("topk", [DENSE_TOPK, SPARSE_TOPK])
+def test_prefill_and_scoring_never_expand_the_prefix_per_head(topk: int) -> None:
+    """No tensor as large as the per-head K or V over the prompt exists, forward or backward.
+
+    Heads x head dims (8 x 32) are made larger than everything else a chunk or branch of 8
+    tokens builds (indexer scores 8 x 16 heads per position, attention scores 8 x 8 heads),
+    so any tensor of ``heads x prompt x head_dim`` elements would be the expanded prefix.
+    """
+    heads, head_dim = 8, 32
+    model = tiny_model(
+        "glm_moe_dsa",
+        index_topk=topk,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        qk_nope_head_dim=head_dim,
+        v_head_dim=head_dim,
+    )
+    adapter = ls.adapt(model)
+    prompt, response = _ids(301, 20), _ids(8, 21)
+    stored = len(prompt) - 1
+    recorder = RecordLargestOutput()
+    with recorder:
+        state = adapter.prefill(prompt, chunk_size=8)
+        adapter.score(state, response).sum().backward()
+    assert recorder.largest >= stored * (model.config.kv_lora_rank + 8)  # the state was seen
+    assert recorder.largest < heads * stored * head_dim
+
+
+# --- the state ---------------------------------------------------------------------------
+
+
+def test_state_holds_only_latent_and_index_keys() -> None:
+    model = tiny_model("glm_moe_dsa", index_topk=SPARSE_TOPK)
+    adapter = ls.adapt(model)
+    prompt = _ids(41, 30)
+    state = adapter.prefill(prompt, chunk_size=16)
+    config = model.config
+    rank, rope, index_dim = config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim
+    assert all(isinstance(record, LatentKV) for record in state.layers)
+    for record, kind in zip(state.layers, config.indexer_types, strict=True):
+        assert record.c_kv.shape == (40, rank) and record.k_pe.shape == (40, rope)
+        assert record.c_kv.data_ptr() == record.latent.data_ptr()  # views, not copies
+        if kind == "full":
+            assert record.index_keys.shape == (40, index_dim)
+        else:
+            assert record.index_keys is None
+
+    full_layers = config.indexer_types.count("full")
+    per_token = 4 * (4 * (rank + rope) + full_layers * index_dim)  # float32
+    expanded_per_token = 4 * 4 * 4 * ((16 + 8) + 16)  # 4 layers x 4 heads x (K + V dims)
+    assert state.nbytes() == 40 * per_token
+    row = state.summary()["mla_dsa"]
+    assert row["layers"] == 4 and row["bytes_per_token"] == per_token
+    assert row["expanded_bytes_per_token"] == expanded_per_token
+    assert row["expanded_bytes"] == 40 * expanded_per_token
+    assert state.to("cpu").nbytes() == state.nbytes()
+
+    # Scoring only reads: two branches from one state equal each from a fresh prefill.
+    snapshot = [r.latent.clone() for r in state.layers]
+    first, second = _ids(6, 31), _ids(4, 32)
+    with torch.no_grad():
+        shared = [adapter.score(state, first), adapter.score(state, second)]
+        fresh = [adapter.score(adapter.prefill(prompt, chunk_size=16), r) for r in (first, second)]
+    for got, want in zip(shared, fresh, strict=True):
+        assert torch.equal(got, want)
+    for record, latent in zip(state.layers, snapshot, strict=True):
+        assert torch.equal(record.latent, latent)
+
+
+def test_a_shared_first_layer_is_refused() -> None:
+    model = tiny_model("glm_moe_dsa", indexer_types=["shared", "full", "shared", "full"])
+    with pytest.raises(ValueError, match="first layer must be 'full'"):
+        ls.adapt(model)

@@ -1,0 +1,440 @@
+"""The Qwen3.6 adapter (Gated DeltaNet + gated full attention) against transformers itself.
+
+References are the transformers models' own full-sequence forward and their own cache,
+never numbers this adapter produced.
+
+Tolerances. In float32, scores match the full-sequence forward to 1e-5 (as for the dense
+adapter). In float64 the comparison cannot reach the dense adapter's 1e-12: transformers
+computes the gated delta rule, its RMSNorms and RoPE in float32 whatever the model's dtype,
+so a prompt prefilled in other chunks than the reference's rounds differently at ~1e-7
+relative, which the layers above amplify. Measured: log-probs within ~2e-6, gradients within
+~1e-5 of each parameter's own scale; the asserts leave a few times that as margin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from reference import (
+    assert_grads_close,
+    detached_reference_logps,
+    full_sequence_logps,
+    parameter_grads,
+    trl_group_loss,
+)
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.cache_utils import LinearAttentionLayer
+
+import longstraw_core as ls
+from longstraw_core.state import RecurrentState
+from longstraw_core.tiny_models import TINY_CONFIGS, slow_gated_deltanet_decay, tiny_model
+from model_adapters import qwen36
+
+VOCAB = 512
+PROMPT_LENGTH = 45  # 44 stored positions: 7 and 16 do not divide it, 1000 exceeds it
+FLOAT64_LOGP_ATOL = 1e-5  # float32 inside transformers' delta rule and norms (module doc)
+FLOAT64_GRAD_RTOL = 5e-5
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def assigned_recurrent_states() -> Iterator[None]:
+    """transformers' linear-attention cache with the new recurrent state assigned, not copied.
+
+    The cache copies each new state into the cached tensor in place, which the delta rule
+    saved for backward: a cached continuation run with autograd then fails. Only the
+    reference runs under this patch; the adapter never uses the transformers cache.
+    """
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    with mock.patch.object(LinearAttentionLayer, "update_recurrent_state", update_recurrent_state):
+        yield
+
+
+def cache_reference_with_state_leaves(
+    model: torch.nn.Module, prompt: torch.Tensor, response: torch.Tensor
+) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """``detached_reference_logps``, with each linear layer's cached states made leaves.
+
+    Returns the log-probs and, per linear layer index, the (conv, recurrent) leaves, so the
+    gradient of the branch with respect to the prompt's recurrent state can be compared.
+    transformers keeps ``kernel`` conv columns where the adapter keeps ``kernel - 1``.
+    """
+    with torch.no_grad():
+        cache = model(input_ids=prompt[None, :-1], use_cache=True).past_key_values
+    leaves = {}
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionLayer):
+            conv = layer.conv_states[0].detach().clone().requires_grad_()
+            recurrent = layer.recurrent_states[0].detach().clone().requires_grad_()
+            layer.conv_states[0] = conv.clone()  # the cache writes into this one in place
+            layer.recurrent_states[0] = recurrent
+            leaves[index] = (conv, recurrent)
+    branch = torch.cat([prompt[-1:], response[:-1]])[None]
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + branch.shape[1])[None]
+    with assigned_recurrent_states():
+        logits = model(
+            input_ids=branch, cache=cache, position_ids=positions, use_cache=True
+        ).logits[0]
+    return torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0], leaves
+
+
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def _model(model_type: str = "qwen3_5_text", dtype: torch.dtype = torch.float32, **overrides):
+    """Tiny models are built once per configuration (tests never change their weights)."""
+    key = (model_type, dtype, *sorted(overrides.items()))
+    if key not in _MODELS:
+        _MODELS[key] = tiny_model(model_type, dtype=dtype, **overrides)
+    return _MODELS[key]
+
+
+def _conditional_generation_model() -> Qwen3_5ForConditionalGeneration:
+    """Qwen3.6 as released: the multimodal wrapper (``qwen3_5``), used here for text only."""
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
+    vision |= {"out_hidden_size": 64, "patch_size": 4, "temporal_patch_size": 1}
+    text = {**TINY_CONFIGS["qwen3_5_text"], "initializer_range": 0.1}
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    slow_gated_deltanet_decay(model)
+    return model.eval()
+
+
+# --- scores against the full-sequence forward (float32) -----------------------------------
+
+LAYOUTS = {
+    "interval4": {},  # 3 linear layers, then full attention
+    "interval2": {"full_attention_interval": 2},
+    "interval3_mha": {
+        "full_attention_interval": 3,
+        "num_hidden_layers": 6,
+        "num_key_value_heads": 4,
+    },
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("chunk_size", [7, 16, 1000])
+def test_score_equals_full_sequence_forward(layout: str, chunk_size: int) -> None:
+    model = _model(**LAYOUTS[layout])
+    adapter = ls.adapt(model)
+    assert isinstance(adapter, qwen36.Qwen36Adapter)
+    prompt, response = _ids(PROMPT_LENGTH, 1), _ids(9, 2)
+    with torch.no_grad():
+        logps = adapter.score(adapter.prefill(prompt, chunk_size=chunk_size), response)
+        expected = full_sequence_logps(model, prompt, response)
+    assert logps.shape == (9,)
+    assert (logps - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("prompt_length", "chunk_size"),
+    # conv kernel 4: prompts of 1..3 tokens store fewer positions than the conv window
+    [(1, 1), (2, 1), (3, 1), (3, 2), (4, 3), (12, 1)],
+)
+def test_short_prompts_and_single_token_chunks(prompt_length: int, chunk_size: int) -> None:
+    model = _model()
+    adapter = ls.adapt(model)
+    prompt, response = _ids(prompt_length, 3), _ids(5, 4)
+    with torch.no_grad():
+        state = adapter.prefill(prompt, chunk_size=chunk_size)
+        for length in (5, 1):  # a one-token branch too
+            got = adapter.score(state, response[:length])
+            want = full_sequence_logps(model, prompt, response[:length])
+            assert (got - want).abs().max() <= 1e-5
+    assert state.length == prompt_length - 1
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_moe_text", "qwen3_next", "qwen3_5"])
+def test_other_model_types_equal_full_sequence_forward(variant: str) -> None:
+    model = _conditional_generation_model() if variant == "qwen3_5" else _model(variant)
+    adapter = ls.adapt(model)
+    assert model.config.model_type == variant and isinstance(adapter, qwen36.Qwen36Adapter)
+    prompt, response = _ids(PROMPT_LENGTH, 5), _ids(9, 6)
+    with torch.no_grad():
+        logps = adapter.score(adapter.prefill(prompt, chunk_size=7), response)
+        expected = full_sequence_logps(model, prompt, response)
+    assert (logps - expected).abs().max() <= 1e-5
+
+
+# --- gradients against the transformers cache (float64) -----------------------------------
+
+
+@pytest.mark.parametrize(("prompt_length", "chunk_size"), [(PROMPT_LENGTH, 7), (3, 1)])
+def test_gradients_equal_cache_reference_for_parameters_and_state(
+    prompt_length: int, chunk_size: int
+) -> None:
+    model = _model(dtype=torch.float64)
+    adapter = ls.adapt(model)
+    prompt, response = _ids(prompt_length, 7), _ids(11, 8)
+    weights = torch.randn(11, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    state = adapter.prefill(prompt, chunk_size=chunk_size)
+    linear = {i: r for i, r in enumerate(state.layers) if isinstance(r, RecurrentState)}
+    for record in linear.values():  # the initial state as a leaf: exact mode will need dL/dS
+        record.conv.requires_grad_(True)
+        record.recurrent.requires_grad_(True)
+    ours = adapter.score(state, response)
+    reference, leaves = cache_reference_with_state_leaves(model, prompt, response)
+    assert (ours - reference).abs().max() <= FLOAT64_LOGP_ATOL
+    assert leaves.keys() == linear.keys()
+
+    ours_state = [t for r in linear.values() for t in (r.conv, r.recurrent)]
+    theirs = [t for pair in leaves.values() for t in pair]
+    got = torch.autograd.grad((ours * weights).sum(), ours_state, retain_graph=True)
+    want = torch.autograd.grad((reference * weights).sum(), theirs, retain_graph=True)
+
+    expected = parameter_grads(model, (reference * weights).sum())
+    assert sum(g.abs().sum() for g in expected.values()) > 0
+    assert_grads_close(
+        parameter_grads(model, (ours * weights).sum()), expected, rtol=FLOAT64_GRAD_RTOL
+    )
+    for index in range(len(linear)):
+        conv_grad, recurrent_grad = got[2 * index], got[2 * index + 1]
+        want_conv, want_recurrent = want[2 * index][0], want[2 * index + 1][0]
+        assert want_conv[:, 0].abs().max() == 0  # the column the adapter does not keep
+        assert want_recurrent.abs().max() > 0
+        for mine, theirs_ in ((conv_grad, want_conv[:, 1:]), (recurrent_grad, want_recurrent)):
+            scale = theirs_.abs().max()
+            assert (mine - theirs_).abs().max() <= FLOAT64_GRAD_RTOL * scale
+
+
+def test_one_chunk_prefill_equals_the_cache_to_float64_precision() -> None:
+    """Prefilled in one chunk, as the reference prefills it, the two agree to 1e-12: the
+    looser float64 tolerances elsewhere are float32 rounding, not a modelling difference."""
+    model = _model(dtype=torch.float64)
+    adapter = ls.adapt(model)
+    prompt, response = _ids(PROMPT_LENGTH, 21), _ids(8, 22)
+    ours = adapter.score(adapter.prefill(prompt, chunk_size=PROMPT_LENGTH), response)
+    with assigned_recurrent_states():
+        reference = detached_reference_logps(model, prompt, response)
+    assert (ours - reference).abs().max() <= 1e-12
+
+
+def test_lora_on_deltanet_and_attention_projections() -> None:
+    model = tiny_model("qwen3_5_text", dtype=torch.float64, seed=1)
+    targets = ["in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj", "q_proj", "v_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; move off it so LoRA changes the output
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapter = ls.adapt(peft_model)
+    prompt, response = _ids(33, 10), _ids(7, 11)
+    ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
+    with assigned_recurrent_states():
+        reference = detached_reference_logps(peft_model, prompt, response)
+    assert (ours - reference).abs().max() <= FLOAT64_LOGP_ATOL
+    grads = parameter_grads(peft_model, ours.sum())
+    assert grads and all("lora_" in name for name in grads)
+    assert any("linear_attn.in_proj_qkv" in name for name in grads)
+    expected = parameter_grads(peft_model, reference.sum())
+    assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
+
+
+def test_grpo_step_detached_gradients_equal_whole_group_reference() -> None:
+    model = _model(dtype=torch.float64)
+    adapter = ls.adapt(model)
+    prompt = _ids(23, 12)
+    responses = [_ids(n, 13 + i) for i, n in enumerate([5, 9, 2])]
+    rewards = [1.0, 0.5, -0.5]
+    cfg = ls.GRPOConfig(loss_type="grpo", epsilon_high=0.28)
+    with torch.no_grad():  # behaviour log-probs off the policy, so ratios clip on both sides
+        state = adapter.prefill(prompt, chunk_size=5)
+        old = [
+            adapter.score(state, r) + 0.3 * torch.randn(len(r), dtype=torch.float64)
+            for r in responses
+        ]
+
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(
+        adapter, prompt, responses, rewards, config=cfg, old_logps=old, chunk_size=5
+    )
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+    }
+    model.zero_grad(set_to_none=True)
+
+    with assigned_recurrent_states():
+        logps = [detached_reference_logps(model, prompt, r) for r in responses]
+    width = max(len(r) for r in responses)
+    padded = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in logps])
+    old_padded = torch.stack([torch.nn.functional.pad(o, (0, width - len(o))) for o in old])
+    mask = torch.stack([(torch.arange(width) < len(r)).double() for r in responses])
+    r = torch.tensor(rewards, dtype=torch.float64)
+    advantages = (r - r.mean()) / (r.std() + 1e-4)
+    loss, _ = trl_group_loss(padded, old_padded, None, advantages, mask, cfg)
+    expected = parameter_grads(model, loss)
+
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4)
+    assert metrics["clip_ratio/region_mean"] > 0
+    assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
+
+
+# --- the state ----------------------------------------------------------------------------
+
+
+def test_branches_read_the_state_and_leave_it_unchanged() -> None:
+    model = _model()
+    adapter = ls.adapt(model)
+    prompt, first, second = _ids(30, 14), _ids(6, 15), _ids(4, 16)
+    state = adapter.prefill(prompt, chunk_size=8)
+    snapshot = [
+        (r.conv.clone(), r.recurrent.clone()) if isinstance(r, RecurrentState) else r.keys.clone()
+        for r in state.layers
+    ]
+    with torch.no_grad():
+        shared = [adapter.score(state, first), adapter.score(state, second)]
+        fresh = [
+            adapter.score(adapter.prefill(prompt, chunk_size=8), response)
+            for response in (first, second)
+        ]
+    adapter.score(state, first).sum().backward()  # with autograd too
+    model.zero_grad(set_to_none=True)
+    for got, want in zip(shared, fresh, strict=True):
+        assert torch.equal(got, want)
+    for record, saved in zip(state.layers, snapshot, strict=True):
+        if isinstance(record, RecurrentState):
+            assert torch.equal(record.conv, saved[0]) and torch.equal(record.recurrent, saved[1])
+            assert record.length == 29
+        else:
+            assert torch.equal(record.keys, saved)
+
+
+def test_state_accounting_by_layer_type() -> None:
+    model = _model()
+    adapter = ls.adapt(model)
+    config = model.config
+    conv_dim = 2 * 2 * 8 + 4 * 12  # q, k: 2 key heads x 8; v: 4 value heads x 12
+    linear_bytes = conv_dim * (4 - 1) * 4 + 4 * 8 * 12 * 4  # conv window + fp32 state
+    summaries = []
+    for prompt_length in (20, 61):
+        state = adapter.prefill(_ids(prompt_length, 17), chunk_size=16)
+        summary = state.summary()
+        summaries.append(summary)
+        assert set(summary) == {"linear_attention", "full_attention"}
+        linear, full = summary["linear_attention"], summary["full_attention"]
+        assert linear["layers"] == 3 and full["layers"] == 1
+        assert linear["grows_with_prompt"] is False and full["grows_with_prompt"] is True
+        assert linear["bytes"] == 3 * linear_bytes
+        kv_bytes = 2 * config.num_key_value_heads * config.head_dim * 4
+        assert full["bytes"] == kv_bytes * (prompt_length - 1)
+        for record in state.layers:
+            if isinstance(record, RecurrentState):
+                assert record.conv.shape == (conv_dim, 3)
+                assert record.recurrent.shape == (4, 8, 12)
+                assert record.recurrent.dtype == torch.float32
+    assert summaries[0]["linear_attention"]["bytes"] == summaries[1]["linear_attention"]["bytes"]
+    moved = state.to("cpu")
+    assert moved.nbytes() == state.nbytes() and moved.prompt_length == 61
+    assert "linear_attention: 3 layers" in repr(state)
+
+
+# --- refusals and kernels -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type='dynamic'",
+        ),
+    ],
+)
+def test_unsupported_configs_are_refused(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ls.adapt(tiny_model("qwen3_5_text", **overrides))
+
+
+def test_vision_placeholder_tokens_are_refused() -> None:
+    model = _conditional_generation_model()
+    model.config.image_token_id = 7  # inside the tiny vocabulary
+    adapter = ls.adapt(model)
+    with pytest.raises(ValueError, match=r"prompt_ids holds token 7 \(config.image_token_id\)"):
+        adapter.prefill(torch.tensor([1, 7, 3]))
+    state = adapter.prefill(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"response_ids holds token 7"):
+        adapter.score(state, torch.tensor([7]))
+
+
+def test_kernel_choice_and_fla_argument_handling(monkeypatch) -> None:
+    deltanet = _model().model.layers[0].linear_attn
+    kernels = qwen36.deltanet_kernels(deltanet, torch.device("cpu"), torch.bfloat16)
+    assert kernels.names == ("torch", "torch")
+    torch_rule = kernels.delta_rule
+
+    calls = []
+
+    def fla_stand_in(q, k, v, *, g, beta, initial_state, output_final_state, **kwargs):
+        """fla's contract as the wrapper must meet it: equal head counts, fp32 state."""
+        assert q.shape[2] == k.shape[2] == v.shape[2]
+        assert initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+        calls.append(kwargs)
+        return torch_rule(
+            q, k, v, g=g, beta=beta, initial_state=initial_state,
+            output_final_state=output_final_state, **kwargs,
+        )  # fmt: skip
+
+    monkeypatch.setattr(qwen36, "_fla_chunk_gated_delta_rule", lambda: fla_stand_in)
+    monkeypatch.setattr(qwen36, "_causal_conv1d_package", lambda: kernels.conv)
+    cuda = torch.device("cuda")  # only the choice is made; nothing runs on it
+    assert qwen36.deltanet_kernels(deltanet, cuda, torch.float32).names == (
+        "causal_conv1d",
+        "torch",
+    )
+    fla = qwen36.deltanet_kernels(deltanet, cuda, torch.bfloat16)
+    assert fla.names == ("causal_conv1d", "fla")
+
+    generator = torch.Generator().manual_seed(18)
+    q, k = (torch.randn(1, 5, 2, 8, generator=generator) for _ in range(2))
+    v = torch.randn(1, 5, 4, 12, generator=generator)
+    g, beta = -torch.rand(1, 5, 4, generator=generator), torch.rand(1, 5, 4, generator=generator)
+    h0 = torch.randn(4, 12, 8, generator=generator).transpose(1, 2)[None]  # non-contiguous
+    options = {"g": g, "beta": beta, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    got = fla.delta_rule(q, k, v, initial_state=h0, **options)
+    want = torch_rule(q, k, v, initial_state=h0, **options)
+    assert calls == [{"use_qk_l2norm_in_kernel": True}]
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_match_the_torch_path() -> None:
+    if qwen36._fla_chunk_gated_delta_rule() is None:
+        pytest.skip("flash-linear-attention is not installed")
+    # fla's triton kernels are tuned for head dims of 16 and up
+    dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32, "head_dim": 32}
+    model = tiny_model("qwen3_5_text", dtype=torch.bfloat16, **dims).cuda()
+    adapter = ls.adapt(model)
+    assert (
+        qwen36.deltanet_kernels(
+            model.model.layers[0].linear_attn, adapter.device, adapter.dtype
+        ).names[1]
+        == "fla"
+    )
+    prompt, response = _ids(300, 19).cuda(), _ids(40, 20).cuda()
+    with torch.no_grad():
+        fast = adapter.score(adapter.prefill(prompt, chunk_size=128), response)
+        with (
+            mock.patch.object(qwen36, "_fla_chunk_gated_delta_rule", lambda: None),
+            mock.patch.object(qwen36, "_causal_conv1d_package", lambda: None),
+        ):
+            slow = adapter.score(adapter.prefill(prompt, chunk_size=128), response)
+    assert (fast - slow).abs().max() <= 0.1  # bfloat16
