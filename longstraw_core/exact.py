@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core.state import AttentionKV, PrefixState, RecurrentState
+from longstraw_core.state import AttentionKV, LatentKV, PrefixState, RecurrentState
 
 # (tensor produced by a recomputed chunk, gradient to backpropagate into it)
 Produced = list[tuple[torch.Tensor, torch.Tensor]]
@@ -133,14 +133,67 @@ class RecurrentExactView:
             buffer.zero_()
 
 
+@dataclass
+class LatentKVGrad:
+    """``dL/dlatent`` of one MLA layer's prefix, ``[L, kv_lora_rank + rope_dim]``.
+
+    The DSA indexer keys get no buffer: the indexer runs without autograd (as in
+    transformers), so no gradient flows to or through them.
+    """
+
+    latent: torch.Tensor
+
+    @classmethod
+    def zeros_like(cls, record: LatentKV, dtype: torch.dtype) -> LatentKVGrad:
+        return cls(record.latent.new_zeros(record.latent[: record.length].shape, dtype=dtype))
+
+    def nbytes(self) -> int:
+        return self.latent.numel() * self.latent.element_size()
+
+
+class LatentKVExactView:
+    """A ``LatentKV`` as exact mode sees it: gradients of latent reads go into ``grad``.
+
+    Reads return the stored tensors; ``latent_grad`` hands the attention the buffer slice
+    its backward adds the prefix gradient into (no state-sized temporary). During recompute
+    a chunk's ``write`` hands its latent (with its graph) and ``dS`` slice to the sweep; its
+    index keys carry no gradient and are dropped (the stored ones are the same values).
+    """
+
+    def __init__(self, record: LatentKV, grad: LatentKVGrad, produced: Produced | None):
+        self.record, self.grad, self.produced = record, grad, produced
+
+    @property
+    def length(self) -> int:
+        return self.record.length
+
+    def latent_prefix(self, end: int) -> torch.Tensor:
+        return self.record.latent_prefix(end)
+
+    def index_key_prefix(self, end: int) -> torch.Tensor | None:
+        return self.record.index_key_prefix(end)
+
+    def latent_grad(self, end: int) -> torch.Tensor:
+        return self.grad.latent[:end]
+
+    def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """During recompute: hand the chunk's latent and its ``dS`` to the sweep."""
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        end = start + latent.shape[0]
+        self.produced.append((latent, self.grad.latent[start:end].to(latent.dtype, copy=True)))
+
+
 # Each record kind's gradient buffer and exact-mode view, by record class.
 GRAD_FACTORIES: dict[type, object] = {
     AttentionKV: AttentionKVGrad.zeros_like,
     RecurrentState: RecurrentStateGrad.zeros_like,
+    LatentKV: LatentKVGrad.zeros_like,
 }
 VIEW_FACTORIES: dict[type, object] = {
     AttentionKV: AttentionKVExactView,
     RecurrentState: RecurrentExactView,
+    LatentKV: LatentKVExactView,
 }
 
 

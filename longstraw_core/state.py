@@ -359,6 +359,18 @@ class LatentKV:
             self.index_keys[start:end] = index_keys
         self.length = end
 
+    def latent_prefix(self, end: int) -> torch.Tensor:
+        """The latent of positions ``[0, end)``, ``[end, kv_lora_rank + rope_dim]`` (a view)."""
+        return self.latent[:end]
+
+    def index_key_prefix(self, end: int) -> torch.Tensor | None:
+        """The indexer keys of positions ``[0, end)`` (a view), ``None`` on shared layers."""
+        return None if self.index_keys is None else self.index_keys[:end]
+
+    def latent_grad(self, end: int) -> None:
+        """Gradient buffer for ``latent_prefix(end)``: none here (exact mode's views give one)."""
+        return None
+
     def nbytes(self) -> int:
         total = _nbytes(self.latent[: self.length])
         if self.index_keys is not None:

@@ -138,7 +138,10 @@ def tiny_model(
     """
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(TINY_CONFIGS)}")
-    settings = {**TINY_CONFIGS[model_type], "initializer_range": initializer_range, **overrides}
+    settings = {**TINY_CONFIGS[model_type], "initializer_range": initializer_range}
+    if dtype == torch.float64:  # MoE grouped matmul has no float64 CPU kernel: eager experts
+        settings["experts_implementation"] = "eager"
+    settings |= overrides
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(

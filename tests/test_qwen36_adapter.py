@@ -438,3 +438,76 @@ def test_cuda_kernels_match_the_torch_path() -> None:
         ):
             slow = adapter.score(adapter.prefill(prompt, chunk_size=128), response)
     assert (fast - slow).abs().max() <= 0.1  # bfloat16
+
+
+# --- exact mode against the full graph (float64) --------------------------------------------
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    padded = torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in rows])
+    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
+    return padded, mask
+
+
+@pytest.mark.parametrize(
+    ("model_type", "chunk_size", "checkpoints", "loss_type", "beta"),
+    [
+        ("qwen3_5_text", 7, "device", "dapo", 0.0),
+        ("qwen3_5_text", 2, "cpu", "grpo", 0.04),
+        ("qwen3_5_text", 1000, "device", "cispo", 0.0),
+        ("qwen3_next", 5, "device", "dr_grpo", 0.0),
+    ],
+)
+def test_exact_grpo_step_equals_full_graph(model_type, chunk_size, checkpoints, loss_type, beta):
+    """Gradients through the prompt's keys, values, conv windows and recurrent states."""
+    model = _model(model_type, torch.float64)
+    adapter = ls.adapt(model)
+    prompt = _ids(12 if chunk_size == 2 else 31, 60)
+    responses = [_ids(n, 61 + i) for i, n in enumerate([5, 2, 7])]
+    rewards = [0.7, -0.4, 0.1]
+    cfg = ls.GRPOConfig(
+        loss_type=loss_type,
+        beta=beta,
+        gradient="exact",
+        recurrent_checkpoints=checkpoints,
+        epsilon_high=5.0 if loss_type == "cispo" else None,
+        max_completion_length=8,
+    )
+    with torch.no_grad():
+        ref = [full_sequence_logps(model, prompt, r) + 0.1 for r in responses]  # any constant
+    ref_adapter = ls.adapt(_model(model_type, torch.float64, seed=9)) if beta else None
+    if beta:
+        with torch.no_grad():
+            ref = [full_sequence_logps(ref_adapter.causal_lm, prompt, r) for r in responses]
+
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(
+        adapter, prompt, responses, rewards, config=cfg, ref_adapter=ref_adapter,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
+    r = torch.tensor(rewards, dtype=torch.float64)
+    advantages = (r - r.mean()) / (r.std() + 1e-4)
+    loss, _ = trl_group_loss(logps, logps.detach(), _pad(ref)[0] if beta else None,
+                             advantages, mask, cfg)  # fmt: skip
+    expected = parameter_grads(model, loss)
+    expected = {n: g for n, g in expected.items() if n in grads or g.abs().sum() > 0}
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
+    if chunk_size < len(prompt) - 1:
+        state = adapter.prefill(prompt, chunk_size=chunk_size, checkpoints=checkpoints)
+        assert state.checkpoint_nbytes() > 0
+        assert "checkpoint_bytes" in state.summary()["linear_attention"]
+
+
+def test_exact_mode_needs_checkpoints_for_a_given_state():
+    adapter = ls.adapt(_model("qwen3_5_text", torch.float64))
+    prompt = _ids(20, 70)
+    state = adapter.prefill(prompt, chunk_size=6)  # no checkpoints
+    with pytest.raises(ValueError, match="checkpoints='device'"):
+        ls.grpo_step(adapter, prompt, [_ids(3, 71), _ids(4, 72)], [1.0, 0.0],
+                     config=ls.GRPOConfig(gradient="exact"), state=state)  # fmt: skip
