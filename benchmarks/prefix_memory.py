@@ -5,8 +5,9 @@ see each other's allocations. A run with a 2-token prompt measures the fixed cos
 torch, the model), which is subtracted. Output: a table, ``prefix_memory.json`` and
 ``prefix_memory.png`` under ``benchmarks/results/``.
 
-    python benchmarks/prefix_memory.py                       # 8K, 32K, 128K tokens
+    python benchmarks/prefix_memory.py                       # 8K, 32K, 128K tokens, qwen3
     python benchmarks/prefix_memory.py --lengths 8192 16384  # quicker
+    python benchmarks/prefix_memory.py --model-type qwen3_5_text  # hybrid: per layer type
 """
 
 from __future__ import annotations
@@ -21,33 +22,43 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = {
+# Cheap in attention (the prefill is quadratic on CPU), with K/V large enough to measure.
+DENSE_MODEL = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "vocab_size": 1024,
 }
+VOCAB = 1024
 
 
-def measure(prompt_tokens: int, response_tokens: int, chunk_size: int) -> dict[str, float]:
+def measure(
+    model_type: str, prompt_tokens: int, response_tokens: int, chunk_size: int
+) -> dict[str, float]:
     """Prefill + score + backward in this process; returns state bytes and peak RSS."""
     import torch
 
     import longstraw_core as ls
     from longstraw_core.tiny_models import tiny_model
 
-    model = tiny_model("qwen3", max_position_embeddings=prompt_tokens + response_tokens, **MODEL)
+    shape = DENSE_MODEL if model_type in ("qwen3", "llama", "qwen2") else {}
+    model = tiny_model(
+        model_type,
+        vocab_size=VOCAB,
+        max_position_embeddings=prompt_tokens + response_tokens,
+        **shape,
+    )
     adapter = ls.adapt(model)
-    ids = torch.randint(0, MODEL["vocab_size"], (prompt_tokens + response_tokens,))
+    ids = torch.randint(0, VOCAB, (prompt_tokens + response_tokens,))
     started = time.perf_counter()
     state = adapter.prefill(ids[:prompt_tokens], chunk_size=chunk_size, progress=False)
     adapter.score(state, ids[prompt_tokens:]).sum().backward()
     return {
         "prompt_tokens": prompt_tokens,
         "state_bytes": state.nbytes(),
+        "state_bytes_by_layer_type": {k: row["bytes"] for k, row in state.summary().items()},
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "seconds": time.perf_counter() - started,
     }
@@ -59,6 +70,8 @@ def run_worker(prompt_tokens: int, args: argparse.Namespace) -> dict[str, float]
         __file__,
         "--worker",
         str(prompt_tokens),
+        "--model-type",
+        args.model_type,
         "--response-tokens",
         str(args.response_tokens),
         "--chunk-size",
@@ -71,7 +84,7 @@ def run_worker(prompt_tokens: int, args: argparse.Namespace) -> dict[str, float]
     return json.loads(output.strip().splitlines()[-1])
 
 
-def plot(rows: list[dict[str, float]], path: Path) -> None:
+def plot(rows: list[dict[str, float]], path: Path, model_type: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +99,7 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("prompt tokens")
     axis.set_ylabel("MiB above the fixed cost")
-    axis.set_title("prefill + score: peak memory vs prefix state (tiny qwen3, CPU)")
+    axis.set_title(f"prefill + score: peak memory vs prefix state (tiny {model_type}, CPU)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -97,10 +110,12 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--response-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--model-type", default="qwen3")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        print(json.dumps(measure(args.worker, args.response_tokens, args.chunk_size)))
+        row = measure(args.model_type, args.worker, args.response_tokens, args.chunk_size)
+        print(json.dumps(row))
         return
 
     fixed = run_worker(2, args)["peak_rss_bytes"]
@@ -109,9 +124,14 @@ def main() -> None:
         row = run_worker(length, args)
         row["peak_above_fixed_bytes"] = row["peak_rss_bytes"] - fixed
         rows.append(row)
+        kinds = ", ".join(
+            f"{kind} {size / 2**20:.3f} MiB"
+            for kind, size in row["state_bytes_by_layer_type"].items()
+        )
         print(
-            f"{length:>8} tokens: state {row['state_bytes'] / 2**20:8.1f} MiB | peak above fixed "
-            f"{row['peak_above_fixed_bytes'] / 2**20:8.1f} MiB | {row['seconds']:.1f} s",
+            f"{length:>8} tokens: state {row['state_bytes'] / 2**20:8.1f} MiB ({kinds}) | "
+            f"peak above fixed {row['peak_above_fixed_bytes'] / 2**20:8.1f} MiB | "
+            f"{row['seconds']:.1f} s",
             flush=True,
         )
     first, last = rows[0], rows[-1]
@@ -123,10 +143,16 @@ def main() -> None:
         f"tokens: {growth:.2f} (at most 1 means the peak grows no faster than the state)"
     )
     RESULTS.mkdir(exist_ok=True)
-    report = {"fixed_rss_bytes": fixed, "rows": rows, "peak_growth_over_state_growth": growth}
-    (RESULTS / "prefix_memory.json").write_text(json.dumps(report, indent=2))
-    plot(rows, RESULTS / "prefix_memory.png")
-    print(f"wrote {RESULTS / 'prefix_memory.json'} and {RESULTS / 'prefix_memory.png'}")
+    report = {
+        "model_type": args.model_type,
+        "fixed_rss_bytes": fixed,
+        "rows": rows,
+        "peak_growth_over_state_growth": growth,
+    }
+    stem = f"prefix_memory_{args.model_type}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot(rows, RESULTS / f"{stem}.png", args.model_type)
+    print(f"wrote {RESULTS / stem}.json and .png")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from rich.console import Console
 from rich.table import Table
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-type", default="qwen3", choices=ls.supported_model_types())
+    parser.add_argument("--model-type", default="qwen3", choices=sorted(TINY_CONFIGS))
     parser.add_argument("--prompt-tokens", type=int, default=32_768)
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=4096)
@@ -37,17 +37,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def state_table(state: ls.PrefixState) -> Table:
+    """Bytes by layer type; fixed-size records show no per-token figure."""
+    summary = state.summary()
+    expanded = any("expanded_bytes_per_token" in row for row in summary.values())
     table = Table(title=f"Prefix state of a {state.prompt_length:,}-token prompt")
-    for column in ("layer type", "layers", "bytes", "bytes / token", "grows with prompt"):
-        table.add_column(column, justify="right" if column != "layer type" else "left")
-    for kind, row in state.summary().items():
-        table.add_row(
+    columns = ["layer type", "layers", "bytes", "bytes / token", "grows with prompt"]
+    if expanded:
+        columns.append("expanded K/V / token")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "layer type" else "right")
+    for kind, row in summary.items():
+        cells = [
             kind,
             str(row["layers"]),
             ls.format_bytes(row["bytes"]),
-            ls.format_bytes(row["bytes_per_token"]),
+            ls.format_bytes(row["bytes_per_token"]) if row["grows_with_prompt"] else "fixed",
             "yes" if row["grows_with_prompt"] else "no",
-        )
+        ]
+        if expanded:
+            per_token = row.get("expanded_bytes_per_token")
+            cells.append(ls.format_bytes(per_token) if per_token is not None else "")
+        table.add_row(*cells)
     return table
 
 
@@ -58,12 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     model = tiny_model(
         args.model_type,
         seed=args.seed,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         vocab_size=2048,
         max_position_embeddings=total,
     )
