@@ -14,6 +14,11 @@ own indexer. The latent is never expanded into per-head keys and values (DESIGN.
   block. When ``index_topk`` covers every visible position, the selection is everything and
   attention is dense causal: it goes through ``segmented_attention``. The indexer runs under
   ``no_grad``, as in transformers (its projections are frozen).
+- **Exact mode.** The record's exact view (``longstraw_core.exact.LatentKVExactView``) gives
+  a gradient buffer for the latent; both attention paths add the gradient of their prefix
+  reads into it (``segmented_attention``'s ``prefix_grads``, or ``index_add_`` of the gathered
+  rows in the sparse backward), never building a prefix-sized temporary. The indexer keys
+  need none: nothing differentiable flows through the selection.
 - Everything else is the model's own modules (norms, projections, RoPE functions, router,
   experts, shared experts), so LoRA and checkpoints keep working.
 """
@@ -215,22 +220,35 @@ def latent_attention(
     selection: torch.Tensor | None,
     value_dim: int,
     scale: float,
+    prefix_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in latent space: ``[1, H, T, value_dim]`` from absorbed ``queries``.
 
     Keys are latent rows ``[c_kv, k_pe]`` (one head shared by all query heads), values their
     first ``value_dim`` columns (``c_kv``), as views of one buffer. ``selection=None`` is dense
     causal attention over prefix + span through ``segmented_attention`` (prefix by reference);
-    otherwise each query attends to its selected positions only.
+    otherwise each query attends to its selected positions only. ``prefix_grad`` (exact mode),
+    shaped like ``prefix_latent``: backward *adds* the prefix's gradient into it, block by
+    block, instead of returning one (no prefix-sized temporary).
     """
     if selection is None:
         keys = span_latent[None, None]
-        prefix = []
+        prefix, sinks = [], []
         if prefix_latent.shape[0]:
             prefix = [(prefix_latent[None], prefix_latent[None, :, :value_dim])]
-        return segmented_attention(queries, keys, keys[..., :value_dim], prefix, scale=scale)
+            if prefix_grad is not None:  # key and value views of one buffer: both add into it
+                sinks = [(prefix_grad[None], prefix_grad[None, :, :value_dim])]
+        return segmented_attention(
+            queries, keys, keys[..., :value_dim], prefix, scale=scale, prefix_grads=sinks or None
+        )
     output = _SparseLatentAttention.apply(
-        queries[0].transpose(0, 1), span_latent, prefix_latent, selection, value_dim, scale
+        queries[0].transpose(0, 1),
+        span_latent,
+        prefix_latent,
+        selection,
+        value_dim,
+        scale,
+        prefix_grad,
     )
     return output.transpose(0, 1)[None]
 
@@ -259,28 +277,38 @@ def _gather_rows(
 
 def _scatter_rows(
     d_span: torch.Tensor,
-    d_prefix: torch.Tensor | None,
+    d_prefixes: list[torch.Tensor],
     prefix_length: int,
     positions: torch.Tensor,
     d_rows: torch.Tensor,
 ) -> None:
-    """Add ``d_rows [b, k, D]`` into the gradients of the rows they were gathered from."""
+    """Add ``d_rows [b, k, D]`` into the gradients of the rows they were gathered from.
+
+    ``d_prefixes``: the buffers (any device and dtype) that take the prefix rows' share.
+    """
     positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, d_rows.shape[-1])
     in_span = positions >= prefix_length
     d_span.index_add_(0, positions[in_span] - prefix_length, d_rows[in_span])
-    if d_prefix is not None:
+    if d_prefixes:
         in_prefix = (positions >= 0) & ~in_span
-        index = positions[in_prefix].to(d_prefix.device)
-        d_prefix.index_add_(0, index, d_rows[in_prefix].to(d_prefix.device))
+        rows, index = d_rows[in_prefix], positions[in_prefix]
+        for d_prefix in d_prefixes:
+            d_prefix.index_add_(
+                0,
+                index.to(d_prefix.device),
+                rows.to(device=d_prefix.device, dtype=d_prefix.dtype),
+            )
 
 
 class _SparseLatentAttention(torch.autograd.Function):
     """Each query attends to its own selected latent rows; flash-style recompute in backward.
 
     Arguments: ``queries [T, H, D]``, ``span_latent [T, D]``, ``prefix_latent [L, D]`` (read
-    by reference), ``positions [T, k]`` (absolute, ``-1`` = none), ``value_dim``, ``scale``.
-    Saves only the inputs, the output and the log-sum-exp; rows are gathered again per query
-    block in backward. Returns a prefix gradient only when the prefix requires grad.
+    by reference), ``positions [T, k]`` (absolute, ``-1`` = none), ``value_dim``, ``scale``,
+    ``prefix_grad`` (``[L, D]`` or ``None``). Saves only the inputs, the output and the
+    log-sum-exp; rows are gathered again per query block in backward. The prefix rows'
+    gradient is added into ``prefix_grad`` (exact mode's sink) when given, and returned only
+    when the prefix requires grad.
     """
 
     @staticmethod
@@ -292,7 +320,13 @@ class _SparseLatentAttention(torch.autograd.Function):
         positions: torch.Tensor,
         value_dim: int,
         scale: float,
+        prefix_grad: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if prefix_grad is not None and prefix_grad.shape != prefix_latent.shape:
+            raise ValueError(
+                f"prefix_grad {tuple(prefix_grad.shape)} does not match the prefix latent "
+                f"{tuple(prefix_latent.shape)}"
+            )
         length, heads, dim = queries.shape
         dtype = _accumulation_dtype(queries.dtype)
         output = queries.new_empty(length, heads, value_dim)
@@ -304,7 +338,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             probs = torch.exp(scores - lse[block, :, None])
             output[block] = (probs @ rows[..., :value_dim]).to(queries.dtype)
         ctx.save_for_backward(queries, span_latent, prefix_latent, positions, output, lse)
-        ctx.value_dim, ctx.scale = value_dim, scale
+        ctx.value_dim, ctx.scale, ctx.prefix_grad = value_dim, scale, prefix_grad
         return output
 
     @staticmethod
@@ -319,6 +353,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         d_prefix = None
         if need_prefix:
             d_prefix = torch.zeros(prefix_latent.shape, dtype=dtype, device=prefix_latent.device)
+        d_prefixes = [t for t in (d_prefix, ctx.prefix_grad) if t is not None]
         for block in _query_blocks(positions, dim, heads):
             rows = _gather_rows(prefix_latent, span_latent, positions[block]).to(dtype)
             q = queries[block].to(dtype)
@@ -329,14 +364,15 @@ class _SparseLatentAttention(torch.autograd.Function):
             d_probs = d_out @ rows[..., :value_dim].transpose(1, 2)  # [b, H, k]
             d_scores = probs * (d_probs - d_sum) * scale
             d_queries[block] = d_scores @ rows
-            if need_span or need_prefix:
+            if need_span or d_prefixes:
                 d_rows = d_scores.transpose(1, 2) @ q  # [b, k, D]
                 d_rows[..., :value_dim] += probs.transpose(1, 2) @ d_out
-                _scatter_rows(d_span, d_prefix, prefix_latent.shape[0], positions[block], d_rows)
+                _scatter_rows(d_span, d_prefixes, prefix_latent.shape[0], positions[block], d_rows)
         return (
             d_queries.to(queries.dtype) if need_query else None,
             d_span.to(span_latent.dtype) if need_span else None,
             d_prefix.to(prefix_latent.dtype) if d_prefix is not None else None,
+            None,
             None,
             None,
             None,
@@ -448,7 +484,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                 selection = select_topk(
                     index_queries,
                     index_weights,
-                    record.index_keys[: span.start],
+                    record.index_key_prefix(span.start),
                     index_keys,
                     attention.indexer.index_topk,
                     attention.indexer.softmax_scale,
@@ -458,10 +494,11 @@ class GlmMoeDsaAdapter(ModelAdapter):
         output = latent_attention(
             queries,
             latent,
-            record.latent[: span.start],
+            record.latent_prefix(span.start),
             selection,
             attention.kv_lora_rank,
             attention.scaling,
+            prefix_grad=record.latent_grad(span.start),
         )
         output = torch.einsum("bhtr,hvr->bthv", output, w_uv).flatten(2)
         return attention.o_proj(output), selection

@@ -17,9 +17,12 @@ from reference import (
     parameter_grads,
     trl_group_loss,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
+from longstraw_core import attention
+from longstraw_core.exact import LatentKVGrad, new_state_grad
 from longstraw_core.state import LatentKV
 from longstraw_core.tiny_models import tiny_model
 from model_adapters import glm52
@@ -306,3 +309,289 @@ def test_a_shared_first_layer_is_refused() -> None:
     model = tiny_model("glm_moe_dsa", indexer_types=["shared", "full", "shared", "full"])
     with pytest.raises(ValueError, match="first layer must be 'full'"):
         ls.adapt(model)
+
+
+# --- exact gradients: the full graph -------------------------------------------------------
+#
+# ``grpo_step(gradient="exact")`` against the full graph: every ``prompt + response`` through
+# the transformers model with autograd over everything, TRL's group loss, one backward. In
+# sparse cases the DSA selection is discrete: both sides differentiate the loss with the
+# selection fixed (the indexer runs under no_grad in transformers too).
+#
+# The models keep float32 islands even in float64: every RMSNorm computes in float32, and the
+# MoE router casts its input and its (float32) weight to float32. They bound the agreement at
+# ~1e-7 relative whatever the mechanism does. ``Float64Internals`` turns those casts into
+# no-ops (and the routers' parameters into float64) on both sides alike, so the comparison
+# shows float64 round-off; one test keeps the models' own float32 internals.
+
+EXACT_RTOL = 1e-10  # float64 throughout (observed: ~1e-14)
+LENGTHS = [7, 3, 5]
+REWARDS = [1.0, -0.5, 0.25]
+
+
+class Float64Internals(TorchFunctionMode):
+    """``.to(float32)`` / ``.type(float32)`` of a float64 tensor returns it in float64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.type) and args[0].dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def _exact_model(model_type: str, topk: int, seed: int = 0, float64_internals: bool = True):
+    model = tiny_model(
+        model_type,
+        dtype=torch.float64,
+        seed=seed,
+        index_topk=topk,
+        experts_implementation="eager",
+    )
+    if float64_internals:
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):  # the MoE router
+                module.weight.data = module.weight.data.double()
+                module.e_score_correction_bias.data = module.e_score_correction_bias.double()
+    return model
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    padded = torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
+    return padded, mask
+
+
+def _step_grads(model, adapter, prompt, responses, config, **kwargs):
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=config, **kwargs)
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    model.zero_grad(set_to_none=True)
+    return metrics, grads
+
+
+def _full_graph(model, prompt, responses, old, ref, config):
+    """The group loss over full-sequence forwards and its parameter gradients."""
+    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
+    old_padded = logps.detach() if old is None else _pad(old)[0]
+    ref_padded = None if ref is None else _pad(ref)[0]
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    loss, _ = trl_group_loss(logps, old_padded, ref_padded, advantages, mask, config)
+    return loss, parameter_grads(model, loss)
+
+
+def _check_exact(
+    model,
+    prompt,
+    responses,
+    config,
+    *,
+    chunk_size,
+    topk,
+    ref_model=None,
+    ref_adapter=None,
+    off_policy=True,
+    rtol=EXACT_RTOL,
+):
+    """``grpo_step(gradient="exact")`` equals the full graph; returns the step's gradients."""
+    adapter = ls.adapt(model)
+    old = None
+    if off_policy:  # behaviour log-probs off the current policy, so ratios and clips engage
+        noise = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            state = adapter.prefill(prompt, chunk_size=chunk_size)
+            old = [
+                adapter.score(state, r) + 0.3 * torch.randn(len(r), generator=noise).double()
+                for r in responses
+            ]
+    if ref_model is not None and ref_adapter is None:
+        ref_adapter = ls.adapt(ref_model)
+    metrics, grads = _step_grads(
+        model, adapter, prompt, responses, config, old_logps=old, ref_adapter=ref_adapter,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    recorder = RecordIndexScores(topk)
+    with recorder:
+        ref = None
+        if config.beta:
+            with torch.no_grad():
+                if ref_model is not None:
+                    ref = [full_sequence_logps(ref_model, prompt, r) for r in responses]
+                else:  # a LoRA policy's reference: the base weights
+                    with model.disable_adapter():
+                        ref = [full_sequence_logps(model, prompt, r) for r in responses]
+        loss, expected = _full_graph(model, prompt, responses, old, ref, config)
+    if topk == SPARSE_TOPK:
+        assert_no_ties_at_k(recorder)
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=max(rtol, 1e-9), abs=1e-12)
+    assert metrics["sweep_seconds"] > 0 and metrics["state_grad_bytes"] > 0
+    assert sum(g.abs().sum() for g in expected.values()) > 0
+    assert_grads_close(grads, expected, rtol=rtol)
+    return grads
+
+
+def _exact_config(loss_type: str, beta: float) -> ls.GRPOConfig:
+    return ls.GRPOConfig(
+        loss_type=loss_type,
+        beta=beta,
+        gradient="exact",
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        max_completion_length=16,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_exact_step_equals_full_graph(loss_type: str, beta: float) -> None:
+    """Sparse GLM (layers that select and layers that reuse), uneven chunks of 7."""
+    prompt, responses = _ids(30, 3), [_ids(n, 40 + n) for n in LENGTHS]
+    model = _exact_model("glm_moe_dsa", SPARSE_TOPK)
+    ref_model = _exact_model("glm_moe_dsa", SPARSE_TOPK, seed=1) if beta else None
+    with Float64Internals():
+        _check_exact(
+            model, prompt, responses, _exact_config(loss_type, beta), chunk_size=7,
+            topk=SPARSE_TOPK, ref_model=ref_model,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize(
+    ("topk", "chunk_size"),
+    # chunks of 5 with top-6: the first chunk attends densely, the rest sparsely
+    [(DENSE_TOPK, 7), (DENSE_TOPK, 1000), (SPARSE_TOPK, 5), (SPARSE_TOPK, 1000)],
+)
+def test_exact_dense_sparse_and_chunkings(model_type: str, topk: int, chunk_size: int) -> None:
+    prompt, responses = _ids(30, 5), [_ids(n, 50 + n) for n in LENGTHS]
+    model = _exact_model(model_type, topk, seed=2)
+    with Float64Internals():
+        _check_exact(
+            model, prompt, responses, _exact_config("dapo", 0.0), chunk_size=chunk_size,
+            topk=topk, off_policy=False,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_exact_with_the_models_float32_internals(model_type: str) -> None:
+    """The models as they are (float32 norms and router): 1e-6 relative (observed <= ~5e-7,
+    worst on the float32 router weights)."""
+    prompt, responses = _ids(30, 6), [_ids(n, 60 + n) for n in LENGTHS]
+    model = _exact_model(model_type, SPARSE_TOPK, seed=3, float64_internals=False)
+    ref_model = _exact_model(model_type, SPARSE_TOPK, seed=4, float64_internals=False)
+    _check_exact(
+        model, prompt, responses, _exact_config("grpo", 0.04), chunk_size=7, topk=SPARSE_TOPK,
+        ref_model=ref_model, rtol=1e-6,
+    )  # fmt: skip
+
+
+def test_exact_with_lora_trains_only_adapters() -> None:
+    prompt, responses = _ids(33, 12), [_ids(n, 70 + n) for n in LENGTHS]
+    model = _exact_model("glm_moe_dsa", SPARSE_TOPK, seed=5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"])
+    peft_model = get_peft_model(model, lora)
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:  # off zero, so LoRA changes the output
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapter = ls.adapt(peft_model)
+    with Float64Internals():
+        grads = _check_exact(
+            peft_model, prompt, responses, _exact_config("dapo", 0.05), chunk_size=6,
+            topk=SPARSE_TOPK, ref_adapter=ls.lora_reference(adapter),
+        )  # fmt: skip
+    assert grads and all("lora_" in name for name in grads)
+    assert any("kv_b_proj.lora_" in name and g.abs().sum() > 0 for name, g in grads.items())
+
+
+def test_exact_differs_from_detached() -> None:
+    """The prompt's latents depend on the parameters; detached mode drops those paths."""
+    model = _exact_model("glm_moe_dsa", SPARSE_TOPK, seed=6)
+    adapter = ls.adapt(model)
+    prompt, responses = _ids(30, 8), [_ids(n, 80 + n) for n in LENGTHS]
+    _, exact = _step_grads(model, adapter, prompt, responses, ls.GRPOConfig(gradient="exact"))
+    _, detached = _step_grads(model, adapter, prompt, responses, ls.GRPOConfig())
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # the prompt's latent
+    assert (exact[name] - detached[name]).abs().max() > 0.1 * exact[name].abs().max()
+    indexer = [g for name, g in exact.items() if ".indexer." in name]
+    assert indexer and all(g.abs().sum() == 0 for g in indexer)  # frozen, as in transformers
+
+
+class RecordPrefixShapedAllocations(TorchDispatchMode):
+    """Ops whose output ends in ``shape`` and lives in new memory (not a view of an input)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape, self.found = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        for out in result if isinstance(result, tuple | list) else (result,):
+            if (
+                isinstance(out, torch.Tensor)
+                and tuple(out.shape[-2:]) == self.shape
+                and out.untyped_storage().data_ptr() not in storages
+            ):
+                self.found.append((func, tuple(out.shape)))
+        return result
+
+
+@pytest.mark.parametrize("topk", [DENSE_TOPK, SPARSE_TOPK])
+def test_exact_prefix_gradients_go_into_the_buffer_without_temporaries(
+    monkeypatch: pytest.MonkeyPatch, topk: int
+) -> None:
+    """Branch backward and the sweep add prefix gradients into ``dS`` in place: no tensor
+    shaped like a layer's prefix latent is allocated (the buffer itself exists beforehand).
+    Dense attention works in key blocks, made smaller than the prefix here."""
+    monkeypatch.setattr(attention, "_MAX_SCORE_ELEMENTS", 2048)
+    model = tiny_model("glm_moe_dsa", index_topk=topk)
+    adapter = ls.adapt(model)
+    prompt, response = _ids(101, 22), _ids(8, 23)
+    state = adapter.prefill(prompt, chunk_size=16)
+    state_grad = new_state_grad(state)
+    assert all(isinstance(layer, LatentKVGrad) for layer in state_grad.layers)
+    width = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    assert state_grad.nbytes() == 4 * 4 * 100 * width  # the latent only: 4 layers, float32
+    recorder = RecordPrefixShapedAllocations((100, width))
+    with recorder:
+        adapter.score(state, response, state_grad=state_grad).sum().backward()
+    assert all(layer.latent.abs().sum() > 0 for layer in state_grad.layers)
+    with recorder:
+        adapter.backprop_prompt(state, state_grad)
+    assert not recorder.found
+
+
+@pytest.mark.parametrize("work_elements", [1, 1 << 22])
+def test_sparse_latent_attention_adds_the_prefix_gradient_into_a_sink(
+    monkeypatch: pytest.MonkeyPatch, work_elements: int
+) -> None:
+    """With a sink, the prefix rows' gradient is added into it (one query block or many)."""
+    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", work_elements)
+    generator = torch.Generator().manual_seed(1)
+    heads, span, prefix_length, dim, value_dim, topk = 3, 5, 7, 6, 4, 4
+    queries = torch.randn(1, heads, span, dim, dtype=torch.float64, generator=generator)
+    span_latent = torch.randn(span, dim, dtype=torch.float64, generator=generator)
+    prefix_latent = torch.randn(prefix_length, dim, dtype=torch.float64, generator=generator)
+    queries.requires_grad_()
+    positions = torch.stack([torch.randperm(prefix_length + 1, generator=generator)[:topk]] * span)
+    weights = torch.randn(1, heads, span, value_dim, dtype=torch.float64, generator=generator)
+
+    prefix = prefix_latent.clone().requires_grad_()
+    expected = torch.autograd.grad(
+        (latent_attention(queries, span_latent, prefix, positions, value_dim, 0.7) * weights).sum(),
+        prefix,
+    )[0]
+    sink = torch.ones(prefix_length, dim, dtype=torch.float64)
+    output = latent_attention(
+        queries, span_latent, prefix_latent, positions, value_dim, 0.7, prefix_grad=sink
+    )
+    (output * weights).sum().backward()
+    assert expected.abs().sum() > 0
+    assert (sink - 1 - expected).abs().max() <= 1e-12
