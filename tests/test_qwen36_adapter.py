@@ -511,3 +511,32 @@ def test_exact_mode_needs_checkpoints_for_a_given_state():
     with pytest.raises(ValueError, match="checkpoints='device'"):
         ls.grpo_step(adapter, prompt, [_ids(3, 71), _ids(4, 72)], [1.0, 0.0],
                      config=ls.GRPOConfig(gradient="exact"), state=state)  # fmt: skip
+
+
+def test_exact_with_lora_on_deltanet_and_attention():
+    model = tiny_model("qwen3_5_text", dtype=torch.float64, seed=3)
+    targets = ["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "k_proj", "v_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapter = ls.adapt(peft_model)
+    prompt = _ids(26, 80)
+    responses = [_ids(n, 81 + i) for i, n in enumerate([4, 6, 3])]
+    rewards = [0.2, 1.0, -0.6]
+    cfg = ls.GRPOConfig(loss_type="dapo", beta=0.05, gradient="exact")
+    with torch.no_grad(), peft_model.disable_adapter():
+        ref = [full_sequence_logps(peft_model, prompt, r) for r in responses]
+
+    ls.grpo_step(adapter, prompt, responses, rewards, config=cfg,
+                 ref_adapter=ls.lora_reference(adapter), chunk_size=6)  # fmt: skip
+    grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+    peft_model.zero_grad(set_to_none=True)
+
+    logps, mask = _pad([full_sequence_logps(peft_model, prompt, r) for r in responses])
+    r = torch.tensor(rewards, dtype=torch.float64)
+    advantages = (r - r.mean()) / (r.std() + 1e-4)
+    loss, _ = trl_group_loss(logps, logps.detach(), _pad(ref)[0], advantages, mask, cfg)
+    expected = parameter_grads(peft_model, loss)
+    assert grads and all("lora_" in name for name in grads)
+    assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
