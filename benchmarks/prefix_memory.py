@@ -123,6 +123,8 @@ def main() -> None:
     for length in args.lengths:
         row = run_worker(length, args)
         row["peak_above_fixed_bytes"] = row["peak_rss_bytes"] - fixed
+        # What prefill + score hold besides the state: bounded by the chunk and block sizes.
+        row["transient_bytes"] = row["peak_above_fixed_bytes"] - row["state_bytes"]
         rows.append(row)
         kinds = ", ".join(
             f"{kind} {size / 2**20:.3f} MiB"
@@ -131,6 +133,7 @@ def main() -> None:
         print(
             f"{length:>8} tokens: state {row['state_bytes'] / 2**20:8.1f} MiB ({kinds}) | "
             f"peak above fixed {row['peak_above_fixed_bytes'] / 2**20:8.1f} MiB | "
+            f"transient {row['transient_bytes'] / 2**20:6.1f} MiB | "
             f"{row['seconds']:.1f} s",
             flush=True,
         )
