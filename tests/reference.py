@@ -126,3 +126,60 @@ def trl_group_loss(lp, old, ref, adv, mask, cfg):
         metrics["clip_ratio/low_min"] = low_seq[~low_seq.isnan()].min().item()
         metrics["clip_ratio/high_max"] = high_seq[~high_seq.isnan()].max().item()
     return loss, metrics
+
+
+def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, T]`` right-padded rows (padding holds junk the mask removes) and the mask."""
+    width = max(len(row) for row in rows)
+    padded = torch.stack(
+        [torch.cat([row, row.new_full((width - len(row),), -3.0)]) for row in rows]
+    )
+    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
+    return padded, mask
+
+
+def hand_advantages(rewards: list[float]) -> torch.Tensor:
+    """``(R - mean) / (std + 1e-4)`` with the Bessel-corrected std, written out by hand."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return (r - r.mean()) / (r.std() + 1e-4)
+
+
+def group_reference(
+    model: torch.nn.Module,
+    logps_fn,
+    prompt: torch.Tensor,
+    responses: list[torch.Tensor],
+    rewards: list[float],
+    config,
+    old: list[torch.Tensor] | None = None,
+    ref: list[torch.Tensor] | None = None,
+    truncated: list[bool] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole group through ``logps_fn(model, prompt, response)``, TRL's loss, its grads.
+
+    ``logps_fn`` is ``full_sequence_logps`` (the full graph: exact mode's reference) or
+    ``detached_reference_logps`` (detached mode's).
+    """
+    logps, mask = pad_rows([logps_fn(model, prompt, r) for r in responses])
+    if truncated is not None and config.mask_truncated_completions:
+        mask = mask * torch.tensor([0.0 if t else 1.0 for t in truncated])[:, None]
+    old_padded = logps.detach() if old is None else pad_rows(old)[0]
+    ref_padded = None if ref is None else pad_rows(ref)[0]
+    advantages = hand_advantages(rewards)
+    loss, _ = trl_group_loss(logps, old_padded, ref_padded, advantages, mask, config)
+    return loss, parameter_grads(model, loss)
+
+
+def step_grads(model, adapter, prompt, responses, rewards, config, **kwargs):
+    """``grpo_step``'s metrics and the gradients it left in ``.grad`` (then cleared)."""
+    import longstraw_core as ls
+
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(adapter, prompt, responses, rewards, config=config, **kwargs)
+    grads = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    model.zero_grad(set_to_none=True)
+    return metrics, grads

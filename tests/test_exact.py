@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from reference import assert_grads_close, full_sequence_logps, parameter_grads, trl_group_loss
+from reference import assert_grads_close, full_sequence_logps, group_reference, step_grads
 
 import longstraw_core as ls
 from longstraw_core.exact import attach_grad_sink, new_state_grad
@@ -21,36 +21,14 @@ def _ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    padded = torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in rows])
-    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
-    return padded, mask
-
-
-def _advantages() -> torch.Tensor:
-    r = torch.tensor(REWARDS, dtype=torch.float64)
-    return (r - r.mean()) / (r.std() + 1e-4)
-
-
 def _full_graph_grads(model, prompt, responses, old, ref, cfg):
-    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
-    old_padded = logps.detach() if old is None else _pad(old)[0]
-    ref_padded = _pad(ref)[0] if ref is not None else None
-    loss, _ = trl_group_loss(logps, old_padded, ref_padded, _advantages(), mask, cfg)
-    return loss, parameter_grads(model, loss)
+    return group_reference(
+        model, full_sequence_logps, prompt, responses, REWARDS, cfg, old=old, ref=ref
+    )
 
 
 def _step_grads(model, adapter, prompt, responses, cfg, **kwargs):
-    model.zero_grad(set_to_none=True)
-    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=cfg, **kwargs)
-    grads = {
-        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-    model.zero_grad(set_to_none=True)
-    return metrics, grads
+    return step_grads(model, adapter, prompt, responses, REWARDS, cfg, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ from reference import (
     assert_grads_close,
     detached_reference_logps,
     full_sequence_logps,
+    group_reference,
     parameter_grads,
+    step_grads,
     trl_group_loss,
 )
 from torch.overrides import TorchFunctionMode
@@ -357,34 +359,15 @@ def _exact_model(model_type: str, topk: int, seed: int = 0, float64_internals: b
     return model
 
 
-def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    padded = torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
-    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
-    return padded, mask
-
-
 def _step_grads(model, adapter, prompt, responses, config, **kwargs):
-    model.zero_grad(set_to_none=True)
-    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=config, **kwargs)
-    grads = {
-        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-    model.zero_grad(set_to_none=True)
-    return metrics, grads
+    return step_grads(model, adapter, prompt, responses, REWARDS, config, **kwargs)
 
 
 def _full_graph(model, prompt, responses, old, ref, config):
     """The group loss over full-sequence forwards and its parameter gradients."""
-    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
-    old_padded = logps.detach() if old is None else _pad(old)[0]
-    ref_padded = None if ref is None else _pad(ref)[0]
-    rewards = torch.tensor(REWARDS, dtype=torch.float64)
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-    loss, _ = trl_group_loss(logps, old_padded, ref_padded, advantages, mask, config)
-    return loss, parameter_grads(model, loss)
+    return group_reference(
+        model, full_sequence_logps, prompt, responses, REWARDS, config, old=old, ref=ref
+    )
 
 
 def _check_exact(

@@ -24,7 +24,9 @@ from reference import (
     assert_grads_close,
     detached_reference_logps,
     full_sequence_logps,
+    group_reference,
     parameter_grads,
+    step_grads,
     trl_group_loss,
 )
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -443,13 +445,6 @@ def test_cuda_kernels_match_the_torch_path() -> None:
 # --- exact mode against the full graph (float64) --------------------------------------------
 
 
-def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    padded = torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in rows])
-    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
-    return padded, mask
-
-
 @pytest.mark.parametrize(
     ("model_type", "chunk_size", "checkpoints", "loss_type", "beta"),
     [
@@ -474,28 +469,21 @@ def test_exact_grpo_step_equals_full_graph(model_type, chunk_size, checkpoints, 
         epsilon_high=5.0 if loss_type == "cispo" else None,
         max_completion_length=8,
     )
-    with torch.no_grad():
-        ref = [full_sequence_logps(model, prompt, r) + 0.1 for r in responses]  # any constant
-    ref_adapter = ls.adapt(_model(model_type, torch.float64, seed=9)) if beta else None
-    if beta:
+    ref_adapter, ref = None, None
+    if beta:  # a separately initialised reference policy
+        ref_adapter = ls.adapt(_model(model_type, torch.float64, seed=9))
         with torch.no_grad():
             ref = [full_sequence_logps(ref_adapter.causal_lm, prompt, r) for r in responses]
 
-    model.zero_grad(set_to_none=True)
-    metrics = ls.grpo_step(
-        adapter, prompt, responses, rewards, config=cfg, ref_adapter=ref_adapter,
+    metrics, grads = step_grads(
+        model, adapter, prompt, responses, rewards, cfg, ref_adapter=ref_adapter,
         chunk_size=chunk_size,
     )  # fmt: skip
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-
-    logps, mask = _pad([full_sequence_logps(model, prompt, r) for r in responses])
-    r = torch.tensor(rewards, dtype=torch.float64)
-    advantages = (r - r.mean()) / (r.std() + 1e-4)
-    loss, _ = trl_group_loss(logps, logps.detach(), _pad(ref)[0] if beta else None,
-                             advantages, mask, cfg)  # fmt: skip
-    expected = parameter_grads(model, loss)
-    expected = {n: g for n, g in expected.items() if n in grads or g.abs().sum() > 0}
+    loss, expected = group_reference(
+        model, full_sequence_logps, prompt, responses, rewards, cfg, ref=ref
+    )
+    grads = {n: g for n, g in grads.items() if g.abs().sum() > 0 or expected[n].abs().sum() > 0}
+    expected = {n: expected[n] for n in grads}
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
     if chunk_size < len(prompt) - 1:
@@ -528,15 +516,12 @@ def test_exact_with_lora_on_deltanet_and_attention():
     with torch.no_grad(), peft_model.disable_adapter():
         ref = [full_sequence_logps(peft_model, prompt, r) for r in responses]
 
-    ls.grpo_step(adapter, prompt, responses, rewards, config=cfg,
-                 ref_adapter=ls.lora_reference(adapter), chunk_size=6)  # fmt: skip
-    grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
-    peft_model.zero_grad(set_to_none=True)
-
-    logps, mask = _pad([full_sequence_logps(peft_model, prompt, r) for r in responses])
-    r = torch.tensor(rewards, dtype=torch.float64)
-    advantages = (r - r.mean()) / (r.std() + 1e-4)
-    loss, _ = trl_group_loss(logps, logps.detach(), _pad(ref)[0], advantages, mask, cfg)
-    expected = parameter_grads(peft_model, loss)
+    _, grads = step_grads(
+        peft_model, adapter, prompt, responses, rewards, cfg,
+        ref_adapter=ls.lora_reference(adapter), chunk_size=6,
+    )  # fmt: skip
+    _, expected = group_reference(
+        peft_model, full_sequence_logps, prompt, responses, rewards, cfg, ref=ref
+    )
     assert grads and all("lora_" in name for name in grads)
     assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)

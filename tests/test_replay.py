@@ -10,8 +10,9 @@ from peft import LoraConfig, get_peft_model
 from reference import (
     assert_grads_close,
     detached_reference_logps,
-    parameter_grads,
-    trl_group_loss,
+    group_reference,
+    hand_advantages,
+    step_grads,
 )
 
 import longstraw_core as ls
@@ -30,41 +31,17 @@ def _group(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return _ids(23, seed), [_ids(n, seed + 1 + i) for i, n in enumerate(LENGTHS)]
 
 
-def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[G, T] padded tensor (padding holds junk, masked out) and its mask."""
-    width = max(len(row) for row in rows)
-    padded = torch.stack(
-        [torch.cat([row, row.new_full((width - len(row),), -3.0)]) for row in rows]
-    )
-    mask = torch.stack([(torch.arange(width) < len(row)).double() for row in rows])
-    return padded, mask
-
-
-def _hand_advantages(rewards: list[float]) -> torch.Tensor:
-    r = torch.tensor(rewards, dtype=torch.float64)
-    return (r - r.mean()) / (r.std() + 1e-4)
-
-
 def _reference_grads(model, ref_logps_fn, prompt, responses, old, cfg, truncated=None):
     """Every response through the transformers cache reference, the group loss at once."""
-    logps, mask = _pad([detached_reference_logps(model, prompt, r) for r in responses])
-    if truncated is not None and cfg.mask_truncated_completions:
-        mask = mask * torch.tensor([0.0 if t else 1.0 for t in truncated])[:, None]
-    old_padded = logps.detach() if old is None else _pad(old)[0]
-    ref = _pad([ref_logps_fn(r) for r in responses])[0] if cfg.beta else None
-    loss, _ = trl_group_loss(logps, old_padded, ref, _hand_advantages(REWARDS), mask, cfg)
-    return loss, parameter_grads(model, loss)
+    ref = [ref_logps_fn(r) for r in responses] if cfg.beta else None
+    return group_reference(
+        model, detached_reference_logps, prompt, responses, REWARDS, cfg,
+        old=old, ref=ref, truncated=truncated,
+    )  # fmt: skip
 
 
 def _step_grads(adapter, model, prompt, responses, cfg, **kwargs):
-    model.zero_grad(set_to_none=True)
-    metrics = ls.grpo_step(adapter, prompt, responses, REWARDS, config=cfg, **kwargs)
-    grads = {
-        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-    return metrics, grads
+    return step_grads(model, adapter, prompt, responses, REWARDS, cfg, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +157,7 @@ def test_metrics_report_the_step(models):
     assert metrics["completion_tokens"] == sum(LENGTHS)
     assert metrics["prompt_tokens"] == 23
     assert metrics["branches_replayed"] == 3
-    assert metrics["advantages"] == pytest.approx(_hand_advantages(REWARDS).tolist())
+    assert metrics["advantages"] == pytest.approx(hand_advantages(REWARDS).tolist())
     assert metrics["state_bytes"] == ls.adapt(policy).prefill(prompt).nbytes() > 0
     assert metrics["entropy"] > 0 and metrics["peak_memory_bytes"] > 0
     assert metrics["clip_ratio/region_mean"] == 0.0  # on-policy: ratio 1, nothing clipped
