@@ -1,0 +1,150 @@
+"""User data as ``Sample``s: JSONL files, or a ``datasets`` dataset saved with ``save_to_disk``.
+
+Each record (a JSONL line or a dataset row) is one of:
+
+- ``{"prompt": "...", "answer": "..."}``: the prompt becomes one user message (``chat=True``,
+  the default, so it is rendered through the tokenizer's chat template when there is one)
+  or stays plain text (``chat=False``);
+- ``{"prompt": [messages], "answer": "..."}`` or ``{"messages": [...], "answer": "..."}``;
+- ``{"messages": [..., {"role": "assistant", "content": "..."}]}``: the last assistant turn is
+  the answer and the turns before it are the prompt.
+
+``id`` is taken from the record when present (else ``<file>:<line>`` / ``<dir>:<row>``); every
+other field goes to ``Sample.meta``. Errors name the file, the line or row and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from longstraw_core.tasks import Sample
+
+RESERVED = ("id", "prompt", "messages", "answer")
+
+
+class DataError(ValueError):
+    """A record that cannot become a Sample; the message says where and why."""
+
+
+def load_samples(
+    path: str | os.PathLike, *, chat: bool = True, split: str | None = None
+) -> list[Sample]:
+    """Samples from a JSONL file or a ``save_to_disk`` directory (``split`` picks one split
+    of a saved ``DatasetDict``)."""
+    p = Path(path)
+    if p.is_dir():
+        return _load_dataset_dir(p, chat=chat, split=split)
+    if not p.is_file():
+        raise FileNotFoundError(f"no data file or dataset directory at {str(p)!r}")
+    return list(_load_jsonl(p, chat=chat))
+
+
+def _load_jsonl(path: Path, *, chat: bool) -> Iterable[Sample]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: invalid JSON ({exc.msg})") from exc
+            yield record_to_sample(record, where, chat=chat)
+
+
+def _load_dataset_dir(path: Path, *, chat: bool, split: str | None) -> list[Sample]:
+    import datasets  # optional at import time: only this loader needs it
+
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises several types for "not a saved dataset"
+        raise DataError(f"{path}: not a dataset saved with save_to_disk ({exc})") from exc
+    if isinstance(data, datasets.DatasetDict):
+        if split is None:
+            if len(data) != 1:
+                raise DataError(f"{path}: holds splits {sorted(data)}; pass split=")
+            split = next(iter(data))
+        if split not in data:
+            raise DataError(f"{path}: no split {split!r}; splits are {sorted(data)}")
+        data = data[split]
+    elif split is not None:
+        raise DataError(f"{path}: a single dataset, not a DatasetDict; split={split!r} given")
+    name = f"{path}[{split}]" if split else str(path)
+    return [record_to_sample(row, f"{name}:row {i}", chat=chat) for i, row in enumerate(data)]
+
+
+def record_to_sample(record: Any, where: str, *, chat: bool = True) -> Sample:
+    """One record -> Sample; ``where`` (file and line/row) prefixes every error."""
+    if not isinstance(record, Mapping):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    # A dataset has every column in every row: a null there means the field is absent.
+    record = {k: v for k, v in record.items() if not (k in RESERVED and v is None)}
+    prompt, answer = _prompt_and_answer(record, where, chat)
+    sample_id = record.get("id")
+    meta = {k: v for k, v in record.items() if k not in RESERVED}
+    return Sample(
+        id=str(sample_id) if sample_id is not None else where,
+        prompt=prompt,
+        answer=answer,
+        meta=meta,
+    )
+
+
+def _prompt_and_answer(record: Mapping[str, Any], where: str, chat: bool) -> tuple[Any, str]:
+    if "prompt" in record and "messages" in record:
+        raise DataError(f"{where}: has both 'prompt' and 'messages'; use one")
+    if "prompt" in record:
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}] if chat else prompt
+        else:
+            prompt = _messages(prompt, where, "prompt")
+        return prompt, _answer(record, where)
+    if "messages" not in record:
+        raise DataError(
+            f"{where}: missing field 'prompt' (or 'messages'); fields: {sorted(record)}"
+        )
+    messages = _messages(record["messages"], where, "messages")
+    if "answer" in record:
+        if messages[-1]["role"] == "assistant":
+            raise DataError(
+                f"{where}: 'messages' ends with an assistant turn and 'answer' is also given; "
+                "drop one (the last assistant turn is the answer when 'answer' is absent)"
+            )
+        return messages, _answer(record, where)
+    if messages[-1]["role"] != "assistant":
+        raise DataError(
+            f"{where}: missing field 'answer', and 'messages' does not end with an assistant "
+            "turn to take it from"
+        )
+    if len(messages) < 2:
+        raise DataError(f"{where}: 'messages' has only the assistant answer, no prompt")
+    return messages[:-1], messages[-1]["content"]
+
+
+def _messages(value: Any, where: str, field_name: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {field_name!r} must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: {field_name}[{i}] needs a string 'role'")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field_name}[{i}] needs a string 'content'")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _answer(record: Mapping[str, Any], where: str) -> str:
+    if "answer" not in record:
+        raise DataError(f"{where}: missing field 'answer'; fields: {sorted(record)}")
+    answer = record["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(
+            f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}"
+        )
+    return str(answer)

@@ -1,0 +1,132 @@
+"""Tokenizers: a real one from a local path, or a built-in byte-level one (no downloads here).
+
+Also the one place that turns a prompt (plain text or chat messages) into text and token ids,
+so tasks that must hit a token count and the rollout that feeds the model agree exactly.
+
+    tok = load_tokenizer(None)                  # built-in: 256 byte tokens + 4 special tokens
+    tok = load_tokenizer("/models/Qwen3-8B")    # AutoTokenizer, local files only
+    ids = encode_prompt(tok, [{"role": "user", "content": "hi"}])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+BUILTIN_NAME = "builtin:bytes"
+ENDOFTEXT, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
+BUILTIN_SPECIAL_TOKENS = (ENDOFTEXT, PAD, IM_START, IM_END)  # ids 256, 257, 258, 259
+
+# ChatML, as Qwen uses: a tiny model trained with the built-in tokenizer learns the same turn
+# structure a real Qwen checkpoint expects.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+Prompt = str | Sequence[dict[str, Any]]
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, the alphabet the ByteLevel pre-tokenizer emits."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def builtin_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer built in code: token id == byte value, specials from 256.
+
+    A BPE model with the 256 byte symbols and no merges, so every UTF-8 byte is one token and
+    token counts are exact byte counts (cheap to reason about for length-controlled tasks).
+    ``eos`` is ``<|im_end|>`` (the end of an assistant turn, where rollout should stop, as in
+    Qwen's instruct tokenizers); ``<|endoftext|>`` is there for plain-text documents.
+    """
+    vocab = {symbol: byte for byte, symbol in _byte_to_unicode().items()}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: with no merges it cannot change the result, and it is faster.
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(BUILTIN_SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=IM_END,
+        pad_token=PAD,
+        additional_special_tokens=[ENDOFTEXT, IM_START],
+        name_or_path=BUILTIN_NAME,
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def load_tokenizer(path_or_name: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+    """``None`` or ``"builtin:bytes"``: the built-in tokenizer; otherwise a local directory.
+
+    Only local files are read (nothing can be downloaded here); a failure names the path.
+    """
+    if path_or_name is None or str(path_or_name) == BUILTIN_NAME:
+        return builtin_tokenizer()
+    path = os.fspath(path_or_name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"tokenizer path {path!r} is not a directory; pass a local tokenizer directory "
+            f"(downloads are not possible) or None / {BUILTIN_NAME!r} for the built-in tokenizer"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises many types; all mean "cannot load this path"
+        raise ValueError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+
+
+def padded_vocab_size(tokenizer: PreTrainedTokenizerBase, multiple: int = 256) -> int:
+    """Embedding rows a model needs for this tokenizer, rounded up (512 for the built-in one)."""
+    n = len(tokenizer)
+    return -(-n // multiple) * multiple
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
+    """Prompt -> the exact text the model reads.
+
+    Chat messages go through the tokenizer's chat template with the generation prompt
+    appended; without a template a single message is its content, and a conversation
+    becomes ``role: content`` lines ending with ``assistant:``. Plain text stays as it is.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    messages = list(prompt)
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if len(messages) == 1:
+        return messages[0]["content"]
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Prompt -> token ids. Chat-rendered text already holds its special tokens (BOS, turn
+    markers), so it is encoded without adding more, as TRL does; plain text gets the
+    tokenizer's usual special tokens (e.g. a BOS)."""
+    text = render_prompt(tokenizer, prompt)
+    templated = not isinstance(prompt, str) and has_chat_template(tokenizer)
+    return tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"]
+
+
+def count_prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> int:
+    return len(encode_prompt(tokenizer, prompt))
