@@ -3,8 +3,10 @@
 import longstraw_core as ls
 adapter = ls.adapt(model)
 state = adapter.prefill(prompt_ids, chunk_size=4096)
+out = ls.rollout(adapter, state, num_generations=8, max_new_tokens=256, eos_token_ids=[eos])
 logps = adapter.score(state, response_ids)
-metrics = ls.grpo_step(adapter, prompt_ids, responses, rewards, config=ls.GRPOConfig())
+metrics = ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
+                       config=ls.GRPOConfig())
 """
 
 from longstraw_core.attention import segmented_attention
@@ -12,6 +14,7 @@ from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import group_advantages
 from longstraw_core.reference_policy import lora_reference
 from longstraw_core.replay import grpo_step
+from longstraw_core.rollout import RolloutOutput, rollout
 from longstraw_core.state import AttentionKV, PrefixState, format_bytes
 
 # NOTE: from the submodules, not the package: either package may be imported first.
@@ -23,11 +26,13 @@ __all__ = [
     "GRPOConfig",
     "ModelAdapter",
     "PrefixState",
+    "RolloutOutput",
     "adapt",
     "format_bytes",
     "group_advantages",
     "grpo_step",
     "lora_reference",
+    "rollout",
     "segmented_attention",
     "supported_model_types",
 ]

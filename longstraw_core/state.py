@@ -4,6 +4,10 @@ Each layer keeps a record of its own kind (full-attention K/V here; recurrent an
 records join with their adapters). Records are preallocated to the prompt length when
 prefill starts and filled chunk by chunk in place, so a long prompt never triggers the
 quadratic copying of a growing cache.
+
+Rollout adds a ``BranchCache``: per layer, what each of ``B`` branches decoded from the
+prefix holds of its own (``BranchKV``, ``BranchRecurrent``, ``BranchLatent``), made by the
+prefix record's ``new_branch``. The prefix itself is shared by the branches, never copied.
 """
 
 from __future__ import annotations
@@ -83,6 +87,15 @@ class AttentionKV:
 
     def nbytes(self) -> int:
         return _nbytes(self.keys[:, : self.length]) + _nbytes(self.values[:, : self.length])
+
+    def new_branch(self, batch: int, capacity: int) -> BranchKV:
+        """Empty per-branch keys/values for ``batch`` branches of up to ``capacity`` positions."""
+        kv_heads, _, head_dim = self.keys.shape
+        options = {"dtype": self.keys.dtype, "device": self.keys.device}
+        return BranchKV(
+            torch.empty(batch, kv_heads, capacity, head_dim, **options),
+            torch.empty(batch, kv_heads, capacity, self.values.shape[-1], **options),
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionKV:
         return AttentionKV(
@@ -271,6 +284,13 @@ class RecurrentState:
     def checkpoint_nbytes(self) -> int:
         return sum(_nbytes(c) + _nbytes(r) for c, r in self.checkpoints.values())
 
+    def new_branch(self, batch: int, capacity: int) -> BranchRecurrent:
+        """Per-branch copies of the state after the whole prompt (small: a fixed size)."""
+        return BranchRecurrent(
+            self.conv.expand(batch, *self.conv.shape).clone(),
+            self.recurrent.expand(batch, *self.recurrent.shape).clone(),
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState:
         return RecurrentState(
             self.conv.to(device, non_blocking=non_blocking),
@@ -381,6 +401,15 @@ class LatentKV:
         """Bytes of the per-head K/V a naive cache would hold for the same positions."""
         return self.length * self.expanded_width * self.latent.element_size()
 
+    def new_branch(self, batch: int, capacity: int) -> BranchLatent:
+        """Empty per-branch latent (and index keys) for ``batch`` branches of ``capacity``."""
+        options = {"dtype": self.latent.dtype, "device": self.latent.device}
+        index_keys = None
+        if self.index_keys is not None:
+            index_keys = torch.empty(batch, capacity, self.index_keys.shape[-1], **options)
+        latent = torch.empty(batch, capacity, self.latent.shape[-1], **options)
+        return BranchLatent(latent, index_keys)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> LatentKV:
         index_keys = self.index_keys
         if index_keys is not None:
@@ -392,3 +421,118 @@ class LatentKV:
             self.expanded_width,
             self.length,
         )
+
+
+# --- branch caches: what each branch adds to the prefix while it is decoded -----------------
+#
+# Rollout decodes ``B`` branches of one prompt in a batch. They share the prefix state (read,
+# never copied or written) and each keeps its own positions in a branch record per layer,
+# made by the prefix record's ``new_branch(batch, capacity)``. Records that grow are
+# preallocated to ``capacity`` positions and filled step by step; recurrent records start
+# from per-branch copies of the (small) prefix state and are replaced at each step.
+
+
+@dataclass
+class BranchKV:
+    """The branches' own keys and values of one full-attention layer.
+
+    ``[batch, kv_heads, capacity, head_dim]``; the first ``length`` positions are valid.
+    """
+
+    kind: ClassVar[str] = "full_attention"
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[batch, kv_heads, T, dim]`` after the valid positions; return views of all."""
+        end = _check_append(self.length, keys.shape[2], self.keys.shape[2])
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def nbytes(self) -> int:
+        return _nbytes(self.keys) + _nbytes(self.values)
+
+
+@dataclass
+class BranchRecurrent:
+    """Each branch's Gated DeltaNet state: conv ``[batch, conv_dim, kernel - 1]`` and
+    recurrent ``[batch, v_heads, d_k, d_v]`` (float32), after the positions run so far."""
+
+    kind: ClassVar[str] = "linear_attention"
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent
+
+    def nbytes(self) -> int:
+        return _nbytes(self.conv) + _nbytes(self.recurrent)
+
+
+@dataclass
+class BranchLatent:
+    """The branches' own MLA latent ``[batch, capacity, kv_lora_rank + rope_dim]`` and DSA
+    indexer keys ``[batch, capacity, index_head_dim]`` (``None`` on layers that reuse another
+    layer's selection); the first ``length`` positions are valid."""
+
+    kind: ClassVar[str] = "mla_dsa"
+
+    latent: torch.Tensor
+    index_keys: torch.Tensor | None
+    length: int = 0
+
+    def append(
+        self, latent: torch.Tensor, index_keys: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store ``[batch, T, ...]`` rows after the valid positions; return views of all."""
+        end = _check_append(self.length, latent.shape[1], self.latent.shape[1])
+        if (index_keys is None) != (self.index_keys is None):
+            raise RuntimeError("index keys must be appended exactly on layers that keep them")
+        self.latent[:, self.length : end] = latent
+        if index_keys is not None:
+            self.index_keys[:, self.length : end] = index_keys
+        self.length = end
+        index_view = None if self.index_keys is None else self.index_keys[:, :end]
+        return self.latent[:, :end], index_view
+
+    def nbytes(self) -> int:
+        total = _nbytes(self.latent)
+        return total if self.index_keys is None else total + _nbytes(self.index_keys)
+
+
+BranchRecord = BranchKV | BranchRecurrent | BranchLatent
+
+
+@dataclass
+class BranchCache:
+    """``batch`` branches decoded from one ``PrefixState``: one branch record per layer.
+
+    ``length`` branch positions have been run (position 0 is the prompt's last token, at
+    prompt position ``prefix_length``); ``capacity`` is the most any growing record holds.
+    Made by
+    ``ModelAdapter.new_branch_cache``; the prefix state it belongs to is only read.
+    """
+
+    layers: list[BranchRecord]
+    batch: int
+    capacity: int
+    prefix_length: int
+    length: int = 0
+
+    def nbytes(self) -> int:
+        """Bytes allocated by the branch records (preallocated to ``capacity``)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def _check_append(length: int, count: int, capacity: int) -> int:
+    end = length + count
+    if end > capacity:
+        raise RuntimeError(
+            f"branch cache holds {length} of {capacity} positions and cannot take {count} more"
+        )
+    return end

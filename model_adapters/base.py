@@ -5,6 +5,10 @@ parameter names, so checkpoints, LoRA and sharding keep working; it only drives 
 per-layer computation with an explicit ``PrefixState``. Subclasses implement three hooks:
 which state each layer keeps (``new_layer_states``), how one decoder layer runs over a span
 of positions (``run_layers``), and optional model checks (``check_model``).
+
+Decoding (``longstraw_core.rollout``) runs the same ``run_layers`` on a batch of branches
+with a ``BranchCache``: each layer reads the shared prefix record and its own branch record.
+Scoring is the one-branch case without a cache: the branch's positions are the span itself.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from longstraw_core.exact import Produced, StateGrad, exact_state
-from longstraw_core.state import LayerState, PrefixState
+from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
 
@@ -41,6 +45,11 @@ class Span:
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
         return torch.arange(self.start, self.start + self.length, device=device)[None]
+
+
+def branch_records(branch: BranchCache | None, state: PrefixState) -> list[BranchRecord | None]:
+    """Each layer's branch record, or ``None`` for every layer when there is no cache."""
+    return [None] * len(state.layers) if branch is None else branch.layers
 
 
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -106,8 +115,19 @@ class ModelAdapter(ABC):
         """Empty per-layer records sized for ``capacity`` prompt positions."""
 
     @abstractmethod
-    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
-        """Run every decoder layer over ``hidden`` ``[1, T, hidden]`` at ``span``."""
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        span: Span,
+        state: PrefixState,
+        branch: BranchCache | None = None,
+    ) -> torch.Tensor:
+        """Run every decoder layer over ``hidden`` ``[B, T, hidden]`` at ``span``.
+
+        Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
+        sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
+        span to their own records and see the prefix plus every position they hold.
+        """
 
     # --- properties -------------------------------------------------------------------------
 
@@ -128,6 +148,39 @@ class ModelAdapter(ABC):
         return getattr(self.config, "max_position_embeddings", None)
 
     # --- the public API ---------------------------------------------------------------------
+
+    def new_branch_cache(self, state: PrefixState, batch: int, capacity: int) -> BranchCache:
+        """Empty per-branch records for ``batch`` branches of up to ``capacity`` positions
+        decoded from ``state`` (which they read and never copy or write)."""
+        self.check_state(state)
+        layers = [record.new_branch(batch, capacity) for record in state.layers]
+        return BranchCache(
+            layers=layers, batch=batch, capacity=capacity, prefix_length=state.length
+        )
+
+    def decode(
+        self, state: PrefixState, branch: BranchCache, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of the next ``T`` positions of every branch in ``branch``.
+
+        ``input_ids`` ``[B, T]`` are appended to the branches' records; the first position of
+        a branch is the prompt's last token (``state.last_token``). Runs with whatever
+        autograd mode is active (rollout: ``no_grad``).
+        """
+        if branch.prefix_length != state.length:
+            raise ValueError(
+                f"branch cache was made for a prefix of {branch.prefix_length} positions, "
+                f"not this state's {state.length}; use adapter.new_branch_cache(state, ...)"
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != branch.batch:
+            raise ValueError(
+                f"input_ids must be [{branch.batch}, T] for a cache of {branch.batch} branches, "
+                f"got {tuple(input_ids.shape)}"
+            )
+        span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
+        hidden = self.run_layers(self.embed_tokens(input_ids), span, state, branch)
+        branch.length += span.length
+        return self.lm_head(self.decoder.norm(hidden))
 
     def prefill(
         self,

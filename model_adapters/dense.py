@@ -3,6 +3,8 @@
 Each layer keeps its keys (after ``k_norm`` and RoPE) and values over the prompt. The layer
 computation is the model's own, module by module (norms, projections, RoPE function, MLP),
 with attention replaced by ``segmented_attention`` over the stored prefix plus the span.
+Decoding runs the same code on ``B`` branches: the span's keys/values are appended to each
+branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 from torch import nn
 
 from longstraw_core.attention import segmented_attention
-from longstraw_core.state import AttentionKV, PrefixState
-from model_adapters.base import ModelAdapter, Span
+from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
+from model_adapters.base import ModelAdapter, Span, branch_records
 from model_adapters.registry import register_adapter
 
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -40,11 +42,13 @@ def run_full_attention(
     record: AttentionKV,
     span: Span,
     apply_rotary: RotaryFn,
+    branch: BranchKV | None = None,
 ) -> torch.Tensor:
-    """One full-attention block over ``hidden`` ``[1, T, hidden]``, reading/writing ``record``.
+    """One full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
     Mirrors the transformers attention forward (q/k norms when present, RoPE, GQA) and
-    returns the input of ``o_proj``'s caller: the projected attention output.
+    returns the input of ``o_proj``'s caller: the projected attention output. ``branch``:
+    the ``B`` decoded branches' own keys/values (see ``attend_with_state``).
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -56,7 +60,7 @@ def run_full_attention(
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-    output = attend_with_state(queries, keys, values, record, span, attention.scaling)
+    output = attend_with_state(queries, keys, values, record, span, attention.scaling, branch)
     return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -67,18 +71,23 @@ def attend_with_state(
     record: AttentionKV,
     span: Span,
     scale: float,
+    branch: BranchKV | None = None,
 ) -> torch.Tensor:
     """Attention of a span over the stored prefix and itself; a prefill chunk is stored.
 
-    ``queries`` ``[1, H, T, D]`` and ``keys``/``values`` ``[1, KVH, T, D]`` after RoPE. A
-    prefill chunk (``span.write``) reads the prefix before it and writes its own keys and
-    values; a branch reads the whole prefix. In exact mode ``record`` is a view whose
+    ``queries`` ``[B, H, T, D]`` and ``keys``/``values`` ``[B, KVH, T, D]`` after RoPE. A
+    prefill chunk (``span.write``, ``B = 1``) reads the prefix before it and writes its own
+    keys and values; a branch reads the whole prefix. With ``branch`` (decoding), the span
+    is appended to the ``B`` branches' own keys/values and attends to all they hold; without
+    it the branch is the span alone. In exact mode ``record`` is a view whose
     ``grad_segments`` receive the gradient of every prefix read.
     """
     prefix_end = span.start if span.write else None
     prefix = record.segments(end=prefix_end)
     if span.write:
         record.write(span.start, keys[0], values[0])
+    if branch is not None:
+        keys, values = branch.append(keys, values)
     return segmented_attention(
         queries,
         keys,
@@ -124,9 +133,16 @@ class DenseAdapter(ModelAdapter):
             )
         return records
 
-    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        span: Span,
+        state: PrefixState,
+        branch: BranchCache | None = None,
+    ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        for layer, record in zip(self.decoder.layers, state.layers, strict=True):
+        layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
+        for layer, record, branch_record in layers:
             attended = run_full_attention(
                 layer.self_attn,
                 layer.input_layernorm(hidden),
@@ -134,6 +150,7 @@ class DenseAdapter(ModelAdapter):
                 record,
                 span,
                 self.apply_rotary,
+                branch_record,
             )
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

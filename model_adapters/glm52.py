@@ -19,6 +19,9 @@ own indexer. The latent is never expanded into per-head keys and values (DESIGN.
   reads into it (``segmented_attention``'s ``prefix_grads``, or ``index_add_`` of the gathered
   rows in the sparse backward), never building a prefix-sized temporary. The indexer keys
   need none: nothing differentiable flows through the selection.
+- **Decoding.** ``B`` branches run at once, each appending its latent and index keys to its
+  own ``BranchLatent``; every function below takes a leading batch axis, the prefix latent
+  and indexer keys stay shared (the batch is folded into the query axis against them).
 - Everything else is the model's own modules (norms, projections, RoPE functions, router,
   experts, shared experts), so LoRA and checkpoints keep working.
 """
@@ -33,8 +36,8 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import segmented_attention
-from longstraw_core.state import LatentKV, PrefixState
-from model_adapters.base import ModelAdapter, Span
+from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
+from model_adapters.base import ModelAdapter, Span, branch_records
 from model_adapters.registry import register_adapter
 
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -97,7 +100,7 @@ def mla_projections(
     w_uk: torch.Tensor,
     rope: RotaryFn,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Absorbed queries ``[1, H, T, r + rope]``, the span's latent ``[T, r + rope]``, ``q_resid``.
+    """Absorbed queries ``[B, H, T, r + rope]``, the latent ``[B, T, r + rope]``, ``q_resid``.
 
     Mirrors the model's attention forward up to the attention itself: ``q_a_proj`` ->
     ``q_a_layernorm`` -> ``q_b_proj``; ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` on the
@@ -116,7 +119,7 @@ def mla_projections(
     cos, sin = position_embeddings
     q_rot, k_rot = rope(q_rot, k_rot.view(batch, 1, length, -1), cos, sin)
     q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
-    latent = torch.cat([c_kv[0], k_rot[0, 0]], dim=-1)
+    latent = torch.cat([c_kv, k_rot[:, 0]], dim=-1)
     return torch.cat([q_latent, q_rot], dim=-1), latent, q_resid
 
 
@@ -132,7 +135,8 @@ def indexer_projections(
     rope: RotaryFn,
     with_queries: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The indexer's keys ``[T, Di]`` and, when asked, queries ``[T, Hi, Di]`` and weights.
+    """The indexer's keys ``[B, T, Di]`` and, when asked, queries ``[B, T, Hi, Di]`` and
+    head weights ``[B, T, Hi]``.
 
     Mirrors the model's indexer: ``k_norm(wk(x))``, RoPE on the leading ``rope`` dims (the
     model's own function: interleaved for GLM, half-split for DeepSeek-V3.2), head weights
@@ -141,18 +145,18 @@ def indexer_projections(
     batch, length, _ = hidden.shape
     split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
     cos, sin = position_embeddings
-    keys = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # [1, T, 1, Di]
+    keys = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # [B, T, 1, Di]
     k_rot, k_pass = keys.split(split, dim=-1)
     if not with_queries:
         _, k_rot = rope(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        return torch.cat([k_rot, k_pass], dim=-1)[0, :, 0], None, None
+        return torch.cat([k_rot, k_pass], dim=-1)[:, :, 0], None, None
     queries = indexer.wq_b(q_resid).view(batch, length, indexer.n_heads, indexer.head_dim)
     q_rot, q_pass = queries.split(split, dim=-1)
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    queries = torch.cat([q_rot, q_pass], dim=-1)[0]
+    queries = torch.cat([q_rot, q_pass], dim=-1)
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float()
-    weights = weights[0] * indexer.n_heads**-0.5
-    return torch.cat([k_rot, k_pass], dim=-1)[0, :, 0], queries, weights
+    weights = weights * indexer.n_heads**-0.5
+    return torch.cat([k_rot, k_pass], dim=-1)[:, :, 0], queries, weights
 
 
 @torch.no_grad()
@@ -164,50 +168,63 @@ def select_topk(
     topk: int,
     scale: float,
 ) -> torch.Tensor:
-    """The ``topk`` highest-scoring visible positions per span query, ``[T, topk]``.
+    """The ``topk`` highest-scoring visible positions per query, ``[B, T, topk]``.
 
-    Index score of query ``t`` for key ``s``: ``sum_h w[t, h] relu(scale q[t, h] . k[s])`` in
-    float32, as the model computes it; span query ``t`` (at position ``L + t``) sees the whole
-    prefix and span keys up to itself. Keys are streamed in blocks of at least ``topk`` with a
-    running top-k, so no ``[T, L]`` score matrix is built and merging costs at most about
-    one extra pass. Entries are absolute positions; ``-1`` pads the rows of queries that see
-    fewer than ``topk`` positions (they attend to all they see).
+    ``queries`` ``[B, T, Hi, Di]`` and ``weights`` ``[B, T, Hi]`` of ``B`` branches, the
+    shared ``prefix_keys`` ``[L, Di]`` and each branch's own ``span_keys`` ``[B, S, Di]``
+    (``S >= T``: the queries are the last ``T`` of the branch's ``S`` positions). Index score
+    of query ``t`` for key ``s``: ``sum_h w[t, h] relu(scale q[t, h] . k[s])`` in float32, as
+    the model computes it; a query sees the whole prefix and its branch's keys up to itself.
+    Keys are streamed in blocks of at least ``topk`` with a running top-k, so no ``[T, L]``
+    score matrix is built and merging costs at most about one extra pass. Entries are
+    absolute positions; ``-1`` pads the rows of queries that see fewer than ``topk``
+    positions (they attend to all they see).
     """
-    length = queries.shape[0]
+    batch, length = queries.shape[:2]
     prefix_length = prefix_keys.shape[0]
-    query_positions = prefix_length + torch.arange(length, device=queries.device)
-    best_scores = queries.new_empty(length, 0, dtype=torch.float32)
-    best_positions = query_positions.new_empty(length, 0)
-    block = max(topk, _WORK_ELEMENTS // length)
+    first = prefix_length + span_keys.shape[1] - length
+    query_positions = first + torch.arange(length, device=queries.device)
+    best_scores = queries.new_empty(batch, length, 0, dtype=torch.float32)
+    best_positions = query_positions.new_empty(batch, length, 0)
+    block = max(topk, _WORK_ELEMENTS // (batch * length))
     blocks = _blocks(prefix_keys, 0, block) + _blocks(span_keys, prefix_length, block)
     for keys, offset in blocks:
         scores = _index_scores(queries, weights, keys.to(queries.device), scale)
-        positions = offset + torch.arange(keys.shape[0], device=queries.device)
+        positions = offset + torch.arange(keys.shape[-2], device=queries.device)
         scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
-        scores = torch.cat([best_scores, scores], dim=1)
-        positions = torch.cat([best_positions, positions.expand(length, -1)], dim=1)
-        best_scores, picked = scores.topk(min(topk, scores.shape[1]), dim=-1)
-        best_positions = positions.gather(1, picked)
+        scores = torch.cat([best_scores, scores], dim=-1)
+        positions = torch.cat([best_positions, positions.expand(batch, length, -1)], dim=-1)
+        best_scores, picked = scores.topk(min(topk, scores.shape[-1]), dim=-1)
+        best_positions = positions.gather(-1, picked)
     return best_positions.masked_fill(best_scores == float("-inf"), -1)
 
 
 def _index_scores(
     queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """``[T, n]`` index scores of ``n`` keys, a few indexer heads at a time (bounded memory)."""
-    length, heads, _ = queries.shape
-    keys_t = keys.float().T
-    scores = queries.new_zeros(length, keys.shape[0], dtype=torch.float32)
-    step = max(1, _WORK_ELEMENTS // (length * keys.shape[0]))
+    """``[B, T, n]`` index scores of ``n`` keys, a few indexer heads at a time (bounded memory).
+
+    ``keys`` are ``[n, Di]`` (shared by the batch) or ``[B, n, Di]`` (one set per branch).
+    """
+    batch, length, heads, _ = queries.shape
+    count = keys.shape[-2]
+    keys_t = keys.float().transpose(-1, -2)
+    if keys_t.dim() == 3:
+        keys_t = keys_t[:, None]  # [B, 1, Di, n]: each branch's keys for all its queries
+    scores = queries.new_zeros(batch, length, count, dtype=torch.float32)
+    step = max(1, _WORK_ELEMENTS // (batch * length * count))
     for head in range(0, heads, step):
-        per_head = torch.relu((queries[:, head : head + step].float() @ keys_t) * scale)
-        scores += (weights[:, None, head : head + step] @ per_head)[:, 0]
+        per_head = torch.relu((queries[:, :, head : head + step].float() @ keys_t) * scale)
+        scores += (weights[:, :, None, head : head + step] @ per_head)[:, :, 0]
     return scores
 
 
 def _blocks(x: torch.Tensor, offset: int, block: int) -> list[tuple[torch.Tensor, int]]:
-    """Views of ``x`` in row blocks, each with the absolute position of its first row."""
-    return [(x[start : start + block], offset + start) for start in range(0, x.shape[0], block)]
+    """Views of ``x`` ``[..., n, D]`` in blocks of rows, each with the absolute position of
+    its first row."""
+    return [
+        (x[..., start : start + block, :], offset + start) for start in range(0, x.shape[-2], block)
+    ]
 
 
 # --- latent attention ------------------------------------------------------------------------
@@ -222,17 +239,24 @@ def latent_attention(
     scale: float,
     prefix_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention in latent space: ``[1, H, T, value_dim]`` from absorbed ``queries``.
+    """Attention in latent space: ``[B, H, T, value_dim]`` from absorbed ``queries``.
 
-    Keys are latent rows ``[c_kv, k_pe]`` (one head shared by all query heads), values their
-    first ``value_dim`` columns (``c_kv``), as views of one buffer. ``selection=None`` is dense
-    causal attention over prefix + span through ``segmented_attention`` (prefix by reference);
-    otherwise each query attends to its selected positions only. ``prefix_grad`` (exact mode),
-    shaped like ``prefix_latent``: backward *adds* the prefix's gradient into it, block by
-    block, instead of returning one (no prefix-sized temporary).
+    ``queries`` ``[B, H, T, D]``; ``span_latent`` ``[B, S, D]``, each branch's own rows (``S >=
+    T``: the queries are its last ``T`` positions), or ``[T, D]`` when ``B = 1``;
+    ``prefix_latent`` ``[L, D]`` shared by the batch; ``selection`` ``[B, T, k]`` absolute
+    positions (``[T, k]`` when ``B = 1``). Keys are latent rows ``[c_kv, k_pe]`` (one head
+    shared by all query heads), values their first ``value_dim`` columns (``c_kv``), as views
+    of one buffer. ``selection=None`` is dense causal attention over prefix + span through
+    ``segmented_attention`` (prefix by reference); otherwise each query attends to its
+    selected positions only. ``prefix_grad`` (exact mode), shaped like ``prefix_latent``:
+    backward *adds* the prefix's gradient into it, block by block, instead of returning one
+    (no prefix-sized temporary).
     """
+    if span_latent.dim() == 2:
+        span_latent = span_latent[None]
+        selection = None if selection is None else selection[None]
     if selection is None:
-        keys = span_latent[None, None]
+        keys = span_latent[:, None]
         prefix, sinks = [], []
         if prefix_latent.shape[0]:
             prefix = [(prefix_latent[None], prefix_latent[None, :, :value_dim])]
@@ -242,7 +266,7 @@ def latent_attention(
             queries, keys, keys[..., :value_dim], prefix, scale=scale, prefix_grads=sinks or None
         )
     output = _SparseLatentAttention.apply(
-        queries[0].transpose(0, 1),
+        queries.transpose(1, 2),
         span_latent,
         prefix_latent,
         selection,
@@ -250,24 +274,27 @@ def latent_attention(
         scale,
         prefix_grad,
     )
-    return output.transpose(0, 1)[None]
+    return output.transpose(1, 2)
 
 
 def _query_blocks(positions: torch.Tensor, dim: int, heads: int) -> list[slice]:
-    """Query blocks whose gathered rows and scores stay under ``_WORK_ELEMENTS``."""
-    length, topk = positions.shape
-    step = max(1, _WORK_ELEMENTS // (topk * 3 * (dim + heads)))
+    """Query blocks (of ``positions`` ``[B, T, k]``) whose gathered rows and scores stay
+    under ``_WORK_ELEMENTS``."""
+    batch, length, topk = positions.shape
+    step = max(1, _WORK_ELEMENTS // (batch * topk * 3 * (dim + heads)))
     return [slice(start, start + step) for start in range(0, length, step)]
 
 
 def _gather_rows(
     prefix_latent: torch.Tensor, span_latent: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Latent rows ``[b, k, D]`` at absolute ``positions`` ``[b, k]``, without joining the
-    prefix and the span: each is gathered where it lives and the two are selected per entry.
-    Padding entries (``-1``) yield an arbitrary row; callers mask them."""
+    """Latent rows ``[B, b, k, D]`` at absolute ``positions`` ``[B, b, k]``, without joining
+    the prefix and the span: each is gathered where it lives (``span_latent`` ``[B, S, D]``,
+    one set of rows per branch) and the two are selected per entry. Padding entries (``-1``)
+    yield an arbitrary row; callers mask them."""
     prefix_length = prefix_latent.shape[0]
-    rows = span_latent[(positions - prefix_length).clamp(min=0)]
+    branch = torch.arange(span_latent.shape[0], device=positions.device)[:, None, None]
+    rows = span_latent[branch, (positions - prefix_length).clamp(min=0)]
     if prefix_length:
         index = positions.clamp(0, prefix_length - 1).to(prefix_latent.device)
         prefix_rows = prefix_latent[index].to(rows.device)
@@ -282,13 +309,17 @@ def _scatter_rows(
     positions: torch.Tensor,
     d_rows: torch.Tensor,
 ) -> None:
-    """Add ``d_rows [b, k, D]`` into the gradients of the rows they were gathered from.
+    """Add ``d_rows [B, b, k, D]`` into the gradients of the rows they were gathered from.
 
-    ``d_prefixes``: the buffers (any device and dtype) that take the prefix rows' share.
+    ``d_span``: ``[B, S, D]`` (contiguous); ``d_prefixes``: the buffers (any device and dtype)
+    that take the prefix rows' share.
     """
-    positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, d_rows.shape[-1])
+    batch, span_length, dim = d_span.shape
+    offsets = torch.arange(batch, device=positions.device)[:, None, None] * span_length
+    span_rows = (positions - prefix_length + offsets).reshape(-1)
+    positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, dim)
     in_span = positions >= prefix_length
-    d_span.index_add_(0, positions[in_span] - prefix_length, d_rows[in_span])
+    d_span.view(-1, dim).index_add_(0, span_rows[in_span], d_rows[in_span])
     if d_prefixes:
         in_prefix = (positions >= 0) & ~in_span
         rows, index = d_rows[in_prefix], positions[in_prefix]
@@ -303,8 +334,9 @@ def _scatter_rows(
 class _SparseLatentAttention(torch.autograd.Function):
     """Each query attends to its own selected latent rows; flash-style recompute in backward.
 
-    Arguments: ``queries [T, H, D]``, ``span_latent [T, D]``, ``prefix_latent [L, D]`` (read
-    by reference), ``positions [T, k]`` (absolute, ``-1`` = none), ``value_dim``, ``scale``,
+    Arguments: ``queries [B, T, H, D]``, ``span_latent [B, S, D]`` (each branch's rows),
+    ``prefix_latent [L, D]`` (shared, read by reference), ``positions [B, T, k]`` (absolute,
+    ``-1`` = none), ``value_dim``, ``scale``,
     ``prefix_grad`` (``[L, D]`` or ``None``). Saves only the inputs, the output and the
     log-sum-exp; rows are gathered again per query block in backward. The prefix rows'
     gradient is added into ``prefix_grad`` (exact mode's sink) when given, and returned only
@@ -327,16 +359,16 @@ class _SparseLatentAttention(torch.autograd.Function):
                 f"prefix_grad {tuple(prefix_grad.shape)} does not match the prefix latent "
                 f"{tuple(prefix_latent.shape)}"
             )
-        length, heads, dim = queries.shape
+        batch, length, heads, dim = queries.shape
         dtype = _accumulation_dtype(queries.dtype)
-        output = queries.new_empty(length, heads, value_dim)
-        lse = queries.new_empty(length, heads, dtype=dtype)
+        output = queries.new_empty(batch, length, heads, value_dim)
+        lse = queries.new_empty(batch, length, heads, dtype=dtype)
         for block in _query_blocks(positions, dim, heads):
-            rows = _gather_rows(prefix_latent, span_latent, positions[block]).to(dtype)
-            scores = _masked_scores(queries[block].to(dtype), rows, positions[block], scale)
-            lse[block] = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lse[block, :, None])
-            output[block] = (probs @ rows[..., :value_dim]).to(queries.dtype)
+            rows = _gather_rows(prefix_latent, span_latent, positions[:, block]).to(dtype)
+            scores = _masked_scores(queries[:, block].to(dtype), rows, positions[:, block], scale)
+            lse[:, block] = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[:, block, :, None])
+            output[:, block] = (probs @ rows[..., :value_dim]).to(queries.dtype)
         ctx.save_for_backward(queries, span_latent, prefix_latent, positions, output, lse)
         ctx.value_dim, ctx.scale, ctx.prefix_grad = value_dim, scale, prefix_grad
         return output
@@ -347,7 +379,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         queries, span_latent, prefix_latent, positions, output, lse = ctx.saved_tensors
         need_query, need_span, need_prefix = ctx.needs_input_grad[:3]
         value_dim, scale, dtype = ctx.value_dim, ctx.scale, lse.dtype
-        _, heads, dim = queries.shape
+        heads, dim = queries.shape[2:]
         d_queries = torch.zeros(queries.shape, dtype=dtype, device=queries.device)
         d_span = torch.zeros(span_latent.shape, dtype=dtype, device=span_latent.device)
         d_prefix = None
@@ -355,19 +387,21 @@ class _SparseLatentAttention(torch.autograd.Function):
             d_prefix = torch.zeros(prefix_latent.shape, dtype=dtype, device=prefix_latent.device)
         d_prefixes = [t for t in (d_prefix, ctx.prefix_grad) if t is not None]
         for block in _query_blocks(positions, dim, heads):
-            rows = _gather_rows(prefix_latent, span_latent, positions[block]).to(dtype)
-            q = queries[block].to(dtype)
-            scores = _masked_scores(q, rows, positions[block], scale)
-            probs = torch.exp(scores - lse[block, :, None])
-            d_out = d_output[block].to(dtype)  # [b, H, r]
-            d_sum = (d_out * output[block].to(dtype)).sum(-1, keepdim=True)
-            d_probs = d_out @ rows[..., :value_dim].transpose(1, 2)  # [b, H, k]
+            rows = _gather_rows(prefix_latent, span_latent, positions[:, block]).to(dtype)
+            q = queries[:, block].to(dtype)
+            scores = _masked_scores(q, rows, positions[:, block], scale)
+            probs = torch.exp(scores - lse[:, block, :, None])
+            d_out = d_output[:, block].to(dtype)  # [B, b, H, r]
+            d_sum = (d_out * output[:, block].to(dtype)).sum(-1, keepdim=True)
+            d_probs = d_out @ rows[..., :value_dim].transpose(-1, -2)  # [B, b, H, k]
             d_scores = probs * (d_probs - d_sum) * scale
-            d_queries[block] = d_scores @ rows
+            d_queries[:, block] = d_scores @ rows
             if need_span or d_prefixes:
-                d_rows = d_scores.transpose(1, 2) @ q  # [b, k, D]
-                d_rows[..., :value_dim] += probs.transpose(1, 2) @ d_out
-                _scatter_rows(d_span, d_prefixes, prefix_latent.shape[0], positions[block], d_rows)
+                d_rows = d_scores.transpose(-1, -2) @ q  # [B, b, k, D]
+                d_rows[..., :value_dim] += probs.transpose(-1, -2) @ d_out
+                _scatter_rows(
+                    d_span, d_prefixes, prefix_latent.shape[0], positions[:, block], d_rows
+                )
         return (
             d_queries.to(queries.dtype) if need_query else None,
             d_span.to(span_latent.dtype) if need_span else None,
@@ -382,9 +416,9 @@ class _SparseLatentAttention(torch.autograd.Function):
 def _masked_scores(
     queries: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """``scale * q . row`` ``[b, H, k]``, ``-inf`` at padding entries."""
-    scores = (queries @ rows.transpose(1, 2)) * scale
-    return scores.masked_fill((positions < 0)[:, None, :], float("-inf"))
+    """``scale * q . row`` ``[B, b, H, k]``, ``-inf`` at padding entries."""
+    scores = (queries @ rows.transpose(-1, -2)) * scale
+    return scores.masked_fill((positions < 0)[..., None, :], float("-inf"))
 
 
 # --- one layer, the adapter ------------------------------------------------------------------
@@ -436,12 +470,19 @@ class GlmMoeDsaAdapter(ModelAdapter):
             )
         return records
 
-    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        span: Span,
+        state: PrefixState,
+        branch: BranchCache | None = None,
+    ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
         # Dense when the last query of the span sees no more than index_topk positions.
         dense = self.config.index_topk >= span.start + span.length
         selection = None
-        for layer, record in zip(self.decoder.layers, state.layers, strict=True):
+        layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
+        for layer, record, branch_record in layers:
             attended, selection = self.run_attention(
                 layer.self_attn,
                 layer.input_layernorm(hidden),
@@ -450,6 +491,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                 span,
                 selection,
                 dense,
+                branch_record,
             )
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -464,41 +506,48 @@ class GlmMoeDsaAdapter(ModelAdapter):
         span: Span,
         selection: torch.Tensor | None,
         dense: bool,
+        branch: BranchLatent | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One MLA block over ``hidden`` ``[1, T, hidden]``: its output and the DSA selection.
+        """One MLA block over ``hidden`` ``[B, T, hidden]``: its output and the DSA selection.
 
         A layer with its own indexer makes a new selection (none when ``dense``); a shared
         layer passes the previous one on. Prefill chunks write their latent and index keys
         (kept even while dense: later chunks and branches may see more than ``index_topk``).
+        With ``branch`` (decoding), the span's latent and index keys are appended to the
+        branches' own (index keys even while dense, for later steps) and the queries see the
+        prefix plus everything their branch holds.
         """
         w_uk, w_uv = absorbed_weights(attention)
         queries, latent, q_resid = mla_projections(
             attention, hidden, position_embeddings, w_uk, self.rope
         )
+        prefix_end = span.start if span.write else record.length
         index_keys = None
-        if attention.indexer is not None and (span.write or not dense):
+        if attention.indexer is not None and (span.write or branch is not None or not dense):
             index_keys, index_queries, index_weights = indexer_projections(
                 attention.indexer, hidden, q_resid, position_embeddings, self.index_rope, not dense
             )
-            if not dense:
-                selection = select_topk(
-                    index_queries,
-                    index_weights,
-                    record.index_key_prefix(span.start),
-                    index_keys,
-                    attention.indexer.index_topk,
-                    attention.indexer.softmax_scale,
-                )
         if span.write:
-            record.write(span.start, latent, index_keys)
+            record.write(span.start, latent[0], None if index_keys is None else index_keys[0])
+        if branch is not None:
+            latent, index_keys = branch.append(latent, index_keys)
+        if attention.indexer is not None and not dense:
+            selection = select_topk(
+                index_queries,
+                index_weights,
+                record.index_key_prefix(prefix_end),
+                index_keys,
+                attention.indexer.index_topk,
+                attention.indexer.softmax_scale,
+            )
         output = latent_attention(
             queries,
             latent,
-            record.latent_prefix(span.start),
+            record.latent_prefix(prefix_end),
             selection,
             attention.kv_lora_rank,
             attention.scaling,
-            prefix_grad=record.latent_grad(span.start),
+            prefix_grad=record.latent_grad(prefix_end),
         )
         output = torch.einsum("bhtr,hvr->bthv", output, w_uv).flatten(2)
         return attention.o_proj(output), selection

@@ -11,7 +11,11 @@ a sigmoid output gate. What each layer keeps of the prompt (DESIGN.md section 4)
 Prefill threads both DeltaNet states across chunk boundaries: a chunk's conv runs over the
 stored inputs followed by the chunk, and its delta rule starts from the stored recurrent
 state. A branch starts from the same stored states and drops the states it ends with, so
-branches are independent and the record is never written by scoring.
+branches are independent and the record is never written by scoring. Decoding runs ``B``
+branches at once, each from its own copy of the states (``BranchRecurrent``, a fixed size)
+that every step replaces; single-token steps use the model's recurrent delta rule
+(``torch_recurrent_gated_delta_rule``, as transformers' own cached decoding does) and the
+full-attention layers append to per-branch keys/values like the dense adapter.
 
 Every computation is the model's own: its projections (so LoRA on them keeps working), norms
 (the gated RMSNorm included), decay parameters, RoPE module and ``apply_rotary_pos_emb``, MLP
@@ -46,8 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw_core.state import AttentionKV, PrefixState, RecurrentState
-from model_adapters.base import ModelAdapter, Span, as_token_ids
+from longstraw_core.state import (
+    AttentionKV,
+    BranchCache,
+    BranchKV,
+    BranchRecurrent,
+    PrefixState,
+    RecurrentState,
+)
+from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records
 from model_adapters.dense import RotaryFn, attend_with_state, model_rotary_function
 from model_adapters.registry import register_adapter
 
@@ -77,11 +88,17 @@ class DeltaNetKernels:
     ``conv(x [B, D, T], weight [D, K], bias, activation=...) -> [B, D, T]`` (causal, zero
     left padding); ``delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
     use_qk_l2norm_in_kernel=) -> (out [B, T, HV, DV], final_state [B, HV, DK, DV] | None)``.
+    ``step``: the same contract, for single-token decoding steps (``None``: ``delta_rule``).
     """
 
     conv: ConvFn
     delta_rule: DeltaRuleFn
     names: tuple[str, str]
+    step: DeltaRuleFn | None = None
+
+    def rule_for(self, length: int) -> DeltaRuleFn:
+        """The delta-rule kernel for a span of ``length`` positions."""
+        return self.step if length == 1 and self.step is not None else self.delta_rule
 
 
 @functools.cache
@@ -165,10 +182,13 @@ def deltanet_kernels(
     """The fastest available kernels for tensors on ``device`` in ``dtype``.
 
     flash-linear-attention on CUDA for float16/bfloat16, causal-conv1d on CUDA for the
-    dtypes and activations it implements; transformers' pure-torch functions elsewhere.
+    dtypes and activations it implements; transformers' pure-torch functions elsewhere. The
+    pure-torch path steps single tokens with the model's recurrent function (the chunked
+    one would pad each token to a whole chunk); fla's chunk kernel takes them as they come.
     """
     conv, conv_name = _model_function(type(deltanet), "causal_conv1d_fn"), "torch"
     rule = _model_function(type(deltanet), "torch_chunk_gated_delta_rule")
+    step = _model_function(type(deltanet), "torch_recurrent_gated_delta_rule")
     rule_name = "torch"
     if device.type == "cuda":
         package_conv = _causal_conv1d_package()
@@ -180,8 +200,8 @@ def deltanet_kernels(
             conv, conv_name = package_conv, "causal_conv1d"
         fla_rule = _fla_chunk_gated_delta_rule()
         if fla_rule is not None and dtype in _FLA_DTYPES:
-            rule, rule_name = _fla_delta_rule(fla_rule), "fla"
-    return DeltaNetKernels(conv, rule, (conv_name, rule_name))
+            rule, rule_name, step = _fla_delta_rule(fla_rule), "fla", None
+    return DeltaNetKernels(conv, rule, (conv_name, rule_name), step)
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -194,12 +214,13 @@ def run_gated_attention(
     record: AttentionKV,
     span: Span,
     apply_rotary: RotaryFn,
+    branch: BranchKV | None = None,
 ) -> torch.Tensor:
-    """One gated full-attention block over ``hidden`` ``[1, T, hidden]``, reading/writing ``record``.
+    """One gated full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
     The sibling of ``dense.run_full_attention``: ``q_proj`` yields each head's query and its
     output gate side by side, and the attention output is multiplied by ``sigmoid(gate)``
-    before ``o_proj``, as the model does.
+    before ``o_proj``, as the model does. ``branch``: decoded branches' own keys/values.
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -214,7 +235,7 @@ def run_gated_attention(
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
 
-    output = attend_with_state(queries, keys, values, record, span, attention.scaling)
+    output = attend_with_state(queries, keys, values, record, span, attention.scaling, branch)
     output = output.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
     return attention.o_proj(output)
 
@@ -246,18 +267,25 @@ def run_gated_deltanet(
     record: RecurrentState,
     span: Span,
     kernels: DeltaNetKernels,
+    branch: BranchRecurrent | None = None,
 ) -> torch.Tensor:
-    """One Gated DeltaNet block over ``hidden`` ``[1, T, hidden]``, starting from ``record``.
+    """One Gated DeltaNet block over ``hidden`` ``[B, T, hidden]``, starting from ``record``.
 
     The conv runs over the stored ``kernel - 1`` inputs followed by the span (the same
     left context the full sequence gives it) and keeps the span's outputs; the delta rule
     starts from the stored recurrent state. A prefill chunk (``span.write``) stores the new
-    conv inputs and final state; a branch reads the record and leaves it as it was.
+    conv inputs and final state; a branch reads the record and leaves it as it was. With
+    ``branch`` (decoding ``B`` branches), each branch starts from its own states instead and
+    they are replaced by the ones it ends with.
     """
     batch, length, _ = hidden.shape
     mixed_qkv, z, b, a = deltanet_projections(deltanet, hidden)
-    conv_state, recurrent_state = record.read(span.start if span.write else None)
-    conv_input = torch.cat([conv_state[None].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
+    if branch is None:
+        conv_state, recurrent_state = record.read(span.start if span.write else None)
+        conv_state, recurrent_state = conv_state[None], recurrent_state[None]
+    else:
+        conv_state, recurrent_state = branch.conv, branch.recurrent
+    conv_input = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv], dim=-1)
     conv_output = kernels.conv(
         conv_input, deltanet.conv1d.weight.squeeze(1), deltanet.conv1d.bias,
         activation=deltanet.activation,
@@ -271,19 +299,22 @@ def run_gated_deltanet(
 
     beta = b.sigmoid()
     g = -deltanet.A_log.float().exp() * F.softplus(a.float() + deltanet.dt_bias)
-    output, final_state = kernels.delta_rule(
+    delta_rule = kernels.delta_rule if branch is None else kernels.rule_for(length)
+    output, final_state = delta_rule(
         query,
         key,
         value,
         g=g,
         beta=beta,
-        initial_state=recurrent_state[None],
-        output_final_state=span.write,
+        initial_state=recurrent_state,
+        output_final_state=span.write or branch is not None,
         use_qk_l2norm_in_kernel=True,
     )
+    kept = conv_input.shape[-1] - conv_state.shape[-1]
     if span.write:
-        kept = conv_input.shape[-1] - conv_state.shape[-1]
         record.update(span.start, length, conv_input[0, :, kept:], final_state[0])
+    if branch is not None:
+        branch.update(conv_input[:, :, kept:], final_state)
 
     output = deltanet.norm(
         output.reshape(-1, deltanet.head_v_dim), z.reshape(-1, deltanet.head_v_dim)
@@ -366,17 +397,37 @@ class Qwen36Adapter(ModelAdapter):
             records.append(record)
         return records
 
-    def run_layers(self, hidden: torch.Tensor, span: Span, state: PrefixState) -> torch.Tensor:
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        span: Span,
+        state: PrefixState,
+        branch: BranchCache | None = None,
+    ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        layers = zip(self.decoder.layers, self.layer_types, state.layers, strict=True)
-        for layer, kind, record in layers:
+        layers = zip(
+            self.decoder.layers,
+            self.layer_types,
+            state.layers,
+            branch_records(branch, state),
+            strict=True,
+        )
+        for layer, kind, record, branch_record in layers:
             normed = layer.input_layernorm(hidden)
             if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
                 kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
-                mixed = run_gated_deltanet(layer.linear_attn, normed, record, span, kernels)
+                mixed = run_gated_deltanet(
+                    layer.linear_attn, normed, record, span, kernels, branch_record
+                )
             else:
                 mixed = run_gated_attention(
-                    layer.self_attn, normed, position_embeddings, record, span, self.apply_rotary
+                    layer.self_attn,
+                    normed,
+                    position_embeddings,
+                    record,
+                    span,
+                    self.apply_rotary,
+                    branch_record,
                 )
             hidden = hidden + mixed
             mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))

@@ -1,0 +1,228 @@
+"""Rollout: sample a group of responses from the prefix state the update will read.
+
+The prompt is prefilled once per step (``adapter.prefill``); ``rollout`` decodes all ``G``
+branches of the group in one batch from that state, and ``grpo_step`` then scores and
+replays them from the same state (DESIGN.md section 6)::
+
+    state = adapter.prefill(prompt_ids)
+    out = ls.rollout(adapter, state, num_generations=8, max_new_tokens=256, eos_token_ids=[eos])
+    ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
+                 old_logps=out.logps, truncated=out.truncated)
+
+The branches share the prefix state, which is read and never copied, expanded over the batch
+or written: full-attention layers attend to the shared prefix K/V plus each branch's own
+K/V, preallocated to ``max_new_tokens`` and filled step by step; recurrent layers start from
+per-branch copies of their (small) state; MLA layers read the shared latent and indexer keys
+plus each branch's own rows. The per-layer code is the adapters' own ``run_layers``, given a
+``BranchCache`` (``ModelAdapter.new_branch_cache`` / ``decode``).
+
+Sampling follows transformers' ``generate``: the logits are divided by ``temperature``, then
+top-k and top-p (nucleus) filtering apply (transformers' own logits warpers, in that order),
+and a token is drawn with ``torch.multinomial`` from a ``torch.Generator`` seeded by ``seed``
+(the same seed gives the same responses). ``temperature=0`` decodes greedily (argmax).
+
+Behaviour log-probs (``out.logps``) are ``log_softmax(logits / temperature)`` at the sampled
+token, before top-k/top-p filtering, as TRL computes the policy's log-probs; at temperature
+1 they equal ``adapter.score(state, response)`` (so the on-policy importance ratio is 1).
+Greedy decoding reports the log-probs of the unscaled logits (temperature 1).
+
+Branches that emit an end-of-sequence token stay in the batch (their later tokens are
+masked) until every branch has finished or ``max_new_tokens`` is reached. Responses keep
+their EOS token, as TRL's do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from longstraw_core.state import PrefixState
+from model_adapters.base import ModelAdapter
+
+
+@dataclass
+class RolloutOutput:
+    """The sampled group.
+
+    ``responses``: 1-D LongTensors, each ending at its first EOS (kept) or at
+    ``max_new_tokens``. ``logps``: per-token behaviour log-probs (float32, or float64 for a
+    float64 model), one tensor per response. ``truncated``: whether each response hit
+    ``max_new_tokens`` without an EOS. ``stats``: timing and throughput (see ``rollout``).
+    """
+
+    responses: list[torch.Tensor]
+    logps: list[torch.Tensor]
+    truncated: list[bool]
+    stats: dict[str, float | int] = field(default_factory=dict)
+
+
+def rollout(
+    adapter: ModelAdapter,
+    state: PrefixState,
+    num_generations: int = 8,
+    max_new_tokens: int = 256,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] | int | None = None,
+    seed: int | None = 0,
+    progress: bool | None = None,
+) -> RolloutOutput:
+    """Sample ``num_generations`` responses to the prompt held by ``state``, in one batch.
+
+    Args:
+        adapter: the policy's adapter (the one that prefilled ``state``).
+        state: the prompt's prefix state; only read (bitwise unchanged afterwards), so it
+            can be passed on to ``grpo_step``.
+        num_generations: ``G``, branches decoded together.
+        max_new_tokens: the most tokens a response gets.
+        temperature: softmax temperature; ``0`` decodes greedily.
+        top_p: nucleus sampling mass, in ``(0, 1]`` (``1``: off).
+        top_k: keep the ``top_k`` most likely tokens (``0``: off).
+        eos_token_ids: token ids that end a response (``None``: responses run to
+            ``max_new_tokens``).
+        seed: seeds the sampling generator (``None``: a random seed).
+        progress: a progress bar over decode steps (``None``: only on a terminal).
+
+    Returns:
+        ``RolloutOutput``; ``stats`` holds ``decode_seconds``, ``steps`` (batched decode
+        steps run), ``generated_tokens`` (sum of response lengths), ``tokens_per_second``
+        (generated tokens over decode seconds), ``branch_cache_bytes`` (the branches' own
+        state) and ``prefix_state_bytes``.
+    """
+    adapter.check_state(state)
+    eos = _check_arguments(
+        adapter, num_generations, max_new_tokens, temperature, top_p, top_k, eos_token_ids
+    )
+    adapter._check_positions(state.prompt_length, max_new_tokens)
+    device, group = adapter.device, num_generations
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
+    warpers = _warpers(temperature, top_k, top_p)
+    eos = torch.tensor(eos, dtype=torch.long, device=device)
+    pad_id = int(eos[0]) if len(eos) else 0
+
+    tokens = torch.full((group, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps: torch.Tensor | None = None
+    finished = torch.zeros(group, dtype=torch.bool, device=device)
+    lengths = torch.full((group,), max_new_tokens, dtype=torch.long, device=device)
+    inputs = state.last_token.expand(group)[:, None]
+    bar = tqdm(
+        total=max_new_tokens,
+        desc="rollout",
+        unit="step",
+        disable=(not progress) if progress is not None else None,
+        leave=False,
+    )
+    started = time.perf_counter()
+    steps = 0
+    with torch.no_grad(), bar:
+        cache = adapter.new_branch_cache(state, group, max_new_tokens)
+        for step in range(max_new_tokens):
+            logits = adapter.decode(state, cache, inputs)[:, -1]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            next_tokens, next_logps = _sample(logits, temperature, warpers, generator)
+            if logps is None:
+                logps = torch.zeros(group, max_new_tokens, dtype=logits.dtype, device=device)
+            next_tokens = next_tokens.masked_fill(finished, pad_id)
+            tokens[:, step] = next_tokens
+            logps[:, step] = next_logps.masked_fill(finished, 0.0)
+            ended = ~finished & torch.isin(next_tokens, eos)
+            lengths = torch.where(ended, step + 1, lengths)
+            finished |= ended
+            steps += 1
+            bar.update(1)
+            if bool(finished.all()):
+                break
+            inputs = next_tokens[:, None]
+    seconds = time.perf_counter() - started
+
+    lengths_list = lengths.tolist()
+    finished_list = finished.tolist()
+    responses = [tokens[i, :n].clone() for i, n in enumerate(lengths_list)]
+    generated = sum(lengths_list)
+    return RolloutOutput(
+        responses=responses,
+        logps=[logps[i, :n].clone() for i, n in enumerate(lengths_list)],
+        truncated=[not done for done in finished_list],
+        stats={
+            "decode_seconds": seconds,
+            "steps": steps,
+            "generated_tokens": generated,
+            "tokens_per_second": generated / seconds if seconds > 0 else float("inf"),
+            "branch_cache_bytes": cache.nbytes(),
+            "prefix_state_bytes": state.nbytes(),
+        },
+    )
+
+
+def _check_arguments(
+    adapter: ModelAdapter,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos_token_ids: Sequence[int] | int | None,
+) -> list[int]:
+    """Validate the sampling arguments; return the EOS ids as a list."""
+    for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
+    if eos_token_ids is None:
+        return []
+    eos = [eos_token_ids] if isinstance(eos_token_ids, int) else [int(t) for t in eos_token_ids]
+    bad = [t for t in eos if not 0 <= t < adapter.vocab_size]
+    if bad:
+        raise ValueError(
+            f"eos_token_ids holds {bad[0]}, outside the model's vocabulary "
+            f"[0, {adapter.vocab_size})"
+        )
+    return eos
+
+
+def _warpers(temperature: float, top_k: int, top_p: float) -> list:
+    """transformers' logits warpers in ``generate``'s order (none for greedy decoding)."""
+    if temperature == 0:
+        return []
+    warpers: list = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, warpers: list, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens ``[B]`` and their behaviour log-probs ``[B]`` from logits ``[B, vocab]``."""
+    if temperature == 0:
+        next_tokens = logits.argmax(-1)
+        log_probs = torch.log_softmax(logits, -1)
+    else:
+        log_probs = torch.log_softmax(logits / temperature, -1)
+        scores = logits
+        for warper in warpers:
+            scores = warper(None, scores)
+        probs = torch.softmax(scores, -1)
+        next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return next_tokens, log_probs.gather(-1, next_tokens[:, None])[:, 0]

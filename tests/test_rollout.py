@@ -1,0 +1,272 @@
+"""Rollout against transformers' own ``generate`` and the model's own forward.
+
+References are the transformers models themselves: greedy ``generate`` (``do_sample=False``)
+on the full prompt for the tokens, the full-sequence forward for the log-probs at a
+temperature, and ``adapter.score`` (itself tested against the full-sequence forward) for the
+on-policy log-probs of sampled responses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import full_sequence_logps
+from test_glm52_adapter import RecordIndexScores, assert_no_ties_at_k
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import longstraw_core as ls
+from longstraw_core.tiny_models import tiny_model
+from model_adapters import glm52
+
+VOCAB = 512
+PROMPT_LENGTH = 45  # 44 stored positions; prefilled in chunks of 16 (which do not divide it)
+SPARSE_TOPK = 6  # far fewer than the ~50 positions the decoded queries see
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "llama": ("llama", {}),
+    "qwen3_5_text": ("qwen3_5_text", {}),
+    "glm_dense": ("glm_moe_dsa", {"index_topk": 4096}),
+    "glm_sparse": ("glm_moe_dsa", {"index_topk": SPARSE_TOPK}),
+}
+# transformers computes the gated delta rule in float32 with other kernels for a whole span
+# (score) than for single tokens (decoding): the log-probs agree to ~1e-5, as score does with
+# the full-sequence forward (tests/test_qwen36_adapter.py).
+LOGP_ATOL = {"qwen3_5_text": 2e-5}
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(case: str) -> torch.nn.Module:
+    if case not in _MODELS:
+        model_type, overrides = CASES[case]
+        _MODELS[case] = tiny_model(model_type, **overrides)
+    return _MODELS[case]
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, eos: int | None):
+    """transformers' greedy decoding on the full prompt: the generated tokens, EOS included."""
+    with torch.no_grad():
+        output = model.generate(
+            prompt[None],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0 if eos is None else eos,
+        )
+    return output[0, len(prompt) :]
+
+
+def _state_tensors(state: ls.PrefixState) -> list[torch.Tensor]:
+    tensors = [state.prompt_ids]
+    for record in state.layers:
+        tensors += [v for v in vars(record).values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _first_new_token(tokens: torch.Tensor, start: int) -> int:
+    """The first position at or after ``start`` whose token did not occur before it."""
+    for position in range(start, len(tokens)):
+        if int(tokens[position]) not in tokens[:position].tolist():
+            return position
+    raise AssertionError("greedy output repeats itself: pick another prompt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_rollout_equals_transformers_generate(case: str) -> None:
+    model = _model(case)
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 8)  # a prompt the tiny models do not answer with a loop
+    recorder = RecordIndexScores(SPARSE_TOPK)
+    with recorder:
+        free = _generate(model, prompt, 12, eos=None)
+    if case == "glm_sparse":
+        assert_no_ties_at_k(recorder)
+    stop = _first_new_token(free, 6)
+    eos = int(free[stop])
+    stopped = _generate(model, prompt, 12, eos=eos)
+    assert torch.equal(stopped, free[: stop + 1])  # transformers stops at its EOS
+
+    state = adapter.prefill(prompt, chunk_size=16)
+    before = [t.clone() for t in _state_tensors(state)]
+    out = ls.rollout(adapter, state, num_generations=3, max_new_tokens=12, temperature=0)
+    assert all(torch.equal(response, free) for response in out.responses)
+    assert out.truncated == [True] * 3
+    out = ls.rollout(
+        adapter, state, num_generations=3, max_new_tokens=12, temperature=0, eos_token_ids=[eos]
+    )
+    assert all(torch.equal(response, stopped) for response in out.responses)
+    assert out.truncated == [False] * 3
+    assert out.stats["steps"] == stop + 1
+    for response, logps in zip(out.responses, out.logps, strict=True):
+        with torch.no_grad():
+            expected = full_sequence_logps(model, prompt, response)
+        assert (logps - expected).abs().max() <= LOGP_ATOL.get(case, 1e-5)
+    after = _state_tensors(state)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert state.length == PROMPT_LENGTH - 1
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_5_text", "glm_sparse"])
+def test_sampled_logps_equal_score_and_the_seed_reproduces(case: str) -> None:
+    model = _model(case)
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 2)
+    state = adapter.prefill(prompt, chunk_size=16)
+    eos = list(range(40))  # ~8% of the vocabulary: some branches end early, some do not
+    options = {"num_generations": 6, "max_new_tokens": 14, "eos_token_ids": eos}
+    out = ls.rollout(adapter, state, seed=5, **options)
+
+    assert any(out.truncated) and not all(out.truncated)
+    for response, logps, truncated in zip(out.responses, out.logps, out.truncated, strict=True):
+        assert response.dtype == torch.long and len(response) == len(logps)
+        ends = torch.isin(response, torch.tensor(eos))
+        assert not ends[:-1].any()  # trimmed after the first EOS, which is kept
+        assert bool(ends[-1]) != truncated
+        assert len(response) == 14 or not truncated
+        with torch.no_grad():
+            scored = adapter.score(state, response)
+        assert (logps - scored).abs().max() <= LOGP_ATOL.get(case, 1e-5)
+
+    again = ls.rollout(adapter, state, seed=5, **options)
+    other = ls.rollout(adapter, state, seed=6, **options)
+    for a, b in zip(out.responses + out.logps, again.responses + again.logps, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(out.responses, other.responses, strict=True))
+    assert len({tuple(r.tolist()) for r in out.responses}) > 1  # branches differ
+
+
+def test_logps_at_a_temperature_and_top_k_top_p_limits() -> None:
+    model = _model("qwen3")
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 3)
+    state = adapter.prefill(prompt, chunk_size=16)
+    out = ls.rollout(adapter, state, num_generations=4, max_new_tokens=10, temperature=0.7)
+    for response, logps in zip(out.responses, out.logps, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0]
+        scaled = torch.log_softmax(logits[PROMPT_LENGTH - 1 : -1] / 0.7, -1)
+        assert (logps - scaled.gather(-1, response[:, None])[:, 0]).abs().max() <= 1e-5
+
+    greedy = _generate(model, prompt, 10, eos=None)
+    # top_k=1 and a tiny top_p keep only the most likely token: sampling is greedy.
+    for limits in ({"top_k": 1}, {"top_p": 1e-6}, {"top_k": 3, "top_p": 1e-6}):
+        sampled = ls.rollout(adapter, state, num_generations=2, max_new_tokens=10, **limits)
+        assert all(torch.equal(response, greedy) for response in sampled.responses)
+    top2 = ls.rollout(adapter, state, num_generations=4, max_new_tokens=10, top_k=2, seed=1)
+    for response in top2.responses:
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0]
+        allowed = logits[PROMPT_LENGTH - 1 : -1].topk(2, dim=-1).indices
+        assert (allowed == response[:, None]).any(-1).all()
+
+
+class RecordLargestOutput(TorchDispatchMode):
+    """The largest numel among the outputs of all ops that allocate (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return result
+        for output in result if isinstance(result, tuple | list) else (result,):
+            if isinstance(output, torch.Tensor):
+                self.largest = max(self.largest, output.numel())
+        return result
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_5_text", "glm_sparse", "glm_dense"])
+def test_the_prefix_is_never_copied(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No op during rollout makes a tensor as large as one layer's prefix keys (or latent):
+    every branch reads the prefix in place, never copied, expanded or joined with the branch.
+    """
+    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", 4096)  # indexer scratch below the latent
+    model = _model(case)
+    adapter = ls.adapt(model)
+    state = adapter.prefill(_ids(400, 4), chunk_size=128)
+    smallest = min(
+        (record.keys if hasattr(record, "keys") else record.latent)[..., : state.length, :].numel()
+        for record in state.layers
+        if record.grows_with_prompt
+    )
+    recorder = RecordLargestOutput()
+    with recorder:
+        out = ls.rollout(adapter, state, num_generations=4, max_new_tokens=8)
+    assert 0 < recorder.largest < smallest
+    cache = adapter.new_branch_cache(state, batch=4, capacity=8)
+    assert out.stats["branch_cache_bytes"] == cache.nbytes()
+    assert out.stats["prefix_state_bytes"] == state.nbytes()
+    assert out.stats["generated_tokens"] == sum(len(r) for r in out.responses)
+
+
+def test_rollout_feeds_grpo_step_on_policy() -> None:
+    """The state and behaviour log-probs go straight into ``grpo_step``: importance ratio 1."""
+    model = _model("qwen3")
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 5)
+    state = adapter.prefill(prompt, chunk_size=16)
+    out = ls.rollout(adapter, state, num_generations=4, max_new_tokens=6, seed=2)
+    rewards = [1.0, 0.0, 0.5, -1.0]
+    model.zero_grad(set_to_none=True)
+    metrics = ls.grpo_step(
+        adapter,
+        prompt,
+        out.responses,
+        rewards,
+        state=state,
+        old_logps=out.logps,
+        truncated=out.truncated,
+        config=ls.GRPOConfig(loss_type="grpo", epsilon=1e-4),
+    )
+    model.zero_grad(set_to_none=True)
+    # With a tiny clipping range, any ratio off 1 by more than float noise would be clipped.
+    assert metrics["clip_ratio/region_mean"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_generations": 0}, "num_generations must be a positive integer"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be a non-negative integer"),
+        ({"eos_token_ids": [3, 512]}, "eos_token_ids holds 512"),
+        ({"max_new_tokens": 30}, r"prompt \(40 tokens\) \+ response \(30 tokens\) = 70"),
+    ],
+)
+def test_rollout_rejects_bad_input(kwargs: dict, message: str) -> None:
+    adapter = ls.adapt(tiny_model("qwen3", max_position_embeddings=64))
+    state = adapter.prefill(_ids(40, 6))
+    with pytest.raises(ValueError, match=message):
+        ls.rollout(adapter, state, **{"max_new_tokens": 4, **kwargs})
+
+
+def test_rollout_refuses_a_state_from_another_model() -> None:
+    state = ls.adapt(_model("qwen3")).prefill(_ids(10, 7))
+    with pytest.raises(ValueError, match="prefilled by another model"):
+        ls.rollout(ls.adapt(_model("llama")), state, max_new_tokens=2)
+
+
+def test_decode_checks_its_branch_cache() -> None:
+    adapter = ls.adapt(_model("qwen3"))
+    state, other = adapter.prefill(_ids(10, 8)), adapter.prefill(_ids(12, 9))
+    cache = adapter.new_branch_cache(state, batch=2, capacity=3)
+    with pytest.raises(ValueError, match="made for a prefix of 9 positions, not this state's 11"):
+        adapter.decode(other, cache, torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids must be \[2, T\]"):
+        adapter.decode(state, cache, torch.zeros(3, 1, dtype=torch.long))
+    response = _ids(3, 10)
+    inputs = torch.cat([state.last_token, response[:-1]]).expand(2, -1)
+    with torch.no_grad():  # a whole span in one call: per branch, what score computes
+        logits = adapter.decode(state, cache, inputs)
+        logps = torch.log_softmax(logits, -1).gather(-1, response.expand(2, -1)[..., None])
+        assert (logps[..., 0] - adapter.score(state, response)).abs().max() <= 1e-5
+        with pytest.raises(RuntimeError, match="holds 3 of 3 positions and cannot take 1 more"):
+            adapter.decode(state, cache, torch.zeros(2, 1, dtype=torch.long))
