@@ -1,0 +1,304 @@
+"""Run logging: W&B through accelerate's tracker, a one-line summary per step, a final table.
+
+accelerate owns the tracker so that only the main process logs and a multi-node run needs
+no extra code; ``RunLogger`` adds what a GRPO run wants on top: nested metrics flattened to
+``a/b`` keys, a table of sample completions every N steps, a readable line per step and a
+summary table at the end. With tracking off (``tracking.wandb=false`` or ``mode=disabled``)
+everything but the W&B calls still happens::
+
+    accelerator = Accelerator(log_with=log_with(cfg.tracking))
+    logger = RunLogger.from_config(accelerator, cfg)
+    logger.log(step, {"reward": 0.5, "loss": 0.01, "time": {"prefill": 12.0}})
+    logger.log_completions(step, [{"prompt": p, "completion": c, "reward": r}, ...])
+    logger.finish()
+
+Metric names follow TRL where it has one (``reward``, ``reward_std``,
+``rewards/<func>/mean``, ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``completions/mean_length``,
+``loss``) and add LongStraw's own: ``time/<phase>`` seconds (``progress.StepProgress``),
+``throughput/tokens_per_s``, ``memory/peak_bytes`` (``peak_memory_bytes``) and
+``state_bytes/<layer type>`` (``PrefixState.summary``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import numbers
+import resource
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from tqdm.auto import tqdm
+
+from longstraw_core.config import RunConfig, TrackingSection, to_dict
+from longstraw_core.state import format_bytes
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# Shown in the per-step line when present, in this order: (key, label, format).
+SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("reward", "reward", "{:.3f}"),
+    ("reward_std", "±", "{:.3f}"),
+    ("loss", "loss", "{:.4g}"),
+    ("kl", "kl", "{:.3g}"),
+    ("entropy", "entropy", "{:.3f}"),
+    ("completions/mean_length", "len", "{:.0f}"),
+    ("throughput/tokens_per_s", "tok/s", "{:,.0f}"),
+    ("memory/peak_bytes", "peak", "{}"),
+    ("time/step", "step", "{:.1f}s"),
+)
+MAX_CELL_CHARS = 4000  # a million-token prompt must not become a million-character W&B cell
+
+
+def log_with(tracking: TrackingSection) -> list[str] | None:
+    """The ``Accelerator(log_with=...)`` argument for a tracking config."""
+    return ["wandb"] if wandb_enabled(tracking) else None
+
+
+def wandb_enabled(tracking: TrackingSection) -> bool:
+    return tracking.wandb and tracking.mode != "disabled"
+
+
+class RunLogger:
+    """Metrics to W&B (when enabled) and to the console, for one run.
+
+    ``accelerator`` must have been built with ``log_with=["wandb"]`` when ``wandb`` is on.
+    ``config``: the resolved run config (nested dict), stored as the W&B run config.
+    ``run_id``: a W&B run id to continue (kept in the checkpoint's ``extra`` on resume).
+    ``write``: where summary lines go (default: above tqdm bars).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        *,
+        output_dir: str | Path,
+        project: str = "longstraw",
+        run_name: str | None = None,
+        mode: str = "offline",
+        wandb: bool = True,
+        config: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+        log_every: int = 1,
+        completions_every: int = 0,
+        run_id: str | None = None,
+        write: Callable[[str], None] | None = None,
+    ) -> None:
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.wandb = wandb and mode != "disabled"
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.completions_every = completions_every
+        self.history: list[tuple[int, dict[str, float]]] = []
+        self._write = write or tqdm.write
+        self.is_main = accelerator.is_main_process
+        if self.wandb:
+            self._init_wandb(project, run_name, mode, dict(config or {}), run_id)
+
+    @classmethod
+    def from_config(cls, accelerator: Accelerator, cfg: RunConfig, **kwargs: Any) -> RunLogger:
+        """A logger with every setting taken from the run config."""
+        t = cfg.tracking
+        settings: dict[str, Any] = {
+            "output_dir": cfg.train.output_dir,
+            "project": t.project,
+            "run_name": t.run_name,
+            "mode": t.mode,
+            "wandb": t.wandb,
+            "config": to_dict(cfg),
+            "total_steps": cfg.train.steps,
+            "log_every": cfg.train.log_every,
+            "completions_every": cfg.train.completions_every,
+        }
+        return cls(accelerator, **(settings | kwargs))
+
+    def _init_wandb(
+        self, project: str, run_name: str | None, mode: str, config: dict, run_id: str | None
+    ) -> None:
+        if "wandb" not in [str(getattr(t, "value", t)) for t in self.accelerator.log_with]:
+            raise ValueError(
+                "W&B tracking is on but the Accelerator was built without it; build it with "
+                "Accelerator(log_with=log_with(cfg.tracking))"
+            )
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        init = {"mode": mode, "name": run_name, "dir": str(self.output_dir)}
+        if run_id is not None:
+            init |= {"id": run_id, "resume": "allow"}
+        self.accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
+
+    # ----------------------------------------------------------------------- W&B run
+
+    @property
+    def wandb_run(self) -> Any | None:
+        """The ``wandb.Run`` on the main process, else None."""
+        if not (self.wandb and self.is_main):
+            return None
+        return self.accelerator.get_tracker("wandb", unwrap=True)
+
+    @property
+    def run_dir(self) -> Path | None:
+        """Where W&B writes this run's files (``<output_dir>/wandb/<run>``), or None."""
+        run = self.wandb_run
+        return Path(run.dir).parent if run is not None else None
+
+    @property
+    def run_id(self) -> str | None:
+        run = self.wandb_run
+        return run.id if run is not None else None
+
+    # ----------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint's ``extra`` keeps so a resumed run reports the whole run:
+        the metrics history (for the final table) and the W&B run id (to continue it)."""
+        return {"history": [[step, flat] for step, flat in self.history], "run_id": self.run_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the history; pass ``state["run_id"]`` as ``run_id`` when building."""
+        self.history = [(int(step), dict(flat)) for step, flat in state.get("history", [])]
+
+    # ----------------------------------------------------------------------- logging
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Flatten and log one step's metrics; print a summary line every ``log_every``."""
+        flat = flatten_metrics(metrics)
+        self.history.append((step, flat))
+        if self.wandb:
+            self.accelerator.log(flat, step=step)
+        if self.is_main and self.log_every and step % self.log_every == 0:
+            self._write(render(self.summary_line(step, flat)))
+        return flat
+
+    def log_completions(self, step: int, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """A ``completions`` table at ``step`` if it is a multiple of ``completions_every``.
+
+        Rows are dicts (prompt, completion, reward, per-function rewards, advantage, ...);
+        columns are the union of their keys, in first-seen order; long strings are clipped
+        to their head and tail. Returns whether a table was logged.
+        """
+        if not (self.wandb and self.is_main and rows and self.completions_every):
+            return False
+        if step % self.completions_every:
+            return False
+        columns: list[str] = []
+        for row in rows:
+            columns += [k for k in row if k not in columns]
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        self.accelerator.get_tracker("wandb").log_table(
+            "completions", columns=columns, data=data, step=step
+        )
+        return True
+
+    def finish(self, print_summary: bool = True) -> None:
+        """End the W&B run and print the summary table."""
+        if self.wandb:
+            self.accelerator.end_training()
+        if print_summary and self.is_main and self.history:
+            Console().print(self.summary_table())
+
+    # ----------------------------------------------------------------------- rendering
+
+    def summary_line(self, step: int, flat: Mapping[str, float]) -> Text:
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        line = Text(f"step {step}{total}", style="bold")
+        for key, label, fmt in SUMMARY_KEYS:
+            if key not in flat:
+                continue
+            value = flat[key]
+            shown = format_bytes(value) if key == "memory/peak_bytes" else fmt.format(value)
+            line.append("  " if label != "±" else " ")
+            line.append(f"{label} " if label != "±" else label, style="dim")
+            line.append(shown, style="cyan")
+        return line
+
+    def summary_table(self) -> Table:
+        """First, last, min, max and mean of every metric over the logged steps."""
+        steps = [s for s, _ in self.history]
+        table = Table(title=f"Run summary: steps {steps[0]}..{steps[-1]} ({len(steps)} logged)")
+        for column in ("metric", "first", "last", "min", "max", "mean"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        keys: list[str] = []
+        for _, flat in self.history:
+            keys += [k for k in flat if k not in keys]
+        for key in keys:
+            values = [flat[key] for _, flat in self.history if key in flat]
+            finite = [v for v in values if math.isfinite(v)] or [math.nan]
+            stats = (values[0], values[-1], min(finite), max(finite), sum(finite) / len(finite))
+            table.add_row(key, *(_number(v) for v in stats))
+        return table
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """``{"time": {"prefill": 1.0}}`` -> ``{"time/prefill": 1.0}``; numbers as floats.
+
+    0-d tensors, numpy scalars and bools become floats; None is skipped. Anything else
+    (a string, a tensor with several elements) is a TypeError naming the key, rather than a
+    metric that silently never shows up.
+    """
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat |= flatten_metrics(value, f"{name}/")
+        elif value is None:
+            continue
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            flat[name] = float(value.item())
+        elif isinstance(value, numbers.Real):
+            flat[name] = float(value)
+        else:
+            raise TypeError(f"metric {name!r} is a {type(value).__name__}, not a number")
+    return flat
+
+
+def peak_memory_bytes(device: torch.device | str | None = None) -> int:
+    """Peak accelerator memory allocated by torch, or on CPU the process's peak RSS."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def render(text: Text) -> str:
+    """Rich text as a string (ANSI colours on a terminal), so tqdm.write can print it."""
+    buffer = io.StringIO()
+    Console(file=buffer, force_terminal=sys.stdout.isatty(), width=10_000).print(text)
+    return buffer.getvalue().rstrip("\n")
+
+
+def clip_text(text: str, max_chars: int = MAX_CELL_CHARS) -> str:
+    """Head and tail of a long string with the number of characters left out."""
+    if len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return f"{text[:half]} [... {len(text) - 2 * half:,} characters ...] {text[-half:]}"
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, str):
+        return clip_text(value)
+    if value is None or isinstance(value, (bool, numbers.Real)):
+        return value
+    return clip_text(str(value))
+
+
+def _number(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4f}".rstrip("0").rstrip(".")

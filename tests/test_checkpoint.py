@@ -1,0 +1,179 @@
+"""Checkpoints: a stopped and resumed run equals an uninterrupted one; saves are atomic."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from longstraw_core.checkpoint import (
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from longstraw_core.tiny_models import tiny_model
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    return tiny_model("qwen3", seed=seed).train()
+
+
+def _optimizer(
+    model: torch.nn.Module,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    return optimizer, scheduler
+
+
+def _train_step(model: torch.nn.Module, optimizer, scheduler) -> float:
+    """One real update on data drawn from the global RNGs, so RNG restore matters."""
+    ids = torch.randint(0, 512, (1, 12))
+    loss = model(input_ids=ids, labels=ids).loss * (1 + random.random() + float(np.random.rand()))
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
+    _seed_all(0)
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    losses = [_train_step(model, optimizer, scheduler) for _ in range(3)]
+
+    _seed_all(0)
+    first = _model()
+    opt1, sched1 = _optimizer(first)
+    history = [_train_step(first, opt1, sched1)]
+    path = save_checkpoint(
+        tmp_path, 1, first, opt1, sched1, data_position=7, extra={"losses": history}
+    )
+    _train_step(first, opt1, sched1)  # the "stopped" run goes on and must not leak into the resume
+
+    resumed = _model(seed=123)  # built as a fresh run would be, with other weights
+    opt2, sched2 = _optimizer(resumed)
+    info = load_checkpoint(tmp_path, resumed, opt2, sched2)
+    assert info.path == path and info.step == 1 and info.data_position == 7
+    history = info.extra["losses"]
+    history += [_train_step(resumed, opt2, sched2) for _ in range(2)]
+
+    assert history == losses
+    _assert_same_params(model, resumed)
+    assert sched2.state_dict() == scheduler.state_dict()
+    for group, ref in zip(
+        opt2.state_dict()["state"].values(), optimizer.state_dict()["state"].values(), strict=True
+    ):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(group[key], ref[key])
+
+
+def test_rng_states_and_data_position_round_trip(tmp_path: Path) -> None:
+    _seed_all(5)
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    _train_step(model, optimizer, scheduler)
+    save_checkpoint(tmp_path, 3, model, optimizer, scheduler, data_position=42, extra={"x": [1.5]})
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    _seed_all(99)
+    info = load_checkpoint("latest", _model(), output_dir=tmp_path)
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    assert (info.step, info.data_position, info.extra) == (3, 42, {"x": [1.5]})
+    state = json.loads((info.path / "trainer_state.json").read_text())
+    assert state["step"] == 3 and info.path.name == "step-000003"
+
+
+class _DiskFullScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler whose state cannot be written: the save fails after the weights and the
+    optimizer state are already on disk."""
+
+    def state_dict(self) -> dict:
+        raise OSError("No space left on device")
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_as_latest(tmp_path: Path) -> None:
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    _train_step(model, optimizer, scheduler)
+    good = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_position=1)
+    _train_step(model, optimizer, scheduler)
+    failing = _DiskFullScheduler(optimizer, lambda s: 1.0)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(tmp_path, 2, model, optimizer, failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
+    assert resolve_checkpoint("latest", tmp_path) == good
+    assert load_checkpoint(tmp_path, _model(seed=1)).step == 1
+    # ...and the same step can be saved once the problem is fixed.
+    assert save_checkpoint(tmp_path, 2, model, optimizer, scheduler).name == "step-000002"
+    assert (tmp_path / "latest").read_text() == "step-000002"
+
+
+def test_extra_that_is_not_json_fails_before_writing_anything(tmp_path: Path) -> None:
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path / "run", 1, model, optimizer, scheduler, extra={"x": object()})
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    save_checkpoint(tmp_path, 4, model, optimizer, scheduler)
+    with pytest.raises(FileExistsError, match="step-000004"):
+        save_checkpoint(tmp_path, 4, model, optimizer, scheduler)
+
+
+def test_nothing_to_resume_and_mismatched_models(tmp_path: Path) -> None:
+    assert resolve_checkpoint("latest", tmp_path / "fresh") is None
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint("latest", _model(), output_dir=tmp_path / "fresh")
+    model = _model()
+    optimizer, scheduler = _optimizer(model)
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    other = tiny_model("qwen3", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="do not match"):
+        load_checkpoint(tmp_path, other)
+
+
+def test_lora_checkpoint_holds_only_adapters_loadable_by_peft(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(_model(), lora)
+    optimizer, scheduler = _optimizer(model)
+    _train_step(model, optimizer, scheduler)  # lora_B moves off zero
+    path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_position=2)
+    files = {p.name for p in (path / "model").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    assert "model.safetensors" not in files
+
+    trained = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    loaded = PeftModel.from_pretrained(_model(), path / "model")
+    for key, value in loaded.state_dict().items():
+        if "lora_" in key:
+            assert torch.equal(value, trained[key]), key
+
+    fresh = get_peft_model(_model(), lora)
+    fresh_opt, fresh_sched = _optimizer(fresh)
+    assert load_checkpoint(path, fresh, fresh_opt, fresh_sched).data_position == 2
+    _assert_same_params(model, fresh)
+    assert fresh_opt.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()

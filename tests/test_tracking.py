@@ -1,0 +1,149 @@
+"""Run logging: an offline W&B run records our metrics, config and table; disabled mode works."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from wandb.proto import wandb_internal_pb2
+
+from longstraw_core.config import load_config, to_dict
+from longstraw_core.progress import StepProgress
+from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
+
+
+def _wandb_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
+    """The records of a ``run-*.wandb`` file: W&B's 7-byte header, then LevelDB-log blocks
+    of 32 KiB whose chunks (7-byte header: crc, length, type) hold protobuf Records."""
+    data, block, position = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    records, pending = [], b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # block trailer padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:  # zero padding up to the next block
+            position += block - position % block
+            continue
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk of a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _steps(records: list[wandb_internal_pb2.Record]) -> dict[int, dict[str, object]]:
+    rows: dict[int, dict[str, object]] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            # Items carry either a flat key or a nested key path (a table's fields).
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            rows.setdefault(int(row["_step"]), {}).update(row)
+    return rows
+
+
+def test_offline_wandb_run_records_metrics_config_and_completions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path}", "train.steps=3"])
+    assert log_with(cfg.tracking) == ["wandb"]
+    accelerator = Accelerator(cpu=True, log_with=log_with(cfg.tracking))
+    lines: list[str] = []
+    logger = RunLogger.from_config(accelerator, cfg, completions_every=2, write=lines.append)
+    run_dir = logger.run_dir
+    assert run_dir is not None and tmp_path in run_dir.parents
+
+    for step in (1, 2, 3):
+        metrics = {
+            "reward": 0.25 * step,
+            "reward_std": torch.tensor(0.5),
+            "loss": 1.0 / step,
+            "time": {"prefill": 2.0, "step": 3.0},
+            "state_bytes": {"linear_attention": 1024, "full_attention": 4096},
+        }
+        logger.log(step, metrics)
+        rows = [{"prompt": "x" * 10_000, "completion": f"<answer>{step}</answer>", "reward": 1.0}]
+        logged = logger.log_completions(step, rows * 2)
+        assert logged == (step == 2)
+    logger.finish(print_summary=False)
+
+    assert len(lines) == 3 and lines[0].startswith("step 1/3") and "reward 0.250" in lines[0]
+    records = _wandb_records(next(run_dir.glob("run-*.wandb")))
+    steps = _steps(records)
+    assert steps[3]["loss"] == pytest.approx(1 / 3) and steps[1]["reward"] == 0.25
+    assert steps[2]["time/prefill"] == 2.0 and steps[2]["state_bytes/full_attention"] == 4096
+    assert steps[2]["completions/_type"] == "table-file"
+    config = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "config":
+            updates = record.config.update
+            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
+    assert config["rollout"]["num_generations"] == cfg.rollout.num_generations
+    assert config["model"] == to_dict(cfg)["model"]
+    (table,) = run_dir.glob("files/media/table/completions_2_*.table.json")
+    cells = json.loads(table.read_text())
+    assert cells["columns"] == ["prompt", "completion", "reward"] and len(cells["data"]) == 2
+    assert len(cells["data"][0][0]) < 5000  # a long prompt is clipped, head and tail
+
+
+@pytest.mark.parametrize("switch", ["tracking.wandb=false", "tracking.mode=disabled"])
+def test_disabled_tracking_still_logs_to_the_console(
+    tmp_path: Path, switch: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", switch])
+    assert log_with(cfg.tracking) is None
+    accelerator = Accelerator(cpu=True, log_with=log_with(cfg.tracking))
+    lines: list[str] = []
+    logger = RunLogger.from_config(accelerator, cfg, write=lines.append)
+    assert logger.run_dir is None
+    for step in (1, 2):
+        logger.log(step, {"reward": 0.5, "loss": 0.1 * step, "memory": {"peak_bytes": 2**30}})
+    assert not logger.log_completions(2, [{"completion": "hi"}])
+    logger.finish()
+    assert "peak 1.00 GiB" in lines[0]
+    table = capsys.readouterr().out
+    assert "Run summary" in table and "loss" in table and "0.2" in table
+    assert not (tmp_path / "run").exists()  # nothing written: no W&B directory
+    resumed = RunLogger.from_config(accelerator, cfg, write=lines.append)
+    resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))  # via trainer_state.json
+    assert resumed.history == logger.history
+
+
+def test_wandb_on_without_the_tracker_in_accelerate_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="log_with"):
+        RunLogger(Accelerator(cpu=True), output_dir=tmp_path, wandb=True, mode="offline")
+
+
+def test_flatten_metrics_names_what_it_cannot_log() -> None:
+    flat = flatten_metrics({"a": {"b": torch.tensor(2.0), "c": None}, "d": True, "e": 3})
+    assert flat == {"a/b": 2.0, "d": 1.0, "e": 3.0}
+    with pytest.raises(TypeError, match="'a/s'"):
+        flatten_metrics({"a": {"s": "text"}})
+
+
+def test_step_progress_times_each_phase() -> None:
+    progress = StepProgress(total_steps=2, enabled=False)
+    with progress.phase("prefill"):
+        assert progress.current == "prefill"
+    with progress.phase("replay"):
+        pass
+    timings = progress.step_done()
+    assert set(timings) == {"time/prefill", "time/replay", "time/step"}
+    assert timings["time/step"] >= timings["time/prefill"] + timings["time/replay"]
+    assert progress.step_done().keys() == {"time/step"} and progress.steps_done == 2
+    progress.close()
