@@ -327,12 +327,27 @@ def _apply_override(merged: DictConfig, item: str) -> None:
     # A section merges (model={dtype: bfloat16} keeps model.tiny); a dict or list value
     # replaces, so model.tiny_overrides={} clears it.
     merge = dataclasses.is_dataclass(_strip_optional(hint))
+    value = _structured_items(value, _strip_optional(hint))
     try:
         OmegaConf.update(merged, key, value, merge=merge)
     except OmegaConfBaseException as exc:
         raise _translate(exc, source, key) from None
     except IndexError as exc:
         raise ConfigError(key, f"{exc} ({source})") from None
+
+
+def _structured_items(value: Any, hint: Any) -> Any:
+    """A list of dicts for a ``list[Dataclass]`` field as typed nodes (``rewards=[{...}]``):
+    OmegaConf refuses plain dicts in a typed list."""
+    if typing.get_origin(hint) is not list or not isinstance(value, list):
+        return value
+    (item,) = typing.get_args(hint) or (Any,)
+    if not dataclasses.is_dataclass(item):
+        return value
+    return [
+        OmegaConf.merge(OmegaConf.structured(item), v) if isinstance(v, dict) else v
+        for v in value
+    ]
 
 
 def _qualify(key: str, source: str) -> str:

@@ -15,13 +15,19 @@ other field goes to ``Sample.meta``. Errors name the file, the line or row and t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from longstraw_core.tasks import Sample
+from longstraw_core.tasks import Sample, sample_at
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from longstraw_core.config import DataSection
 
 RESERVED = ("id", "prompt", "messages", "answer")
 
@@ -148,3 +154,31 @@ def _answer(record: Mapping[str, Any], where: str) -> str:
             f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}"
         )
     return str(answer)
+
+
+def sample_source(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Callable[[int], Sample]:
+    """Sample ``i`` of a run's data, the same whatever came before (so runs resume exactly).
+
+    A task generates sample ``i`` from ``(data.seed, i)``; a dataset cycles through its rows.
+    """
+    if data.task is not None:
+        return functools.partial(
+            _task_sample, data.task, tokenizer, data.prompt_tokens, data.seed, data.depth,
+            dict(data.task_kwargs),
+        )  # fmt: skip
+    samples = load_samples(data.path)
+    if not samples:
+        raise DataError(f"{data.path}: no samples (data.path)")
+    return lambda index: samples[index % len(samples)]
+
+
+def _task_sample(
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_tokens: int,
+    seed: int,
+    depth: float | None,
+    task_kwargs: dict[str, Any],
+    index: int,
+) -> Sample:
+    return sample_at(task, tokenizer, prompt_tokens, seed, index, depth=depth, **task_kwargs)

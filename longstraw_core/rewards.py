@@ -136,6 +136,21 @@ def contains(completions: list[Completion], samples: list[Sample]) -> list[float
     return out
 
 
+def answer_char_recall(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+    """The fraction of the answer's distinct characters that the completion contains.
+
+    Partial credit a random policy already earns sometimes: the signal that lets a tiny model
+    learn something (the answer's alphabet) by GRPO alone in the CPU demos. It does not
+    require retrieval; pair it with ``exact_match`` for real tasks. None without a reference.
+    """
+    out: list[float | None] = []
+    for completion, sample in zip(completions, samples, strict=True):
+        wanted = set(str(sample.answer).strip())
+        text = completion_text(completion)
+        out.append(None if not wanted else sum(c in text for c in wanted) / len(wanted))
+    return out
+
+
 def make_numeric_match(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """A ``numeric_match`` with other tolerances (``math.isclose`` semantics)."""
 
@@ -185,6 +200,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
     "format_reward": format_reward,
     "format": format_reward,
+    "answer_char_recall": answer_char_recall,
 }
 
 

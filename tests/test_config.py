@@ -288,3 +288,14 @@ def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
     assert "tiny_overrides" in text and "num_generations: 4" in text
     again = load_config(_write(tmp_path, "resolved.yaml", text))
     assert again == cfg
+
+
+def test_a_list_of_sections_can_be_replaced_from_the_command_line():
+    cfg = load_config(
+        ROOT / "configs/qwen36/tiny_grpo_cpu.yaml",
+        ["rewards=[{name: answer_char_recall, weight: 2.0}, {name: exact_match}]"],
+    )
+    assert [(r.name, r.weight) for r in cfg.rewards] == [
+        ("answer_char_recall", 2.0),
+        ("exact_match", 1.0),
+    ]

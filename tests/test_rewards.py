@@ -340,3 +340,15 @@ def test_resolve_custom_reward_from_a_user_module(tmp_path, monkeypatch):
 def test_resolve_reward_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         resolve_reward(spec)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [("12345", "54321", 1.0), ("1 and 3", "123", 2 / 3), ("", "42", 0.0), ("abc", "", None),
+     ("7777", "77", 1.0)],
+)  # fmt: skip
+def test_answer_char_recall(completion, answer, expected):
+    from longstraw_core.rewards import answer_char_recall
+
+    sample = Sample(id="s", prompt="p", answer=answer, meta={})
+    assert answer_char_recall([completion], [sample]) == [expected]

@@ -1,0 +1,73 @@
+"""Building what a run trains from its config: the model (with LoRA), optimizer and schedule.
+
+Recipes call these so they stay short; each function does one thing the config describes.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
+
+from longstraw_core.config import LoraSection, ModelSection, OptimSection, lora_targets
+from longstraw_core.tiny_models import tiny_model
+
+_SCHEDULES = {
+    "constant": lambda opt, warmup, steps: get_constant_schedule_with_warmup(opt, warmup),
+    "cosine": get_cosine_schedule_with_warmup,
+    "linear": get_linear_schedule_with_warmup,
+}
+
+
+def build_model(model: ModelSection, seed: int) -> PreTrainedModel:
+    """The policy's transformers model: a local checkpoint, or a random-init toy (``tiny``)."""
+    dtype = getattr(torch, model.dtype)
+    if model.tiny is not None:
+        return tiny_model(
+            model.tiny,
+            dtype=dtype,
+            seed=seed,
+            attn_implementation=model.attn_implementation,
+            **model.tiny_overrides,
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        model.path,
+        dtype=dtype,
+        attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
+        local_files_only=True,
+    )
+
+
+def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTrainedModel:
+    """Wrap ``model`` with PEFT LoRA adapters when ``lora.enabled`` (only they then train)."""
+    if not lora.enabled:
+        return model
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_targets(lora, model.config.model_type),
+    )
+    return get_peft_model(model, config)
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimSection) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters only (LoRA: the adapters)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimSection, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule after ``optim.warmup_steps`` of linear warmup."""
+    return _SCHEDULES[optim.scheduler](optimizer, optim.warmup_steps, total_steps)

@@ -1,0 +1,218 @@
+"""GRPO on long prompts for Qwen3.6 (hybrid Gated DeltaNet + gated attention), LongStraw style.
+
+Why this recipe: trainers that push G copies of prompt + response through autograd stop at
+a few hundred thousand tokens. Each step here
+
+1. prefills the prompt once, without autograd, into a prefix state (attention K/V that grows
+   with the prompt, DeltaNet states that do not);
+2. samples G responses in one batch that shares that state (never copied per branch);
+3. scores them with the configured reward functions (TRL's weights and NaN semantics);
+4. replays each response alone with autograd (memory: the state + one branch's graph),
+   then, with ``grpo.gradient=exact``, sweeps back over the prompt's chunks so the gradient
+   equals the full-graph one; the optimizer steps once per group.
+
+Run it:
+    python recipes/grpo_qwen36.py                                  # tiny CPU default
+    python recipes/grpo_qwen36.py --config configs/qwen36/tiny_lora_grpo_cpu.yaml train.steps=2
+    accelerate launch --config_file configs/accelerate/8xgpu_fsdp2.yaml \\
+        recipes/grpo_qwen36.py --config configs/qwen36/27b_lora_grpo_8xgpu.yaml
+    torchrun --nproc_per_node 2 recipes/grpo_qwen36.py distributed.fsdp=true   # sharded CPU run
+
+Copy this file and edit it: every mechanism is a ``longstraw_core`` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+import longstraw_core as ls
+from longstraw_core import checkpoint, config, data, models, tokenizer, tracking
+from longstraw_core.progress import StepProgress
+from longstraw_core.rewards import RewardSet
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/qwen36/tiny_grpo_cpu.yaml"
+
+
+class Recipe:
+    """setup -> train -> cleanup; ``save_checkpoint`` every ``train.save_every`` steps."""
+
+    def __init__(self, cfg: config.RunConfig) -> None:
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(), log_with=tracking.log_with(cfg.tracking)
+        )
+        set_seed(cfg.train.seed)
+        self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
+        model = models.build_model(cfg.model, seed=cfg.train.seed)
+        self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
+        self.adapter = ls.adapt(self.model)
+        if cfg.distributed.fsdp:
+            from longstraw_core.distributed import shard_model
+
+            shard_model(self.adapter, reshard_after_forward=cfg.distributed.reshard_after_forward)
+        self.reference = self._reference_policy()
+        self.grpo = config.grpo_config(cfg)
+        self.rewards = RewardSet([r.name for r in cfg.rewards], [r.weight for r in cfg.rewards])
+        self.sample_at = data.sample_source(cfg.data, self.tokenizer)
+        self.optimizer = models.build_optimizer(self.model, cfg.optim)
+        self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.step, self.data_position, resumed = 0, 0, None
+        if cfg.train.resume_from is not None:
+            resumed = self._resume()
+        self.logger = tracking.RunLogger.from_config(
+            self.accelerator, cfg, run_id=resumed.extra.get("wandb_run_id") if resumed else None
+        )
+        if resumed:
+            self.logger.load_state_dict(resumed.extra.get("logger", {}))
+        self.progress = StepProgress(
+            cfg.train.steps, initial=self.step, enabled=self.accelerator.is_main_process or None
+        )
+
+    def _reference_policy(self) -> ls.ModelAdapter | None:
+        """With ``beta > 0``: LoRA's base weights (adapters off), else a frozen copy."""
+        if self.cfg.grpo.beta == 0.0:
+            return None
+        if self.cfg.lora.enabled:
+            return ls.lora_reference(self.adapter)
+        frozen = models.build_model(self.cfg.model, seed=self.cfg.train.seed)
+        return ls.adapt(frozen.to(self.accelerator.device).eval().requires_grad_(False))
+
+    def _resume(self) -> checkpoint.ResumeInfo | None:
+        path = checkpoint.resolve_checkpoint(self.cfg.train.resume_from, self.cfg.train.output_dir)
+        if path is None:  # "latest" with nothing saved yet: a fresh run
+            return None
+        info = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step, self.data_position = info.step, info.data_position
+        return info
+
+    def train(self) -> None:
+        cfg = self.cfg
+        while self.step < cfg.train.steps:
+            sample = self.sample_at(self.data_position)
+            metrics = self.train_step(sample)
+            self.step += 1
+            self.data_position += 1
+            metrics |= self.progress.step_done()
+            self.logger.log(self.step, metrics)
+            if cfg.train.save_every and (
+                self.step % cfg.train.save_every == 0 or self.step == cfg.train.steps
+            ):
+                with self.progress.phase("checkpoint"):
+                    self.save_checkpoint()
+
+    def train_step(self, sample: data.Sample) -> dict[str, float]:
+        """prefill -> rollout -> rewards -> grpo_step -> optimizer step; returns metrics."""
+        cfg, progress = self.cfg, self.progress
+        prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
+        exact = cfg.grpo.gradient == "exact"
+        with progress.phase("prefill"):
+            state = self.adapter.prefill(
+                prompt_ids,
+                chunk_size=cfg.train.chunk_size,
+                checkpoints=cfg.grpo.recurrent_checkpoints if exact else None,
+            )
+        with progress.phase("rollout"):
+            out = ls.rollout(
+                self.adapter,
+                state,
+                cfg.rollout.num_generations,
+                cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+                eos_token_ids=[self.tokenizer.eos_token_id],
+                seed=cfg.train.seed * 1_000_003 + self.data_position,
+            )
+        completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
+        with progress.phase("reward"):
+            scored = self.rewards(completions, [sample] * len(completions))
+        with progress.phase("replay"):
+            step_metrics = ls.grpo_step(
+                self.adapter,
+                prompt_ids,
+                out.responses,
+                scored.rewards,
+                config=self.grpo,
+                ref_adapter=self.reference,
+                state=state,
+                truncated=out.truncated,
+                chunk_size=cfg.train.chunk_size,
+            )
+        with progress.phase("optimizer"):
+            grad_norm = self._optimizer_step()
+        if cfg.train.completions_every and (self.step + 1) % cfg.train.completions_every == 0:
+            rows = [
+                {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
+                for text, r in zip(completions, scored.rewards, strict=True)
+            ]
+            self.logger.log_completions(self.step + 1, rows)
+        state_bytes = {f"state_bytes/{k}": v["bytes"] for k, v in state.summary().items()}
+        return {
+            **{k: v for k, v in step_metrics.items() if k != "advantages"},
+            **scored.metrics(),
+            **state_bytes,
+            "advantage_abs_mean": sum(map(abs, step_metrics["advantages"])) / len(out.responses),
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "rollout_tokens_per_second": out.stats["tokens_per_second"],
+            "truncated_fraction": sum(out.truncated) / len(out.truncated),
+        }
+
+    def _optimizer_step(self) -> float:
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.optim.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save_checkpoint(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        extra = {"logger": self.logger.state_dict(), "wandb_run_id": self.logger.run_id}
+        path = checkpoint.save_checkpoint(
+            self.cfg.train.output_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            data_position=self.data_position,
+            extra=extra,
+        )
+        self.progress.write(f"saved {path}")
+
+    def cleanup(self) -> None:
+        self.progress.close()
+        self.logger.finish()
+        self.accelerator.end_training()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a YAML under configs/")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=2")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config.load_config(args.config, args.overrides)
+    except (config.ConfigError, FileNotFoundError) as error:
+        sys.exit(f"config error: {error}")
+    recipe = Recipe(cfg)
+    recipe.setup()
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    main()

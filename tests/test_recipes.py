@@ -1,0 +1,113 @@
+"""The recipes through their real entry points (subprocesses), on tiny CPU configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = [
+    "data.prompt_tokens=1024",
+    "rollout.num_generations=4",
+    "rollout.max_new_tokens=6",
+    "train.chunk_size=256",
+    "train.completions_every=1",
+    "rewards=[{name: answer_char_recall, weight: 1.0}]",
+]
+
+
+def run_recipe(recipe: str, config: str, output_dir: Path, *overrides: str, check: bool = True):
+    command = [sys.executable, str(ROOT / "recipes" / recipe), "--config", str(ROOT / config)]
+    command += [*FAST, f"train.output_dir={output_dir}", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{recipe} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    files = sorted(checkpoint.rglob("*.safetensors"))
+    assert files, f"no weights under {checkpoint}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config", "extra"),
+    [
+        ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml", ["grpo.gradient=exact"]),
+        ("grpo_qwen36.py", "configs/qwen36/tiny_lora_grpo_cpu.yaml", ["grpo.gradient=detached"]),
+        ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", ["grpo.gradient=exact"]),
+        ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml",
+         ["grpo.gradient=detached", "lora.enabled=true", "grpo.beta=0.04"]),
+    ],
+)  # fmt: skip
+def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
+    out = tmp_path / "run"
+    result = run_recipe(recipe, config, out, "train.steps=2", "train.save_every=2", *extra)
+    assert "step 2/2" in result.stdout + result.stderr
+    assert (out / "latest").read_text().strip() == "step-000002"
+    state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["data_position"] == 2
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
+    if "lora" in config or "lora.enabled=true" in extra:
+        assert list((out / "step-000002").rglob("adapter_config.json")), "adapters not saved"
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    config = "configs/qwen36/tiny_grpo_cpu.yaml"
+    common = ["train.save_every=2", "grpo.gradient=exact", "optim.lr=1e-2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_recipe("grpo_qwen36.py", config, straight, "train.steps=4", *common)
+    run_recipe("grpo_qwen36.py", config, stopped, "train.steps=2", *common)
+    run_recipe("grpo_qwen36.py", config, stopped, "train.steps=4", "train.resume_from=latest",
+               *common)  # fmt: skip
+
+    first, second = weights(straight / "step-000004"), weights(stopped / "step-000004")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    initial = weights(straight / "step-000002")
+    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
+    history = [
+        json.loads((run / "step-000004" / "trainer_state.json").read_text())["extra"]["logger"]
+        for run in (straight, stopped)
+    ]
+    assert history[0] == history[1] or _same_metrics(history[0], history[1])
+
+
+def _same_metrics(a: dict, b: dict) -> bool:
+    """Histories equal except wall-clock timings."""
+
+    def strip(history: dict) -> list:
+        return [
+            (step, {k: v for k, v in m.items() if "time" not in k and "seconds" not in k
+                    and "per_second" not in k and "peak" not in k})
+            for step, m in history["history"]
+        ]  # fmt: skip
+
+    return strip(a) == strip(b)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.stepz=3", "train.stepz"),
+        ("rollout.num_generations=-2", "rollout.num_generations"),
+        ("model.tiny=null", "model"),
+        ("data.prompt_tokens=100000", "data.prompt_tokens"),
+    ],
+)
+def test_bad_config_fails_fast_naming_the_key(tmp_path, override, key):
+    result = run_recipe(
+        "grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml", tmp_path / "bad", override,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert key in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
