@@ -398,3 +398,22 @@ def test_prefix_grads_shape_mismatch_is_refused():
         segmented_attention(q, k, v, prefix, scale=1.0, prefix_grads=[(torch.zeros(2, 4, 4), None)])
     with pytest.raises(ValueError, match="1 segments"):
         segmented_attention(q, k, v, prefix, scale=1.0, prefix_grads=[])
+
+
+@pytest.mark.parametrize(("batch", "tq", "tk"), [(1, 7, 7), (3, 5, 5), (2, 1, 4), (1, 3, 6)])
+def test_cpu_fused_forward_equals_the_blocked_loop(batch, tq, tk):
+    """float32 on CPU takes PyTorch's fused flash kernel for prefix segments and a branch
+    attending to itself; the blocked loop (forced by block_size) is the reference."""
+    torch.manual_seed(11)
+    q = torch.randn(batch, 4, tq, 8, requires_grad=True)
+    k = torch.randn(batch, 2, tk, 8, requires_grad=True)
+    v = torch.randn(batch, 2, tk, 8, requires_grad=True)
+    prefix = [(torch.randn(2, n, 8), torch.randn(2, n, 8)) for n in (9, 300)]
+    fused = segmented_attention(q, k, v, prefix, scale=0.4)
+    blocked = segmented_attention(q, k, v, prefix, scale=0.4, block_size=64)
+    assert torch.allclose(fused, blocked, atol=2e-6)
+    weights = torch.randn_like(fused)
+    grads = torch.autograd.grad((fused * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((blocked * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.allclose(got, want, atol=2e-5)
