@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo test test-slow lint format memory clean
+.PHONY: demo state-demo test test-slow lint format memory benchmark clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) recipes/grpo_qwen36.py
+
+state-demo: $(STAMP)
 	$(PY) -m longstraw_core.demo
 
 test: $(STAMP)
@@ -39,6 +42,9 @@ format: $(STAMP)
 
 memory: $(STAMP)
 	$(PY) benchmarks/prefix_memory.py
+
+benchmark: $(STAMP)
+	$(PY) benchmarks/grpo_memory_time.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
