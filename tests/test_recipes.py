@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,16 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path, override, key):
     assert result.returncode != 0
     assert key in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_tiny_learn_config_raises_the_reward(tmp_path):
+    """GRPO alone moves a random toy: last 10 steps' mean reward >= first 10's + 0.3."""
+    command = [sys.executable, str(ROOT / "recipes/grpo_qwen36.py"), "--config",
+               str(ROOT / "configs/qwen36/tiny_learn_cpu.yaml"), "tracking.wandb=false",
+               f"train.output_dir={tmp_path / 'learn'}"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
+    rewards = [float(r) for r in re.findall(r"step \d+/\d+\s+reward ([0-9.]+)", result.stdout + result.stderr)]
+    assert len(rewards) >= 20, result.stderr[-2000:]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.3, f"first 10 steps {first:.3f}, last 10 {last:.3f}"
