@@ -145,6 +145,15 @@ def main() -> None:
         f"peak growth / state growth from {first['prompt_tokens']} to {last['prompt_tokens']} "
         f"tokens: {growth:.2f} (at most 1 means the peak grows no faster than the state)"
     )
+    if len(rows) > 2:  # the transient saturates once the prompt spans several chunks
+        before = rows[-2]
+        tail_growth = (last["peak_above_fixed_bytes"] - before["peak_above_fixed_bytes"]) / max(
+            last["state_bytes"] - before["state_bytes"], 1
+        )
+        print(
+            f"between the two longest prompts ({before['prompt_tokens']} -> "
+            f"{last['prompt_tokens']}): {tail_growth:.2f}"
+        )
     RESULTS.mkdir(exist_ok=True)
     report = {
         "model_type": args.model_type,
