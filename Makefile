@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-slow lint format memory benchmark clean
+.PHONY: demo state-demo test test-slow test-distributed lint format memory benchmark clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# FSDP2 on two CPU ranks (torchrun, gloo) against one unsharded process.
+test-distributed: $(STAMP)
+	$(PY) -m pytest -q -m multiprocess
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -345,8 +345,7 @@ def _structured_items(value: Any, hint: Any) -> Any:
     if not dataclasses.is_dataclass(item):
         return value
     return [
-        OmegaConf.merge(OmegaConf.structured(item), v) if isinstance(v, dict) else v
-        for v in value
+        OmegaConf.merge(OmegaConf.structured(item), v) if isinstance(v, dict) else v for v in value
     ]
 
 

@@ -8,13 +8,14 @@ frozen model works too: ``ls.adapt(reference_model)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from peft import PeftModel
 
 from longstraw_core.state import PrefixState
-from model_adapters.base import ModelAdapter
+from model_adapters.base import Item, ModelAdapter
 
 
 class LoraDisabledReference:
@@ -31,12 +32,38 @@ class LoraDisabledReference:
     def prefill(
         self, prompt_ids: torch.Tensor | Sequence[int], chunk_size: int = 4096, **kwargs
     ) -> PrefixState:
-        with self.adapter.model.disable_adapter():
+        with self._adapters_off():
             return self.adapter.prefill(prompt_ids, chunk_size=chunk_size, **kwargs)
 
     def score(self, state: PrefixState, response_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        with self.adapter.model.disable_adapter():
+        with self._adapters_off():
             return self.adapter.score(state, response_ids)
+
+    @contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        """peft's ``disable_adapter()``, entered and left with every parameter sharded.
+
+        peft switches the adapters' ``requires_grad`` off and back on. A sharded model reads
+        ``requires_grad`` from its sharded parameters, so the switch must reach those, not
+        the gathered copies FSDP may still hold (the root's, the last layer's); otherwise
+        those adapters would stay frozen. No-op in one process.
+        """
+        self.adapter.release_parameters()
+        with self.adapter.model.disable_adapter():
+            try:
+                yield
+            finally:
+                self.adapter.release_parameters()
+
+    def in_step(self, items: Sequence[Item]) -> Iterator[Item | None]:
+        """The adapter's ``in_step``: the same parameters, the same ranks to keep in step."""
+        return self.adapter.in_step(items)
+
+    def idle_forward(self) -> None:
+        """The adapter's ``idle_forward``, with the releases of ``score`` around it (they
+        decide what the next pass gathers, which must match across ranks)."""
+        with self._adapters_off():
+            self.adapter.idle_forward()
 
 
 def lora_reference(adapter: ModelAdapter) -> LoraDisabledReference:

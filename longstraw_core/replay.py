@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -25,11 +25,19 @@ from model_adapters.base import ModelAdapter, as_token_ids
 
 
 class Policy(Protocol):
-    """What a reference policy must offer: an adapter, or ``lora_reference(adapter)``."""
+    """What a reference policy must offer: an adapter, or ``lora_reference(adapter)``.
+
+    ``in_step`` and ``idle_forward`` keep the ranks of a sharded model in step (see
+    ``ModelAdapter.in_step``).
+    """
 
     def prefill(self, prompt_ids: torch.Tensor, chunk_size: int = ...) -> PrefixState: ...
 
     def score(self, state: PrefixState, response_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def in_step(self, items: Sequence[int]) -> Iterator[int | None]: ...
+
+    def idle_forward(self) -> None: ...
 
 
 def grpo_step(
@@ -44,6 +52,7 @@ def grpo_step(
     state: PrefixState | None = None,
     truncated: Sequence[bool] | None = None,
     chunk_size: int = 4096,
+    loss_scale: float = 1.0,
 ) -> dict[str, float | list[float]]:
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return metrics.
 
@@ -57,6 +66,11 @@ def grpo_step(
     ``config.gradient="exact"`` also backpropagates through the prompt: each branch adds its
     gradient of the prefix state into a buffer shaped like the state, and a reverse sweep
     over the prompt's chunks turns it into parameter gradients (``longstraw_core.exact``).
+
+    ``loss_scale`` multiplies the gradient (not the reported ``loss``): the group's share of
+    an optimizer step over several groups, from ``longstraw_core.distributed.group_loss_scales``.
+    On a sharded model every rank must call ``grpo_step`` the same number of times; the
+    replay and the sweep are padded with idle passes so that their collectives pair up.
     """
     config = config or GRPOConfig()
     prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
@@ -96,24 +110,35 @@ def grpo_step(
 
     state_grad = new_state_grad(state) if config.gradient == "exact" else None
     started = time.perf_counter()
-    total_loss, branch_stats, entropy_sum, replayed = 0.0, [], 0.0, 0
-    for index, response in enumerate(responses):
-        if _contributes_nothing(weights[index], float(advantages[index]), config):
+    total_loss, branch_stats, entropy_sum, replayed, idle = 0.0, [], 0.0, 0, 0
+    contributing = [
+        index
+        for index in range(len(responses))
+        if not _contributes_nothing(weights[index], float(advantages[index]), config)
+    ]
+    for index in adapter.in_step(contributing):
+        if index is None:  # a sharded model's other rank still replays: join its collectives
+            adapter.idle_branch(state, state_grad)
+            idle += 1
             continue
-        logps, entropy = adapter.score(state, response, return_entropy=True, state_grad=state_grad)
+        logps, entropy = adapter.score(
+            state, responses[index], return_entropy=True, state_grad=state_grad
+        )
         loss, stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
-        loss.backward()  # frees this branch's graph before the next one is built
+        (loss * loss_scale).backward()  # frees this branch's graph before the next one
         total_loss += loss.item()
         entropy_sum += entropy.sum().item()
         branch_stats.append(stats)
         replayed += 1
     timings["replay_seconds"] = time.perf_counter() - started
-    if state_grad is not None and replayed:
+    if state_grad is not None and (replayed or idle):  # sharded: all ranks sweep, or none
         started = time.perf_counter()
         adapter.backprop_prompt(state, state_grad)
         timings["sweep_seconds"] = time.perf_counter() - started
+    if not (replayed or idle):  # no backward freed what the no-grad passes gathered
+        adapter.release_parameters()
 
     replayed_tokens = sum(int(s["num_tokens"]) for s in branch_stats)
     return {
@@ -150,12 +175,14 @@ def _reference_logps(
     chunk_size: int,
 ) -> list[torch.Tensor | None]:
     """The reference policy's log-probs, from its own prefill (freed before the policy's)."""
+    logps: list[torch.Tensor | None] = [None] * len(responses)
     with torch.no_grad():
         ref_state = ref_adapter.prefill(prompt_ids, chunk_size=chunk_size)
-        logps = [
-            ref_adapter.score(ref_state, response).detach() if weight else None
-            for response, weight in zip(responses, weights, strict=True)
-        ]
+        for index in ref_adapter.in_step([i for i, weight in enumerate(weights) if weight]):
+            if index is None:
+                ref_adapter.idle_forward()
+            else:
+                logps[index] = ref_adapter.score(ref_state, responses[index]).detach()
     del ref_state
     return logps
 

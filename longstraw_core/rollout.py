@@ -142,7 +142,7 @@ def rollout(
             finished |= ended
             steps += 1
             bar.update(1)
-            if bool(finished.all()):
+            if adapter.everywhere(bool(finished.all())):  # sharded: every rank decodes on
                 break
             inputs = next_tokens[:, None]
     seconds = time.perf_counter() - started

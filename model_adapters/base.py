@@ -9,15 +9,25 @@ of positions (``run_layers``), and optional model checks (``check_model``).
 Decoding (``longstraw_core.rollout``) runs the same ``run_layers`` on a batch of branches
 with a ``BranchCache``: each layer reads the shared prefix record and its own branch record.
 Scoring is the one-branch case without a cache: the branch's positions are the span itself.
+
+Sharding. ``run_layers`` drives a decoder layer's submodules, never the layer itself, so a
+sharded model (``longstraw_core.distributed.shard_model``) could not see where a layer's work
+starts and ends. Every layer's work therefore goes through ``call_layer`` and every pass over
+the model through ``_call_model``: plain calls in one process, the layer's and the root's
+registered FSDP forward methods when sharded. Ranks of a sharded model must also run the same
+number of passes of each kind (their collectives pair up), so the loops whose length depends
+on the data go through ``in_step``, which pads a rank's share with idle passes.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +38,7 @@ from longstraw_core.exact import Produced, StateGrad, exact_state
 from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -86,10 +97,40 @@ def as_token_ids(ids: torch.Tensor | Sequence[int], name: str, vocab_size: int) 
     return ids.long()
 
 
+class Parallel(Protocol):
+    """How a sharded model runs; ``longstraw_core.distributed.shard_model`` puts one on
+    ``ModelAdapter.parallel``."""
+
+    param_dtype: torch.dtype | None  # the dtype layers compute in, when it is not the params'
+
+    def run_model(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` as the root module's forward."""
+
+    def run_layer(
+        self,
+        layer: nn.Module,
+        fn: Callable[[torch.Tensor], Any],
+        hidden: torch.Tensor,
+        produced: Produced | None,
+    ) -> Any:
+        """``fn(hidden)`` as ``layer``'s forward; ``produced``: exact mode's recompute list."""
+
+    def most(self, count: int) -> int:
+        """The largest ``count`` over the ranks."""
+
+    def everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+
+    def reshard(self) -> None:
+        """Free every gathered parameter (the next pass gathers the current values)."""
+
+
 class ModelAdapter(ABC):
     """Prefill once, score many branches: the per-architecture engine behind LongStraw."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    # Set by ``longstraw_core.distributed.shard_model``. None: one process, plain calls.
+    parallel: Parallel | None = None
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -104,6 +145,8 @@ class ModelAdapter(ABC):
         if not hasattr(self.causal_lm, _OWNER_ATTRIBUTE):
             setattr(self.causal_lm, _OWNER_ATTRIBUTE, uuid.uuid4().hex)
         self.owner_id: str = getattr(self.causal_lm, _OWNER_ATTRIBUTE)
+        # Exact mode's list of what a recomputed chunk writes, while one is recomputed.
+        self._produced: Produced | None = None
 
     # --- architecture hooks ---------------------------------------------------------------
 
@@ -126,8 +169,23 @@ class ModelAdapter(ABC):
 
         Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
-        span to their own records and see the prefix plus every position they hold.
+        span to their own records and see the prefix plus every position they hold. Each
+        layer's work goes through ``call_layer``.
         """
+
+    def call_layer(
+        self, layer: nn.Module, fn: Callable[[torch.Tensor], Any], hidden: torch.Tensor
+    ) -> Any:
+        """``fn(hidden)``: decoder ``layer``'s work on the activations ``hidden``.
+
+        A plain call in one process. On a sharded model it runs as ``layer``'s registered
+        FSDP forward method: the layer's parameters are gathered for it and its backward is
+        hooked. Pass only activations as ``hidden``; records, spans and branch caches belong
+        in ``fn``'s closure (FSDP casts and hooks the arguments it is given).
+        """
+        if self.parallel is None:
+            return fn(hidden)
+        return self.parallel.run_layer(layer, fn, hidden, self._produced)
 
     # --- properties -------------------------------------------------------------------------
 
@@ -137,6 +195,9 @@ class ModelAdapter(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype the layers compute in (and the state is kept in)."""
+        if self.parallel is not None and self.parallel.param_dtype is not None:
+            return self.parallel.param_dtype  # FSDP mixed precision: params gathered in it
         return self.embed_tokens.weight.dtype
 
     @property
@@ -178,9 +239,14 @@ class ModelAdapter(ABC):
                 f"got {tuple(input_ids.shape)}"
             )
         span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
-        hidden = self.run_layers(self.embed_tokens(input_ids), span, state, branch)
+
+        def step() -> torch.Tensor:
+            hidden = self.run_layers(self.embed_tokens(input_ids), span, state, branch)
+            return self.lm_head(self.decoder.norm(hidden))
+
+        logits = self._call_model(step)
         branch.length += span.length
-        return self.lm_head(self.decoder.norm(hidden))
+        return logits
 
     def prefill(
         self,
@@ -222,10 +288,13 @@ class ModelAdapter(ABC):
             leave=False,
         )
         with torch.no_grad(), bar:
-            for start in range(0, len(stored), chunk_size):
+            for start in self.in_step(range(0, len(stored), chunk_size)):
+                if start is None:
+                    self.idle_forward()
+                    continue
                 chunk = stored[start : start + chunk_size]
                 span = Span(start=start, length=len(chunk), write=True)
-                self.run_layers(self.embed_tokens(chunk[None]), span, state)
+                self._call_model(functools.partial(self._run_chunk, chunk, span, state))
                 state.length = span.start + span.length
                 bar.update(len(chunk))
         return state
@@ -252,11 +321,15 @@ class ModelAdapter(ABC):
         inputs = torch.cat([state.last_token, response_ids[:-1]])
         span = Span(start=state.length, length=len(inputs), write=False)
         reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
-        hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
-        logits = self.lm_head(self.decoder.norm(hidden[0]))
-        log_probs = torch.log_softmax(
-            logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
-        )
+
+        def replay() -> torch.Tensor:
+            hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
+            logits = self.lm_head(self.decoder.norm(hidden[0]))
+            return torch.log_softmax(
+                logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
+            )
+
+        log_probs = self._call_model(replay)
         logps = log_probs.gather(-1, response_ids[:, None])[:, 0]
         if not return_entropy:
             return logps
@@ -286,20 +359,93 @@ class ModelAdapter(ABC):
             leave=False,
         )
         with torch.enable_grad(), bar:
-            for start in reversed(starts):
+            for start in self.in_step(starts[::-1]):
+                # A sharded model's other rank may have more chunks: join their collectives
+                # by recomputing the first chunk again with a zero gradient (the same
+                # computation as a real chunk, so the same parameters take part; this rank's
+                # dS is no longer needed, and the zeros add nothing to the parameters').
+                idle = start is None
+                if idle:
+                    if not starts:
+                        raise RuntimeError(
+                            "a one-token prompt has no chunk to recompute while another rank "
+                            "sweeps; give every rank prompts of at least two tokens"
+                        )
+                    start = starts[0]
                 chunk = state.prompt_ids[start : min(start + chunk_size, state.length)]
                 produced: Produced = []
                 span = Span(start=start, length=len(chunk), write=True)
-                self.run_layers(
-                    self.embed_tokens(chunk[None]), span, exact_state(state, state_grad, produced)
-                )
+                reads = exact_state(state, state_grad, produced)
+                self._produced = produced  # what call_layer hands to a sharded layer
+                try:
+                    self._call_model(functools.partial(self._run_chunk, chunk, span, reads))
+                finally:
+                    self._produced = None
                 # Outputs that depend on no trainable parameter (frozen early layers under
                 # LoRA, say) carry no gradient path and are left out.
-                pairs = [(out, grad) for out, grad in produced if out.requires_grad]
+                pairs = [
+                    (out, torch.zeros_like(grad) if idle else grad)
+                    for out, grad in produced
+                    if out.requires_grad
+                ]
                 if pairs:
                     outputs, grads = zip(*pairs, strict=True)
                     torch.autograd.backward(outputs, grads)
-                bar.update(len(chunk))
+                bar.update(0 if idle else len(chunk))
+
+    def _run_chunk(self, chunk: torch.Tensor, span: Span, state: PrefixState) -> None:
+        """One prompt chunk through every layer: written into ``state`` (or, in exact mode's
+        recompute, handed to the sweep)."""
+        self.run_layers(self.embed_tokens(chunk[None]), span, state)
+
+    # --- sharded models: passes over the model, ranks in step --------------------------------
+
+    def _call_model(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, one pass over the model; on a sharded model it runs as the root module's
+        FSDP forward, which gathers the parameters outside the decoder layers."""
+        if self.parallel is None:
+            return fn()
+        return self.parallel.run_model(fn)
+
+    def in_step(self, items: Sequence[Item]) -> Iterator[Item | None]:
+        """``items``, then ``None`` while another rank still has items of this kind.
+
+        FSDP gathers and reduces parameters with collectives that every rank must join, so the
+        ranks of a sharded model run the same number of passes of each kind (prefill chunks,
+        replayed branches, sweep chunks) even when their groups differ. The most any rank has
+        is agreed before the first item; a ``None`` asks the caller for an idle pass of the
+        same kind (``idle_forward``, ``idle_branch``, a zero-gradient chunk recompute). In one
+        process: just ``items``.
+        """
+        extra = 0 if self.parallel is None else self.parallel.most(len(items)) - len(items)
+        yield from items
+        yield from itertools.repeat(None, extra)
+
+    def idle_forward(self) -> None:
+        """A pass that computes nothing and joins the collectives of a no-grad pass (a prefill
+        chunk, a decoding step, a reference score)."""
+        self._call_model(
+            lambda: [self.call_layer(layer, _nothing, None) for layer in self.decoder.layers]
+        )
+
+    def idle_branch(self, state: PrefixState, state_grad: StateGrad | None = None) -> None:
+        """A branch of weight zero: a one-token replay from ``state`` and its backward. Its
+        collectives are a replayed branch's (the same parameters gathered and reduced, in the
+        same order); it adds zeros to the gradients (and to ``state_grad``)."""
+        logps = self.score(state, state.last_token, state_grad=state_grad)
+        (logps.sum() * 0.0).backward()
+
+    def everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of a sharded model (in one process: ``flag``);
+        a loop that stops on it stops on every rank at once."""
+        return flag if self.parallel is None else self.parallel.everywhere(flag)
+
+    def release_parameters(self) -> None:
+        """Free the parameters a sharded model still holds gathered (FSDP keeps the root's and
+        the last layer's after a no-grad pass), so that an optimizer step cannot leave them
+        stale. A backward frees them too. No-op in one process."""
+        if self.parallel is not None:
+            self.parallel.reshard()
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -327,3 +473,7 @@ class ModelAdapter(ABC):
                 "(config.max_position_embeddings); shorten the prompt or use a model "
                 "configured for longer contexts"
             )
+
+
+def _nothing(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden

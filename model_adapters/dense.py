@@ -9,6 +9,7 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -143,15 +144,30 @@ class DenseAdapter(ModelAdapter):
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
         layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
         for layer, record, branch_record in layers:
-            attended = run_full_attention(
-                layer.self_attn,
-                layer.input_layernorm(hidden),
-                position_embeddings,
-                record,
-                span,
-                self.apply_rotary,
-                branch_record,
+            work = functools.partial(
+                self.decoder_layer, layer, position_embeddings, record, span, branch_record
             )
-            hidden = hidden + attended
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self.call_layer(layer, work, hidden)
         return hidden
+
+    def decoder_layer(
+        self,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: AttentionKV,
+        span: Span,
+        branch_record: BranchKV | None,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """One pre-norm decoder layer over ``hidden``: attention with the state, then the MLP."""
+        attended = run_full_attention(
+            layer.self_attn,
+            layer.input_layernorm(hidden),
+            position_embeddings,
+            record,
+            span,
+            self.apply_rotary,
+            branch_record,
+        )
+        hidden = hidden + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -28,6 +28,7 @@ own indexer. The latent is never expanded into per-head keys and values (DESIGN.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -483,9 +484,9 @@ class GlmMoeDsaAdapter(ModelAdapter):
         selection = None
         layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
         for layer, record, branch_record in layers:
-            attended, selection = self.run_attention(
-                layer.self_attn,
-                layer.input_layernorm(hidden),
+            work = functools.partial(
+                self.decoder_layer,
+                layer,
                 position_embeddings,
                 record,
                 span,
@@ -493,9 +494,34 @@ class GlmMoeDsaAdapter(ModelAdapter):
                 dense,
                 branch_record,
             )
-            hidden = hidden + attended
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden, selection = self.call_layer(layer, work, hidden)
         return hidden
+
+    def decoder_layer(
+        self,
+        layer: nn.Module,
+        position_embeddings: PositionEmbeddings,
+        record: LatentKV,
+        span: Span,
+        selection: torch.Tensor | None,
+        dense: bool,
+        branch_record: BranchLatent | None,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer over ``hidden``: MLA with DSA, then the dense MLP or MoE; also
+        returns the DSA selection for the next layer."""
+        attended, selection = self.run_attention(
+            layer.self_attn,
+            layer.input_layernorm(hidden),
+            position_embeddings,
+            record,
+            span,
+            selection,
+            dense,
+            branch_record,
+        )
+        hidden = hidden + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selection
 
     def run_attention(
         self,

@@ -413,28 +413,44 @@ class Qwen36Adapter(ModelAdapter):
             strict=True,
         )
         for layer, kind, record, branch_record in layers:
-            normed = layer.input_layernorm(hidden)
-            if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
-                kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
-                mixed = run_gated_deltanet(
-                    layer.linear_attn, normed, record, span, kernels, branch_record
-                )
-            else:
-                mixed = run_gated_attention(
-                    layer.self_attn,
-                    normed,
-                    position_embeddings,
-                    record,
-                    span,
-                    self.apply_rotary,
-                    branch_record,
-                )
-            hidden = hidden + mixed
-            mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
-            if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
-                mlp_output = mlp_output[0]
-            hidden = hidden + mlp_output
+            work = functools.partial(
+                self.decoder_layer, layer, kind, position_embeddings, record, span, branch_record
+            )
+            hidden = self.call_layer(layer, work, hidden)
         return hidden
+
+    def decoder_layer(
+        self,
+        layer: nn.Module,
+        kind: str,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: AttentionKV | RecurrentState,
+        span: Span,
+        branch_record: BranchKV | BranchRecurrent | None,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer over ``hidden``: Gated DeltaNet or gated attention, then the MLP."""
+        normed = layer.input_layernorm(hidden)
+        if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
+            kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
+            mixed = run_gated_deltanet(
+                layer.linear_attn, normed, record, span, kernels, branch_record
+            )
+        else:
+            mixed = run_gated_attention(
+                layer.self_attn,
+                normed,
+                position_embeddings,
+                record,
+                span,
+                self.apply_rotary,
+                branch_record,
+            )
+        hidden = hidden + mixed
+        mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
+        if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
+            mlp_output = mlp_output[0]
+        return hidden + mlp_output
 
     # --- text only --------------------------------------------------------------------------
 

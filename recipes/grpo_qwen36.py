@@ -58,7 +58,11 @@ class Recipe:
         if cfg.distributed.fsdp:
             from longstraw_core.distributed import shard_model
 
-            shard_model(self.adapter, reshard_after_forward=cfg.distributed.reshard_after_forward)
+            shard_model(
+                self.adapter,
+                mixed_precision=cfg.distributed.mixed_precision,
+                reshard_after_forward=cfg.distributed.reshard_after_forward,
+            )
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)
         self.rewards = RewardSet([r.name for r in cfg.rewards], [r.weight for r in cfg.rewards])

@@ -1,0 +1,371 @@
+"""Sharded training: FSDP2 over the adapter's model, GRPO groups spread across ranks.
+
+``shard_model(adapter)`` applies ``fully_shard`` to every decoder layer, then to the root
+(the causal LM, which keeps the embeddings, the final norm and the head), as torchtitan's
+``parallelize`` functions do; each rank keeps ``1 / world_size`` of every parameter and of its
+gradient and optimizer state. Then each rank runs its own share of the step's groups
+(``spread_groups``), and the gradients are averaged across ranks as they are computed.
+
+How FSDP's hooks are engaged. ``fully_shard(layer)`` gathers a layer's parameters in a
+forward pre-hook on ``layer.__call__`` and arms its backward hooks (gather again before the
+layer's backward, reduce-scatter the gradients after it) from its forward hooks. The adapters
+never call a layer: their ``run_layers`` drive its submodules with the prefix state. So every
+decoder layer and the root get a method that only calls the function it is given
+(``longstraw_forward``), registered with ``register_fsdp_forward_method``; the adapters send
+each layer's work through ``ModelAdapter.call_layer`` and each pass over the model (a prefill
+chunk, a branch, a decoding step, a recomputed chunk) through ``ModelAdapter._call_model``,
+which call these methods on a sharded model and are plain calls otherwise. A layer's work
+receives only the activations as arguments (FSDP casts them under mixed precision and hooks
+the ones that need a gradient); what a recomputed prompt chunk writes (exact mode) is returned
+to FSDP as well, so the layer is gathered again before the backward of those tensors.
+
+Ranks in step. FSDP's gathers and reductions are collectives: every rank must run the same
+passes in the same order, whatever its group holds. The loops whose length depends on the
+data agree on the longest before they start and pad the shorter ranks with idle passes
+(``ModelAdapter.in_step``): prefill chunks with passes that only gather, branches with a
+zero-weight one-token branch, sweep chunks with a zero-gradient recompute; rollout decodes
+until every rank's branches are done. So every rank must call ``prefill``, ``rollout``,
+``grpo_step`` and the helpers below the same number of times, in the same order, with the
+same settings (loss type, gradient mode, ``max_new_tokens``); groups may differ in prompt
+length, group size and response lengths.
+
+Gradient normalisation. The loss of an optimizer step is TRL's loss over all the step's
+responses as one batch: ``losses.loss_weights`` over their concatenation (``dapo``/``bnpo``/
+``cispo``: the sum of the per-token terms over all the step's active tokens; ``grpo``: the
+mean over all responses of each response's token mean; ``dr_grpo``: the sum over
+``(responses x max_completion_length)``). It equals each group's own loss (what
+``grpo_step`` backpropagates) times its share of the step's normaliser: active tokens for the
+token-level losses, responses for ``grpo``/``dr_grpo``. FSDP averages gradients over the
+ranks, so ``group_loss_scales`` gives each group ``world_size x`` its share, to pass to
+``grpo_step(..., loss_scale=...)``. One process with several groups per step gets the same
+gradient with the same call. Rewards are scaled within each group (``scale_rewards``
+``"batch"`` takes its std over the group, not the step).
+
+Typical use under ``torchrun``::
+
+    dist.init_process_group("nccl")  # "gloo" on CPU
+    adapter = shard_model(ls.adapt(model))  # before the optimizer is built
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    for groups in batches:  # every rank sees the same list of groups
+        mine = spread_groups(groups, dist.get_rank(), dist.get_world_size())
+        scales = group_loss_scales([g.lengths for g in mine], config)
+        for group, scale in zip(mine, scales):
+            metrics = ls.grpo_step(adapter, ..., config=config, loss_scale=scale)
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = reduce_metrics(metrics)
+
+Communication: every pass gathers every layer once, so a prefill of ``n`` chunks (or a
+rollout of ``n`` tokens) gathers the model ``n`` times: a larger ``chunk_size`` trades
+activation memory for less traffic, and ``reshard_after_forward=False`` keeps the layers
+gathered (no traffic after the first pass, the memory of the whole model). Every backward (one
+per branch, one per recomputed chunk) reduce-scatters the gradients it produced, so only
+sharded gradients are ever kept; accumulating unsharded gradients instead
+(``set_requires_gradient_sync(False)``) would hold the whole model's gradient on every rank.
+
+Two rules the library keeps and user code must keep too. A no-grad pass leaves the root's and
+the last layer's parameters gathered (FSDP frees them after the next backward): before an
+optimizer step that follows one, call ``adapter.release_parameters()`` or those copies are
+stale (``grpo_step`` does it when it runs no backward). And ``requires_grad`` is read from the
+sharded parameters: change it only with every parameter released (``lora_reference`` does).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from longstraw_core.grpo_config import GRPOConfig
+
+if TYPE_CHECKING:
+    from longstraw_core.exact import Produced
+    from model_adapters.base import ModelAdapter
+
+FORWARD_METHOD = "longstraw_forward"
+MIXED_PRECISION = ("auto", "bf16", "fp32")
+# FSDP warns about every view among a forward's outputs (an in-place op on one would skip its
+# hook); a recomputed chunk's writes are views, and nothing writes into them.
+_VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+_TOKEN_LEVEL_LOSSES = ("bnpo", "dapo", "cispo")
+
+Group = TypeVar("Group")
+
+
+# --- sharding -------------------------------------------------------------------------------------
+
+
+def shard_model(
+    adapter: ModelAdapter,
+    *,
+    mixed_precision: str = "auto",
+    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+) -> ModelAdapter:
+    """Shard ``adapter``'s model with FSDP2 in place: each decoder layer, then the root.
+
+    Args:
+        adapter: from ``ls.adapt(model)``, the model already on its device (plain or PEFT);
+            build the optimizer afterwards (its parameters become sharded ``DTensor`` s).
+        mixed_precision: ``"bf16"``: layers compute in bfloat16 (parameters gathered in it,
+            the prefix state kept in it) while gradients are reduced in float32 and the
+            sharded parameters keep their dtype; ``"fp32"``: everything in the parameters'
+            dtype; ``"auto"``: ``"bf16"`` on CUDA, ``"fp32"`` elsewhere.
+        reshard_after_forward: free each layer's gathered parameters after its forward
+            (``False``: keep them, which saves the gathers of later passes for the memory of
+            the whole model). The last layer always keeps them, as in torchtitan: it is the
+            first to run backward, which would gather it again at once; in prefill and
+            decoding it stays gathered from one pass to the next.
+        mesh: a 1-D device mesh to shard over (default: every rank of the default group).
+
+    Requires an initialised default process group (``torchrun``). Returns ``adapter``, whose
+    ``parallel`` now routes its passes through FSDP and keeps the ranks in step.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs a process group: run under torchrun and call "
+            "torch.distributed.init_process_group first"
+        )
+    if adapter.parallel is not None or isinstance(adapter.causal_lm, FSDPModule):
+        raise ValueError(
+            "this adapter's model is already sharded; use the adapter shard_model returned"
+        )
+    device = adapter.device
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mesh.ndim != 1:
+        raise ValueError(f"shard_model shards over a 1-D mesh, got {mesh.ndim} dimensions")
+    policy = mixed_precision_policy(mixed_precision, device)
+    layers = list(adapter.decoder.layers)
+    for index, layer in enumerate(layers):
+        last = index == len(layers) - 1
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward and not last,
+        )
+        _add_forward_method(layer)
+    root = adapter.causal_lm
+    # The root keeps its parameters gathered after forward (FSDP's default for the root):
+    # the next pass or the backward needs them at once.
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    _add_forward_method(root)
+    adapter.parallel = FSDPRun(root, layers, mesh.get_group(), device, policy.param_dtype)
+    return adapter
+
+
+def mixed_precision_policy(mixed_precision: str, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP's policy for ``"bf16"`` / ``"fp32"`` / ``"auto"`` (see ``shard_model``)."""
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}"
+        )
+    if mixed_precision == "auto":
+        mixed_precision = "bf16" if device.type == "cuda" else "fp32"
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _run(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """The method FSDP wraps with the module's forward hooks: it only calls ``fn``."""
+    return fn(*args)
+
+
+def _add_forward_method(module: nn.Module) -> None:
+    setattr(module, FORWARD_METHOD, types.MethodType(_run, module))
+    register_fsdp_forward_method(module, FORWARD_METHOD)
+
+
+class FSDPRun:
+    """``ModelAdapter.parallel`` of a model sharded by ``shard_model``."""
+
+    def __init__(
+        self,
+        root: FSDPModule,
+        layers: list[FSDPModule],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.root, self.layers, self.group = root, layers, group
+        self.device, self.param_dtype = device, param_dtype
+        self._in_model = False
+
+    def run_model(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` as the root's forward (once: a pass inside a pass stays in the outer)."""
+        if self._in_model:
+            return fn()
+        self._in_model = True
+        try:
+            return getattr(self.root, FORWARD_METHOD)(fn)
+        finally:
+            self._in_model = False
+
+    def run_layer(
+        self,
+        layer: nn.Module,
+        fn: Callable[[torch.Tensor], Any],
+        hidden: torch.Tensor,
+        produced: Produced | None,
+    ) -> Any:
+        """``fn(hidden)`` as ``layer``'s forward.
+
+        During exact mode's recompute, the tensors the chunk writes (``produced``) receive
+        their gradient directly, not only through the layer's output, so they are returned
+        to FSDP too: it hooks them, and gathers the layer before their backward.
+        """
+        forward = getattr(layer, FORWARD_METHOD)
+        if produced is None:
+            return forward(fn, hidden)
+        first = len(produced)
+
+        def with_writes(hidden: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+            output = fn(hidden)
+            return output, [tensor for tensor, _ in produced[first:]]
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_VIEW_OUTPUT_WARNING)
+            output, _ = forward(with_writes, hidden)
+        return output
+
+    def most(self, count: int) -> int:
+        value = torch.tensor([count], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return int(value.item())
+
+    def everywhere(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
+
+    def reshard(self) -> None:
+        for module in (*self.layers, self.root):
+            module.reshard()
+
+
+# --- groups and their share of the loss -----------------------------------------------------------
+
+
+def spread_groups(groups: Sequence[Group], rank: int, world_size: int) -> list[Group]:
+    """This rank's share of a step's groups: every ``world_size``-th, from ``rank``.
+
+    Every rank must run the same number of groups (their collectives pair up), so the
+    number of groups must be a multiple of ``world_size``.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+    if len(groups) % world_size:
+        raise ValueError(
+            f"{len(groups)} groups cannot be spread evenly over {world_size} ranks: every rank "
+            "runs the same number of groups; use a multiple of the world size"
+        )
+    return list(groups[rank::world_size])
+
+
+def group_loss_scales(
+    completion_lengths: Sequence[Sequence[int]],
+    config: GRPOConfig,
+    truncated: Sequence[Sequence[bool] | None] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """``loss_scale`` for ``grpo_step`` of each of this rank's groups in one optimizer step.
+
+    ``completion_lengths[k]`` (and ``truncated[k]``) describe this rank's group ``k``. The
+    step's loss is TRL's over all the step's responses (module docstring): each group's loss
+    weighted by its share of the step's active tokens (``bnpo``/``dapo``/``cispo``) or of its
+    responses (``grpo``/``dr_grpo``), shares summed over every rank. FSDP averages the
+    ranks' gradients, so each share is multiplied by the world size. Collective when a
+    process group is initialised: every rank calls it, with its own groups.
+    """
+    if truncated is None:
+        truncated = [None] * len(completion_lengths)
+    if len(truncated) != len(completion_lengths):
+        raise ValueError(
+            f"truncated has {len(truncated)} entries for {len(completion_lengths)} groups"
+        )
+    counts = []
+    for lengths, flags in zip(completion_lengths, truncated, strict=True):
+        flags = [False] * len(lengths) if flags is None else list(flags)
+        if len(flags) != len(lengths):
+            raise ValueError(f"truncated has {len(flags)} flags for {len(lengths)} responses")
+        if config.loss_type in _TOKEN_LEVEL_LOSSES:
+            masked = config.mask_truncated_completions
+            counts.append(sum(n for n, t in zip(lengths, flags, strict=True) if not (masked and t)))
+        else:  # grpo, dr_grpo: truncated responses still count in G, as in TRL
+            counts.append(len(lengths))
+    total, world_size = float(sum(counts)), 1
+    if dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size(group)
+        value = torch.tensor([total], dtype=torch.float64, device=_collective_device(group))
+        dist.all_reduce(value, group=group)
+        total = float(value.item())
+    return [world_size * count / max(total, 1.0) for count in counts]
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def reduce_metrics(
+    metrics: Mapping[str, Any],
+    op: Literal["mean", "sum", "max", "min"] = "mean",
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Scalar metrics combined over the ranks: ``op`` over the ranks that report each key.
+
+    Non-scalar values (lists) are dropped. NaN values are left out (a rank that replayed no
+    branch has no entropy); a key with none left is NaN. Ranks may report different keys
+    (``grpo_step`` omits clip ratios when nothing was replayed). Collective: every rank calls
+    it. Without a process group the scalars are returned as they are.
+    """
+    scalars = {
+        key: float(value)
+        for key, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    if not (dist.is_available() and dist.is_initialized()):
+        return scalars
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, scalars, group=group)
+    keys = [key for part in gathered if part for key in part]
+    combined = {}
+    for key in dict.fromkeys(keys):  # first-seen order
+        values = [part[key] for part in gathered if part and key in part]
+        values = [value for value in values if not math.isnan(value)]
+        combined[key] = _combine(values, op) if values else math.nan
+    return combined
+
+
+def _combine(values: list[float], op: str) -> float:
+    if op == "mean":
+        return sum(values) / len(values)
+    if op == "sum":
+        return sum(values)
+    if op == "max":
+        return max(values)
+    if op == "min":
+        return min(values)
+    raise ValueError(f"op must be 'mean', 'sum', 'max' or 'min', got {op!r}")
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor for a collective lives: the current GPU under NCCL, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,217 @@
+"""Two GRPO optimizer steps on a tiny model sharded over the ranks (FSDP2, gloo on CPU).
+
+Run by ``tests/test_distributed.py`` under torchrun::
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        tests/distributed_worker.py OUT_DIR CASE [CASE ...]
+
+Each step has two groups that differ in prompt length (so in prefill and sweep chunks), in
+group size and in the number of branches that contribute (a zero advantage is skipped), so
+the ranks only stay in step through the padding of ``ModelAdapter.in_step``. Rank ``r`` takes
+group ``r``. Rank 0 writes the first step's gradients, the parameters after the two steps
+(gathered whole) and the last step's metrics summed over the ranks to ``OUT_DIR/CASE.pt``;
+the test compares them with one process running every group on an unsharded copy. The
+``rollout`` case decodes one group per rank (ranks stop at different steps) and writes the
+responses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+
+import longstraw_core as ls
+from longstraw_core.distributed import (
+    group_loss_scales,
+    reduce_metrics,
+    shard_model,
+    spread_groups,
+)
+from longstraw_core.tiny_models import tiny_model
+
+CHUNK_SIZE = 8
+STEPS = 2
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    gradient: str
+    loss_type: str = "dapo"
+    lora: bool = False
+    beta: float = 0.0  # > 0: the KL term, against the LoRA model with its adapters off
+    reshard_after_forward: bool = True
+
+
+CASES = {
+    "qwen3-detached": Case("qwen3", "detached"),
+    "qwen3-exact": Case("qwen3", "exact"),
+    "qwen3-exact-grpo": Case("qwen3", "exact", loss_type="grpo"),
+    "qwen3-lora-exact": Case("qwen3", "exact", lora=True),
+    "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04),
+    "qwen3_5_text-detached": Case("qwen3_5_text", "detached"),
+    "qwen3_5_text-exact": Case("qwen3_5_text", "exact"),
+    "qwen3_5_text-exact-gathered": Case("qwen3_5_text", "exact", reshard_after_forward=False),
+    "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact"),
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    prompt: torch.Tensor
+    responses: list[torch.Tensor]
+    rewards: list[float]
+
+
+def step_groups(step: int) -> list[Group]:
+    """The two groups of optimizer step ``step`` (rank ``r`` of two takes group ``r``).
+
+    Prompt lengths give 4 and 2 chunks of 8 (step 0), 2 and 5 (step 1). Without a KL term
+    the groups replay 3 and 2 branches (step 0; one reward at the mean has no advantage),
+    then none and 3 (step 1: equal rewards), so rank 0 only pads the replay, yet sweeps.
+    """
+    shapes = [
+        [(29, [5, 3, 7, 2], [1.0, 0.0, 0.4, 0.2]), (13, [4, 6], [0.0, 1.0])],
+        [(10, [6, 2, 4], [0.5, 0.5, 0.5]), (37, [3, 5, 4], [0.2, 0.9, 0.0])],
+    ][step]
+    generator = torch.Generator().manual_seed(100 + step)
+    groups = []
+    for prompt_length, lengths, rewards in shapes:
+        prompt = torch.randint(0, 512, (prompt_length,), generator=generator)
+        responses = [torch.randint(0, 512, (n,), generator=generator) for n in lengths]
+        groups.append(Group(prompt, responses, rewards))
+    return groups
+
+
+def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
+    """The tiny model of ``case`` (float32, same weights in every process) and its adapter."""
+    model = tiny_model(case.model_type, seed=0).train()
+    if case.lora:
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+        model = get_peft_model(model, lora)
+        # B starts at zero, so A would get no gradient in the first step.
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0.0, 0.05, generator=generator)
+    return model, ls.adapt(model)
+
+
+def grpo_config(case: Case) -> ls.GRPOConfig:
+    return ls.GRPOConfig(
+        loss_type=case.loss_type, gradient=case.gradient, beta=case.beta, epsilon=0.2
+    )
+
+
+def train(
+    model: torch.nn.Module,
+    adapter: ls.ModelAdapter,
+    case: Case,
+    groups_of_step,
+) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    """``STEPS`` AdamW steps; each runs ``groups_of_step(step)`` with their loss scales.
+
+    Returns the first step's gradients (whole; a collective when sharded) and the metrics.
+    AdamW is blind to a common scale of the gradients, so those are compared too.
+    """
+    config = grpo_config(case)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # eps bounds how much AdamW magnifies float32 rounding in tiny gradient entries: an error
+    # d in a gradient moves the update by at most lr * d / eps.
+    optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, eps=1e-5, weight_decay=0.01)
+    metrics, first_grads = [], {}
+    for step in range(STEPS):
+        groups = groups_of_step(step)
+        lengths = [[len(r) for r in group.responses] for group in groups]
+        for group, scale in zip(groups, group_loss_scales(lengths, config), strict=True):
+            group_metrics = ls.grpo_step(
+                adapter,
+                group.prompt,
+                group.responses,
+                group.rewards,
+                config=config,
+                chunk_size=CHUNK_SIZE,
+                loss_scale=scale,
+                ref_adapter=ls.lora_reference(adapter) if case.beta else None,
+            )
+            metrics.append(group_metrics)
+        if step == 0:
+            first_grads = full_tensors(model, grads=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return first_grads, metrics
+
+
+def full_tensors(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every trainable parameter (or its gradient) whole: a collective when sharded."""
+    full = {}
+    for name, parameter in model.named_parameters():
+        if grads and not parameter.requires_grad:
+            continue
+        data = parameter.grad if grads else parameter.detach()
+        if data is None:  # never used with autograd (GLM's DSA indexer)
+            continue
+        full[name] = (data.full_tensor() if hasattr(data, "full_tensor") else data).clone()
+    return full
+
+
+def rollout_group(adapter: ls.ModelAdapter, rank: int) -> dict[str, list]:
+    """Sampled responses to rank ``rank``'s prompt; many EOS ids end branches early, at
+    different steps on each rank."""
+    prompt = step_groups(0)[rank].prompt
+    state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
+    out = ls.rollout(
+        adapter, state, num_generations=3, max_new_tokens=24, eos_token_ids=list(range(0, 512, 6)),
+        seed=rank,
+    )  # fmt: skip
+    return {"responses": [r.tolist() for r in out.responses], "steps": out.stats["steps"]}
+
+
+def main(out_dir: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    # A collective that no other rank joins fails after a minute instead of half an hour.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = Path(out_dir)
+    for name in names:
+        if name == "rollout":
+            model, adapter = build(Case("qwen3", "detached"))
+            shard_model(adapter)
+            result = rollout_group(adapter, rank)
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, result)
+            if rank == 0:
+                torch.save(gathered, out / "rollout.pt")
+            continue
+        case = CASES[name]
+        model, adapter = build(case)
+        shard_model(adapter, reshard_after_forward=case.reshard_after_forward)
+        grads, metrics = train(
+            model, adapter, case, lambda step: spread_groups(step_groups(step), rank, world_size)
+        )
+        reduced = reduce_metrics(metrics[-1], op="sum")
+        parameters = full_tensors(model)
+        if rank == 0:
+            result = {"parameters": parameters, "grads": grads, "reduced": reduced}
+            torch.save(result, out / f"{name}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    # NOTE: skip the interpreter's teardown. Gloo's worker threads may still be dropping
+    # finished work (which holds tensors, so needs the GIL) while Python finalizes, and that
+    # aborts the process now and then (torch 2.13). Everything is written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

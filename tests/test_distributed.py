@@ -1,0 +1,282 @@
+"""FSDP2 sharding (``longstraw_core.distributed``) against one unsharded process.
+
+- ``multiprocess``: torchrun starts two CPU ranks (gloo) on ``distributed_worker.py``; each
+  step's two groups go one to each rank, and they differ in prompt chunks, group size and
+  contributing branches. The first step's gradients and the parameters after two AdamW steps
+  equal one process running both groups on an unsharded copy; sampled rollouts equal too.
+- In-process, a world of one rank: ``shard_model`` engages FSDP (parameters become DTensors,
+  layers gather and reduce through their registered methods) and changes no gradient; bf16
+  mixed precision computes in bf16.
+- The step's normalisation: ``group_loss_scales`` make several groups' ``grpo_step`` equal
+  TRL's loss over all their responses as one batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import signal
+import subprocess
+import sys
+from itertools import chain
+from pathlib import Path
+
+import distributed_worker as worker
+import pytest
+import torch
+import torch.distributed as dist
+from reference import (
+    assert_grads_close,
+    detached_reference_logps,
+    hand_advantages,
+    pad_rows,
+    parameter_grads,
+    step_grads,
+    trl_group_loss,
+)
+from torch.distributed.tensor import DTensor
+
+import longstraw_core as ls
+from longstraw_core.distributed import (
+    group_loss_scales,
+    reduce_metrics,
+    shard_model,
+    spread_groups,
+)
+from longstraw_core.losses import loss_weights
+from longstraw_core.tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING_CASES = list(worker.CASES)
+
+
+# --- two ranks under torchrun ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> Path:
+    """Every worker case on two ranks, once; the directory of their results."""
+    out = tmp_path_factory.mktemp("fsdp")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "tests" / "distributed_worker.py"), str(out), *TRAINING_CASES, "rollout",
+    ]  # fmt: skip
+    # Its own session, so that a hang kills the ranks too, not only torchrun.
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        log, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
+    assert process.returncode == 0, f"torchrun failed:\n{log[-5000:]}"
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", TRAINING_CASES)
+def test_two_ranks_train_like_one_process(sharded_runs, name):
+    case = worker.CASES[name]
+    model, adapter = worker.build(case)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads, metrics = worker.train(model, adapter, case, worker.step_groups)
+    sharded = torch.load(sharded_runs / f"{name}.pt")
+
+    assert_grads_close(sharded["grads"], grads, rtol=1e-5)
+    for parameter_name, parameter in model.named_parameters():
+        expected, got = parameter.detach(), sharded["parameters"][parameter_name]
+        assert (got - expected).abs().max() <= 1e-5, parameter_name
+        moved = (expected - initial[parameter_name]).abs().max()
+        if parameter_name in grads:  # trained: moved far more than the tolerance
+            assert moved > 1e-4, parameter_name
+        else:  # frozen (LoRA's base weights, GLM's DSA indexer): untouched
+            assert moved == 0, parameter_name
+    # The last step's metrics, summed over the two ranks (one group each).
+    for key in ("branches_replayed", "completion_tokens"):
+        assert sharded["reduced"][key] == sum(m[key] for m in metrics[-2:]), key
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_roll_out_in_step(sharded_runs):
+    """Each rank samples its own group; the one that finishes first keeps decoding (masked)
+    until the other is done, and its responses are those of an unsharded model."""
+    sharded = torch.load(sharded_runs / "rollout.pt")
+    alone = []
+    for rank in range(2):
+        _, adapter = worker.build(worker.Case("qwen3", "detached"))
+        alone.append(worker.rollout_group(adapter, rank))
+    assert [rank["responses"] for rank in sharded] == [rank["responses"] for rank in alone]
+    assert alone[0]["steps"] != alone[1]["steps"]  # the ranks would stop at different steps
+    assert sharded[0]["steps"] == sharded[1]["steps"] == max(rank["steps"] for rank in alone)
+
+
+# --- a world of one rank, in this process ---------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank for the test, torn down after it."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    gc.collect()  # sharded models hold the group: free them while the group still exists
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("gradient", ["detached", "exact"])
+def test_sharding_changes_no_gradient(world_of_one, model_type, gradient):
+    case = worker.Case(model_type, gradient)
+    group = worker.step_groups(0)[0]
+    config = worker.grpo_config(case)
+    plain_model, plain = worker.build(case)
+    model, adapter = worker.build(case)
+    assert shard_model(adapter, mixed_precision="auto") is adapter
+    assert isinstance(next(model.parameters()), DTensor)
+
+    with torch.no_grad():
+        plain_state = plain.prefill(group.prompt, chunk_size=worker.CHUNK_SIZE)
+        state = adapter.prefill(group.prompt, chunk_size=worker.CHUNK_SIZE)
+        for response in group.responses:
+            assert torch.equal(adapter.score(state, response), plain.score(plain_state, response))
+    args = (group.prompt, group.responses, group.rewards)
+    kwargs = {"config": config, "chunk_size": worker.CHUNK_SIZE}
+    expected_metrics, expected = step_grads(plain_model, plain, *args, **kwargs)
+    metrics, grads = step_grads(model, adapter, *args, **kwargs)
+    grads = {name: grad.full_tensor() for name, grad in grads.items()}
+    assert_grads_close(grads, expected, rtol=0.0)
+    assert metrics["loss"] == expected_metrics["loss"]
+
+
+def test_a_step_ending_without_backward_leaves_no_stale_weights(world_of_one):
+    """A group whose rewards are all equal runs no backward; FSDP would still hold the root's
+    and the last layer's gathered weights from its prefill, stale after the optimizer step
+    (``grpo_step`` releases them)."""
+    case = worker.Case("qwen3", "detached")
+    trained, equal_rewards = worker.step_groups(0)[0], worker.step_groups(1)[0]
+    runs = []
+    for sharded in (False, True):
+        model, adapter = worker.build(case)
+        if sharded:
+            shard_model(adapter)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for group in (trained, equal_rewards):
+            ls.grpo_step(adapter, group.prompt, group.responses, group.rewards, chunk_size=8)
+        optimizer.step()
+        args = (trained.prompt, trained.responses, trained.rewards)
+        runs.append(step_grads(model, adapter, *args, chunk_size=8, config=ls.GRPOConfig())[1])
+    plain, sharded = runs
+    assert_grads_close({n: g.full_tensor() for n, g in sharded.items()}, plain, rtol=1e-6)
+
+
+def test_bf16_mixed_precision_computes_in_bf16(world_of_one):
+    case = worker.Case("qwen3", "exact")
+    group = worker.step_groups(0)[0]
+    config = worker.grpo_config(case)
+    args = (group.prompt, group.responses, group.rewards)
+    kwargs = {"config": config, "chunk_size": worker.CHUNK_SIZE}
+    full_model, full = worker.build(case)
+    _, expected = step_grads(full_model, full, *args, **kwargs)
+    model, adapter = worker.build(case)
+    shard_model(adapter, mixed_precision="bf16")
+
+    assert adapter.dtype == torch.bfloat16
+    assert adapter.prefill(group.prompt).layers[0].keys.dtype == torch.bfloat16
+    _, grads = step_grads(model, adapter, *args, **kwargs)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32  # sharded parameters and their gradients stay fp32
+        similarity = torch.cosine_similarity(
+            grad.full_tensor().flatten(), expected[name].flatten(), 0
+        )
+        assert similarity > 0.99, name
+
+
+def test_shard_model_refuses_misuse(world_of_one):
+    _, adapter = worker.build(worker.Case("qwen3", "detached"))
+    with pytest.raises(ValueError, match="mixed_precision"):
+        shard_model(adapter, mixed_precision="fp16")
+    shard_model(adapter)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_model(adapter)
+
+
+def test_metrics_reduce_over_the_ranks_that_report_them(world_of_one):
+    metrics = {"loss": 0.5, "entropy": float("nan"), "advantages": [1.0], "replayed": 3}
+    reduced = reduce_metrics(metrics, op="sum")
+    assert list(reduced) == ["loss", "entropy", "replayed"]  # lists are dropped
+    assert reduced["loss"] == 0.5 and reduced["replayed"] == 3.0
+    assert math.isnan(reduced["entropy"])  # no rank reported one
+
+
+def test_shard_model_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    _, adapter = worker.build(worker.Case("qwen3", "detached"))
+    with pytest.raises(RuntimeError, match="process group"):
+        shard_model(adapter)
+    assert reduce_metrics({"loss": 1.0, "advantages": [0.5]}) == {"loss": 1.0}
+
+
+# --- the step's normalisation ---------------------------------------------------------------------
+
+
+def test_spread_groups_gives_every_rank_the_same_number():
+    groups = list("abcdef")
+    spread = [spread_groups(groups, rank, 3) for rank in range(3)]
+    assert spread == [["a", "d"], ["b", "e"], ["c", "f"]]
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        spread_groups(groups, 0, 4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_loss_scales_weight_groups_as_one_batch(loss_type, mask_truncated):
+    """Each group's own weights times its scale are the weights of the step's batch."""
+    config = ls.GRPOConfig(
+        loss_type=loss_type, max_completion_length=16, mask_truncated_completions=mask_truncated,
+        epsilon_high=5.0 if loss_type == "cispo" else None,
+    )  # fmt: skip
+    lengths = [[5, 3, 16], [4, 6], [16, 16]]
+    truncated = [[False, False, True], [False, False], [True, True]]
+    scales = group_loss_scales(lengths, config, truncated)
+    batch = loss_weights(list(chain(*lengths)), list(chain(*truncated)), config)
+    scaled = [
+        weight * scale
+        for group, flags, scale in zip(lengths, truncated, scales, strict=True)
+        for weight in loss_weights(group, flags, config)
+    ]
+    assert scaled == pytest.approx(batch, rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_groups_of_one_step_equal_trl_over_all_their_responses(loss_type):
+    """Two groups (different prompts) with their loss scales accumulate the gradient of TRL's
+    loss over the step's whole batch (advantages within each group)."""
+    model = tiny_model("qwen3", dtype=torch.float64, seed=0)
+    adapter = ls.adapt(model)
+    config = ls.GRPOConfig(loss_type=loss_type, max_completion_length=16)
+    groups = worker.step_groups(0)
+    lengths = [[len(r) for r in group.responses] for group in groups]
+
+    logps, advantages = [], []
+    for group in groups:
+        logps += [detached_reference_logps(model, group.prompt, r) for r in group.responses]
+        advantages.append(hand_advantages(group.rewards))
+    padded, mask = pad_rows(logps)
+    loss, _ = trl_group_loss(padded, padded.detach(), None, torch.cat(advantages), mask, config)
+    expected = parameter_grads(model, loss)
+
+    model.zero_grad(set_to_none=True)
+    for group, scale in zip(groups, group_loss_scales(lengths, config), strict=True):
+        ls.grpo_step(
+            adapter, group.prompt, group.responses, group.rewards, config=config,
+            chunk_size=worker.CHUNK_SIZE, loss_scale=scale,
+        )  # fmt: skip
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert_grads_close(grads, expected, rtol=1e-9)
