@@ -63,6 +63,18 @@ def branch_records(branch: BranchCache | None, state: PrefixState) -> list[Branc
     return [None] * len(state.layers) if branch is None else branch.layers
 
 
+def token_progress(total: int, desc: str, progress: bool | None) -> tqdm:
+    """A transient bar over prompt tokens; ``progress=None`` shows it only on a terminal."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="tok",
+        unit_scale=True,
+        disable=(not progress) if progress is not None else None,
+        leave=False,
+    )
+
+
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     """The transformers model under a PEFT wrapper (LoRA layers stay in place inside it)."""
     get_base_model = getattr(model, "get_base_model", None)
@@ -279,14 +291,7 @@ class ModelAdapter(ABC):
         )
         if checkpoints is not None:
             state.keep_checkpoints(self.device if checkpoints == "device" else "cpu")
-        bar = tqdm(
-            total=len(stored),
-            desc="prefill",
-            unit="tok",
-            unit_scale=True,
-            disable=(not progress) if progress is not None else None,
-            leave=False,
-        )
+        bar = token_progress(len(stored), "prefill", progress)
         with torch.no_grad(), bar:
             for start in self.in_step(range(0, len(stored), chunk_size)):
                 if start is None:
@@ -350,14 +355,7 @@ class ModelAdapter(ABC):
         self.check_state(state)
         chunk_size = int(state.meta["chunk_size"])
         starts = list(range(0, state.length, chunk_size))
-        bar = tqdm(
-            total=state.length,
-            desc="prompt backward",
-            unit="tok",
-            unit_scale=True,
-            disable=(not progress) if progress is not None else None,
-            leave=False,
-        )
+        bar = token_progress(state.length, "prompt backward", progress)
         with torch.enable_grad(), bar:
             for start in self.in_step(starts[::-1]):
                 # A sharded model's other rank may have more chunks: join their collectives
