@@ -401,19 +401,43 @@ def test_prefix_grads_shape_mismatch_is_refused():
 
 
 @pytest.mark.parametrize(("batch", "tq", "tk"), [(1, 7, 7), (3, 5, 5), (2, 1, 4), (1, 3, 6)])
-def test_cpu_fused_forward_equals_the_blocked_loop(batch, tq, tk):
-    """float32 on CPU takes PyTorch's fused flash kernel for prefix segments and a branch
-    attending to itself; the blocked loop (forced by block_size) is the reference."""
+def test_cpu_fused_kernels_equal_the_blocked_loop(monkeypatch, batch, tq, tk):
+    """float32 on CPU takes PyTorch's fused flash kernels (forward and backward) for prefix
+    segments and a branch attending to itself; the blocked loop (forced by block_size) is the
+    reference. The fused backward visits a prefix segment a few keys per call (shrunk here
+    so the 300-key segment takes several) and adds into sinks like the blocked one."""
+    monkeypatch.setattr(attention, "_FUSED_BWD_CHUNK", 64)
     torch.manual_seed(11)
     q = torch.randn(batch, 4, tq, 8, requires_grad=True)
     k = torch.randn(batch, 2, tk, 8, requires_grad=True)
     v = torch.randn(batch, 2, tk, 8, requires_grad=True)
     prefix = [(torch.randn(2, n, 8), torch.randn(2, n, 8)) for n in (9, 300)]
-    fused = segmented_attention(q, k, v, prefix, scale=0.4)
-    blocked = segmented_attention(q, k, v, prefix, scale=0.4, block_size=64)
+    leaves = [tuple(t.clone().requires_grad_() for t in segment) for segment in prefix]
+    sinks = [(torch.ones_like(pk), torch.zeros_like(pv)) for pk, pv in prefix]
+    fused = segmented_attention(q, k, v, leaves[:1] + prefix[1:], scale=0.4,
+                                prefix_grads=[(None, None), sinks[1]])  # fmt: skip
+    blocked = segmented_attention(q, k, v, leaves, scale=0.4, block_size=64)
     assert torch.allclose(fused, blocked, atol=2e-6)
     weights = torch.randn_like(fused)
-    grads = torch.autograd.grad((fused * weights).sum(), (q, k, v))
-    expected = torch.autograd.grad((blocked * weights).sum(), (q, k, v))
-    for got, want in zip(grads, expected, strict=True):
+    inputs = (q, k, v, *leaves[0])
+    grads = torch.autograd.grad((fused * weights).sum(), inputs)
+    expected = torch.autograd.grad((blocked * weights).sum(), (*inputs, *leaves[1]))
+    for got, want in zip(grads, expected, strict=False):
         assert torch.allclose(got, want, atol=2e-5)
+    assert torch.allclose(sinks[1][0], 1 + expected[-2], atol=2e-5)
+    assert torch.allclose(sinks[1][1], expected[-1], atol=2e-5)
+
+
+def test_cpu_fused_backward_is_used_for_float32(monkeypatch):
+    """The fused backward really runs (a regression here would silently cost ~3x)."""
+    calls = []
+    original = attention._cpu_flash_backward
+    monkeypatch.setattr(
+        attention, "_cpu_flash_backward", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
+    q = torch.randn(1, 4, 5, 8, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, requires_grad=True)
+    v = torch.randn(1, 2, 5, 8, requires_grad=True)
+    prefix = [(torch.randn(2, 30, 8), torch.randn(2, 30, 8))]
+    segmented_attention(q, k, v, prefix, scale=0.4).sum().backward()
+    assert len(calls) == 2  # the branch and the prefix segment
