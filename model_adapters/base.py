@@ -58,6 +58,14 @@ class Span:
         return torch.arange(self.start, self.start + self.length, device=device)[None]
 
 
+def writes_only(span: Span, index: int, layers: Sequence[nn.Module]) -> bool:
+    """Whether layer ``index`` only has to write its state: the last layer of a writing span.
+
+    Its output would feed the final norm and the LM head, which a prefill chunk never runs.
+    """
+    return span.write and index == len(layers) - 1
+
+
 def branch_records(branch: BranchCache | None, state: PrefixState) -> list[BranchRecord | None]:
     """Each layer's branch record, or ``None`` for every layer when there is no cache."""
     return [None] * len(state.layers) if branch is None else branch.layers
@@ -183,6 +191,11 @@ class ModelAdapter(ABC):
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
         span to their own records and see the prefix plus every position they hold. Each
         layer's work goes through ``call_layer``.
+
+        Returns the last layer's output, or ``None`` for a span that writes (a prefill chunk
+        or its recompute): nothing reads that output, so the last layer computes only the
+        state it writes (``writes_only``), which skips its MLP and, for attention, the
+        queries' attention and output projection.
         """
 
     def call_layer(

@@ -18,7 +18,7 @@ from torch import nn
 
 from longstraw_core.attention import segmented_attention
 from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
-from model_adapters.base import ModelAdapter, Span, branch_records
+from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
 from model_adapters.registry import register_adapter
 
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -44,12 +44,14 @@ def run_full_attention(
     span: Span,
     apply_rotary: RotaryFn,
     branch: BranchKV | None = None,
-) -> torch.Tensor:
+    state_only: bool = False,
+) -> torch.Tensor | None:
     """One full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
     Mirrors the transformers attention forward (q/k norms when present, RoPE, GQA) and
     returns the input of ``o_proj``'s caller: the projected attention output. ``branch``:
-    the ``B`` decoded branches' own keys/values (see ``attend_with_state``).
+    the ``B`` decoded branches' own keys/values (see ``attend_with_state``). ``state_only``
+    (a writing span's last layer): write the keys/values, attend to nothing, return None.
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -61,7 +63,11 @@ def run_full_attention(
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-    output = attend_with_state(queries, keys, values, record, span, attention.scaling, branch)
+    output = attend_with_state(
+        queries, keys, values, record, span, attention.scaling, branch, state_only
+    )
+    if output is None:
+        return None
     return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -73,7 +79,8 @@ def attend_with_state(
     span: Span,
     scale: float,
     branch: BranchKV | None = None,
-) -> torch.Tensor:
+    state_only: bool = False,
+) -> torch.Tensor | None:
     """Attention of a span over the stored prefix and itself; a prefill chunk is stored.
 
     ``queries`` ``[B, H, T, D]`` and ``keys``/``values`` ``[B, KVH, T, D]`` after RoPE. A
@@ -87,6 +94,8 @@ def attend_with_state(
     prefix = record.segments(end=prefix_end)
     if span.write:
         record.write(span.start, keys[0], values[0])
+        if state_only:
+            return None
     if branch is not None:
         keys, values = branch.append(keys, values)
     return segmented_attention(
@@ -143,10 +152,11 @@ class DenseAdapter(ModelAdapter):
     ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
         layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
-        for layer, record, branch_record in layers:
+        for index, (layer, record, branch_record) in enumerate(layers):
             work = functools.partial(
-                self.decoder_layer, layer, position_embeddings, record, span, branch_record
-            )
+                self.decoder_layer, layer, position_embeddings, record, span, branch_record,
+                writes_only(span, index, self.decoder.layers),
+            )  # fmt: skip
             hidden = self.call_layer(layer, work, hidden)
         return hidden
 
@@ -157,9 +167,11 @@ class DenseAdapter(ModelAdapter):
         record: AttentionKV,
         span: Span,
         branch_record: BranchKV | None,
+        state_only: bool,
         hidden: torch.Tensor,
-    ) -> torch.Tensor:
-        """One pre-norm decoder layer over ``hidden``: attention with the state, then the MLP."""
+    ) -> torch.Tensor | None:
+        """One pre-norm decoder layer over ``hidden``: attention with the state, then the MLP.
+        With ``state_only`` it only writes its keys/values and returns None."""
         attended = run_full_attention(
             layer.self_attn,
             layer.input_layernorm(hidden),
@@ -168,6 +180,9 @@ class DenseAdapter(ModelAdapter):
             span,
             self.apply_rotary,
             branch_record,
+            state_only,
         )
+        if attended is None:
+            return None
         hidden = hidden + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -38,7 +38,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import segmented_attention
 from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
-from model_adapters.base import ModelAdapter, Span, branch_records
+from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
 from model_adapters.registry import register_adapter
 
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -483,7 +483,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
         dense = self.config.index_topk >= span.start + span.length
         selection = None
         layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
-        for layer, record, branch_record in layers:
+        for index, (layer, record, branch_record) in enumerate(layers):
             work = functools.partial(
                 self.decoder_layer,
                 layer,
@@ -493,6 +493,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                 selection,
                 dense,
                 branch_record,
+                writes_only(span, index, self.decoder.layers),
             )
             hidden, selection = self.call_layer(layer, work, hidden)
         return hidden
@@ -506,10 +507,12 @@ class GlmMoeDsaAdapter(ModelAdapter):
         selection: torch.Tensor | None,
         dense: bool,
         branch_record: BranchLatent | None,
+        state_only: bool,
         hidden: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One decoder layer over ``hidden``: MLA with DSA, then the dense MLP or MoE; also
-        returns the DSA selection for the next layer."""
+        returns the DSA selection for the next layer. ``state_only``: write the latent and
+        index keys, return ``(None, None)``."""
         attended, selection = self.run_attention(
             layer.self_attn,
             layer.input_layernorm(hidden),
@@ -519,7 +522,10 @@ class GlmMoeDsaAdapter(ModelAdapter):
             selection,
             dense,
             branch_record,
+            state_only,
         )
+        if attended is None:
+            return None, None
         hidden = hidden + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selection
 
@@ -533,7 +539,8 @@ class GlmMoeDsaAdapter(ModelAdapter):
         selection: torch.Tensor | None,
         dense: bool,
         branch: BranchLatent | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        state_only: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One MLA block over ``hidden`` ``[B, T, hidden]``: its output and the DSA selection.
 
         A layer with its own indexer makes a new selection (none when ``dense``); a shared
@@ -541,7 +548,8 @@ class GlmMoeDsaAdapter(ModelAdapter):
         (kept even while dense: later chunks and branches may see more than ``index_topk``).
         With ``branch`` (decoding), the span's latent and index keys are appended to the
         branches' own (index keys even while dense, for later steps) and the queries see the
-        prefix plus everything their branch holds.
+        prefix plus everything their branch holds. ``state_only``: write, then return
+        ``(None, None)`` (see ``writes_only``).
         """
         w_uk, w_uv = absorbed_weights(attention)
         queries, latent, q_resid = mla_projections(
@@ -555,6 +563,8 @@ class GlmMoeDsaAdapter(ModelAdapter):
             )
         if span.write:
             record.write(span.start, latent[0], None if index_keys is None else index_keys[0])
+            if state_only:
+                return None, None
         if branch is not None:
             latent, index_keys = branch.append(latent, index_keys)
         if attention.indexer is not None and not dense:

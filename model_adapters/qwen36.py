@@ -58,7 +58,7 @@ from longstraw_core.state import (
     PrefixState,
     RecurrentState,
 )
-from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records
+from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records, writes_only
 from model_adapters.dense import RotaryFn, attend_with_state, model_rotary_function
 from model_adapters.registry import register_adapter
 
@@ -215,12 +215,14 @@ def run_gated_attention(
     span: Span,
     apply_rotary: RotaryFn,
     branch: BranchKV | None = None,
-) -> torch.Tensor:
+    state_only: bool = False,
+) -> torch.Tensor | None:
     """One gated full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
     The sibling of ``dense.run_full_attention``: ``q_proj`` yields each head's query and its
     output gate side by side, and the attention output is multiplied by ``sigmoid(gate)``
     before ``o_proj``, as the model does. ``branch``: decoded branches' own keys/values.
+    ``state_only``: write the keys/values and return None (see ``writes_only``).
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -235,7 +237,11 @@ def run_gated_attention(
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
 
-    output = attend_with_state(queries, keys, values, record, span, attention.scaling, branch)
+    output = attend_with_state(
+        queries, keys, values, record, span, attention.scaling, branch, state_only
+    )
+    if output is None:
+        return None
     output = output.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
     return attention.o_proj(output)
 
@@ -412,10 +418,11 @@ class Qwen36Adapter(ModelAdapter):
             branch_records(branch, state),
             strict=True,
         )
-        for layer, kind, record, branch_record in layers:
+        for index, (layer, kind, record, branch_record) in enumerate(layers):
             work = functools.partial(
-                self.decoder_layer, layer, kind, position_embeddings, record, span, branch_record
-            )
+                self.decoder_layer, layer, kind, position_embeddings, record, span, branch_record,
+                writes_only(span, index, self.decoder.layers),
+            )  # fmt: skip
             hidden = self.call_layer(layer, work, hidden)
         return hidden
 
@@ -427,9 +434,11 @@ class Qwen36Adapter(ModelAdapter):
         record: AttentionKV | RecurrentState,
         span: Span,
         branch_record: BranchKV | BranchRecurrent | None,
+        state_only: bool,
         hidden: torch.Tensor,
-    ) -> torch.Tensor:
-        """One decoder layer over ``hidden``: Gated DeltaNet or gated attention, then the MLP."""
+    ) -> torch.Tensor | None:
+        """One decoder layer over ``hidden``: Gated DeltaNet or gated attention, then the MLP.
+        With ``state_only`` it only writes its state and returns None."""
         normed = layer.input_layernorm(hidden)
         if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
             kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
@@ -445,7 +454,10 @@ class Qwen36Adapter(ModelAdapter):
                 span,
                 self.apply_rotary,
                 branch_record,
+                state_only,
             )
+        if state_only:  # the DeltaNet state is written; nothing reads the output
+            return None
         hidden = hidden + mixed
         mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
         if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
