@@ -1,10 +1,12 @@
-"""GRPO step: LongStraw (prefill once, replay branches) vs the naive TRL-style step, same run.
+"""GRPO step: LongStraw detached and exact modes vs the naive TRL-style step, one run.
 
-Measures, on a tiny random-init Qwen3 on CPU:
+Measures, on a tiny random-init Qwen3 on CPU, for LongStraw's ``gradient="detached"`` (the
+paper's behaviour), ``gradient="exact"`` (the full-graph gradient, through the prompt) and
+the naive step:
 
 1. peak memory and step time against the group size G at a fixed prompt length;
 2. the longest prompt whose step fits a memory budget, for each method;
-3. the step-time speed-up of LongStraw at a 16K prompt with G=8.
+3. the step time of each at a 16K prompt with G=8, with the ratios the targets name.
 
 Every measurement is one GRPO step (``loss_type="dapo"``, on-policy, no KL) in a fresh
 subprocess that reports its peak RSS (``ru_maxrss``). A worker that builds the model and runs
@@ -24,15 +26,16 @@ naive step with the prompt detached, and exact mode against the full-graph naive
 Output: a summary table, ``grpo_benchmark.json`` (every raw measurement, model config,
 budget, targets and verdicts) and PNG plots under ``benchmarks/results/``.
 
-    python benchmarks/grpo_memory_time.py             # defaults, about 20-30 minutes
-    python benchmarks/grpo_memory_time.py --quick     # smoke run, about a minute
-    python benchmarks/grpo_memory_time.py --gradient exact --max-longstraw-tokens 32768
+    python benchmarks/grpo_memory_time.py             # defaults, about 40-60 minutes
+    python benchmarks/grpo_memory_time.py --quick     # smoke run, a few minutes
+    python benchmarks/grpo_memory_time.py --methods detached naive   # skip exact mode
     python benchmarks/grpo_memory_time.py --budget-gib 1 --max-longstraw-tokens 131072
 
-Defaults: G in {2, 4, 8} at a 16384-token prompt, 256-token responses; prompt lengths
-doubling from 4096 at G=2 against a 0.5 GiB budget, LongStraw capped at 65536 tokens
-(262144 would take hours on 2 cores: the prefill's attention is quadratic and unfused);
-speed-up at 16384 tokens, G=8.
+Defaults: G in {2, 4, 8} at a 16384-token prompt, 256-token responses, prefill chunks of
+1024 tokens (exact mode recomputes one chunk at a time: its graph is exact mode's extra
+transient); prompt lengths doubling from 4096 at G=2 against a 0.5 GiB budget, LongStraw
+capped at 65536 tokens (262144 would take hours on 2 cores: the prefill's attention is
+quadratic); step times at 16384 tokens, G=8.
 """
 
 from __future__ import annotations
@@ -62,11 +65,16 @@ MODEL: dict[str, Any] = {
     "head_dim": 16,
 }
 TARGETS = {
-    "longstraw_memory_growth_g2_to_g8_max": 0.03,
-    "longest_prompt_ratio_min": 8.0,
-    "speedup_min": 5.0,
+    "longstraw_memory_growth_g2_to_g8_max": 0.03,  # detached mode (issue #3)
+    "longest_prompt_ratio_min": 8.0,  # detached vs naive (issue #3)
+    "speedup_min": 5.0,  # detached vs naive (issue #3)
+    "exact_peak_vs_detached_max": 2.5,  # issue #6, at the same prompt length
+    "exact_longest_prompt_ratio_min": 5.0,  # exact vs naive (issue #6)
+    "exact_time_vs_detached_max": 2.5,  # issue #6
+    "exact_speedup_min": 3.0,  # exact vs naive (issue #6)
 }
-METHODS = ("longstraw", "naive")
+METHODS = ("detached", "exact", "naive")
+LONGSTRAW = ("detached", "exact")
 GIB = 2**30
 MIB = 2**20
 
@@ -97,15 +105,11 @@ def build_model(positions: int) -> Any:
 
 
 def run_step(
-    method: str,
-    model: Any,
-    group: tuple[Any, list[Any], list[float]],
-    chunk_size: int,
-    gradient: str = "detached",
+    method: str, model: Any, group: tuple[Any, list[Any], list[float]], chunk_size: int
 ) -> dict[str, float]:
     """One GRPO step of ``method``; returns its timings (gradients are left in ``.grad``).
 
-    ``gradient`` is LongStraw's mode; the naive step always differentiates the full graph.
+    ``method`` is LongStraw's gradient mode or ``"naive"`` (always the full graph).
     """
     from naive_grpo import naive_grpo_step, prepare_naive
 
@@ -119,7 +123,7 @@ def run_step(
         started = time.perf_counter()
         metrics = naive_grpo_step(model, prompt, responses, rewards, config)
         return {"seconds": time.perf_counter() - started, **metrics}
-    config = ls.GRPOConfig(loss_type="dapo", num_generations=group_size, gradient=gradient)
+    config = ls.GRPOConfig(loss_type="dapo", num_generations=group_size, gradient=method)
     adapter = ls.adapt(model)
     started = time.perf_counter()
     metrics = ls.grpo_step(
@@ -143,7 +147,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     prompt_tokens, group_size, response_tokens = args.worker_config
     model = build_model(prompt_tokens + response_tokens)
     group = make_group(prompt_tokens, group_size, response_tokens)
-    timings = run_step(args.worker_method, model, group, args.chunk_size, args.gradient)
+    timings = run_step(args.worker_method, model, group, args.chunk_size)
     return {
         "method": args.worker_method,
         "prompt_tokens": prompt_tokens,
@@ -236,8 +240,6 @@ class Runner:
             str(response_tokens),
             "--chunk-size",
             str(self.args.chunk_size),
-            "--gradient",
-            self.args.gradient,
             threads=self.args.threads,
         )
 
@@ -274,11 +276,12 @@ def sweep_group_sizes(runner: Runner) -> list[dict[str, Any]]:
     args = runner.args
     print(f"memory and time vs G at a {args.prompt_tokens}-token prompt:", flush=True)
     # The flatness target is LongStraw's: only its runs are repeated (a few MiB of noise).
-    repeats = {"longstraw": args.repeats, "naive": 1}
     return [
-        runner.measure(method, args.prompt_tokens, group_size, repeats[method])
+        runner.measure(
+            method, args.prompt_tokens, group_size, 1 if method == "naive" else args.repeats
+        )
         for group_size in args.group_sizes
-        for method in METHODS
+        for method in args.methods
     ]
 
 
@@ -291,13 +294,13 @@ def sweep_prompt_lengths(runner: Runner) -> dict[str, list[dict[str, Any]]]:
     args = runner.args
     budget = args.budget_gib * GIB
     group_size = min(args.group_sizes)
-    caps = {"naive": args.max_naive_tokens, "longstraw": args.max_longstraw_tokens}
     rows: dict[str, list[dict[str, Any]]] = {}
-    for method in METHODS:
+    for method in args.methods:
+        cap = args.max_naive_tokens if method == "naive" else args.max_longstraw_tokens
         print(f"{method}: prompt length vs the {args.budget_gib} GiB budget, G={group_size}:")
         rows[method] = []
         length = args.start_tokens
-        while length <= caps[method]:
+        while length <= cap:
             row = runner.measure(method, length, group_size)
             rows[method].append(row)
             if row["peak_above_fixed_bytes"] > budget:
@@ -329,8 +332,7 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
     LongStraw's default ``gradient="detached"`` treats the prompt's keys/values as constants,
     so it must equal the naive step with the prompt detached (same loss, same weights), not
     the full-graph naive step: their gap is the gradient through the prompt that detached
-    mode drops. ``gradient="exact"`` must equal the full-graph step; it is checked once it
-    exists. One model serves every step; the full-graph naive step runs last, in train mode
+    mode drops. ``gradient="exact"`` must equal the full-graph step. One model serves every step; the full-graph naive step runs last, in train mode
     with checkpointing, which does not change its math (every dropout is 0).
     """
     import torch
@@ -358,10 +360,7 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
         )
 
     detached = _gradients(model, longstraw_step("detached"))
-    try:
-        exact = _gradients(model, longstraw_step("exact"))
-    except NotImplementedError:
-        exact = None
+    exact = _gradients(model, longstraw_step("exact"))
     # Before prepare_naive: with checkpointing in train mode transformers refuses the cache.
     naive_detached = _gradients(model, naive_step(detach_prompt=True))
     prepare_naive(model)
@@ -372,7 +371,7 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
         "chunk_size": chunk_size,
         "detached_vs_naive_detached_prompt": _relative_errors(detached, naive_detached),
         "detached_vs_naive_full_graph": _relative_errors(detached, naive_full),
-        "exact_vs_naive_full_graph": None if exact is None else _relative_errors(exact, naive_full),
+        "exact_vs_naive_full_graph": _relative_errors(exact, naive_full),
     }
 
 
@@ -414,52 +413,91 @@ def extrapolated_crossing(rows: list[dict[str, Any]], budget: float) -> float | 
     return longer["prompt_tokens"] + (budget - longer["peak_above_fixed_bytes"]) / slope
 
 
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def _ratio_kind(mine: dict[str, Any], naive: dict[str, Any]) -> str:
+    """A method stopping at its cap makes the ratio a lower bound; naive stopping at its
+    cap makes it an upper bound."""
+    if not naive["crossed_budget"]:
+        return "undetermined (the naive run never crossed the budget)"
+    return "exact (both crossed the budget)" if mine["crossed_budget"] else "lower bound"
+
+
 def summarise(
     args: argparse.Namespace,
     by_g: list[dict[str, Any]],
     by_length: dict[str, list[dict[str, Any]]],
     speed: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    """Ratios and verdicts against the targets."""
+    """Ratios and verdicts against the targets, for whichever methods ran."""
     budget = args.budget_gib * GIB
-    longest = {method: longest_within(by_length[method], budget) for method in METHODS}
-    ls_long = longest["longstraw"]["longest_prompt_tokens"]
-    naive_long = longest["naive"]["longest_prompt_tokens"]
-    ratio = ls_long / naive_long if ls_long and naive_long else None
-    # LongStraw stopping at its cap makes the ratio a lower bound; naive stopping at its cap
-    # makes it an upper bound.
-    ratio_kind = (
-        "lower bound"
-        if not longest["longstraw"]["crossed_budget"] and longest["naive"]["crossed_budget"]
-        else "exact (both crossed the budget)"
-        if longest["naive"]["crossed_budget"]
-        else "undetermined (the naive run never crossed the budget)"
-    )
-    crossing = extrapolated_crossing(by_length["longstraw"], budget)
-    speedup = speed["naive"]["seconds"] / speed["longstraw"]["seconds"]
-    above = growth(by_g, "longstraw", "peak_above_fixed_bytes")
-    absolute = growth(by_g, "longstraw", "peak_rss_bytes")
-    return {
-        "longstraw_growth_above_fixed": above,
-        "longstraw_growth_absolute": absolute,
-        "naive_growth_above_fixed": growth(by_g, "naive", "peak_above_fixed_bytes"),
-        "naive_growth_absolute": growth(by_g, "naive", "peak_rss_bytes"),
-        "longest": longest,
-        "longest_prompt_ratio": ratio,
-        "longest_prompt_ratio_kind": ratio_kind,
-        "longstraw_extrapolated_budget_tokens": crossing,
-        "extrapolated_ratio": crossing / naive_long if crossing and naive_long else None,
-        "speedup": speedup,
-        "verdicts": {
-            "memory_flat_in_g_above_fixed": above
-            <= TARGETS["longstraw_memory_growth_g2_to_g8_max"],
-            "memory_flat_in_g_absolute": absolute
-            <= TARGETS["longstraw_memory_growth_g2_to_g8_max"],
-            "longest_prompt_ratio": ratio is not None
-            and ratio >= TARGETS["longest_prompt_ratio_min"],
-            "speedup": speedup >= TARGETS["speedup_min"],
-        },
-    }
+    longest = {method: longest_within(rows, budget) for method, rows in by_length.items()}
+    summary: dict[str, Any] = {"longest": longest, "verdicts": {}, "by_mode": {}}
+    verdicts = summary["verdicts"]
+    naive_long = longest.get("naive", {}).get("longest_prompt_tokens")
+    for mode in (m for m in LONGSTRAW if m in by_length):
+        crossing = extrapolated_crossing(by_length[mode], budget)
+        mine = {
+            "growth_above_fixed": growth(by_g, mode, "peak_above_fixed_bytes"),
+            "growth_absolute": growth(by_g, mode, "peak_rss_bytes"),
+            "extrapolated_budget_tokens": crossing,
+            "extrapolated_ratio": _ratio(crossing, naive_long),
+        }
+        if "naive" in by_length:
+            mine["longest_prompt_ratio"] = _ratio(
+                longest[mode]["longest_prompt_tokens"], naive_long
+            )
+            mine["longest_prompt_ratio_kind"] = _ratio_kind(longest[mode], longest["naive"])
+            mine["speedup"] = speed["naive"]["seconds"] / speed[mode]["seconds"]
+        summary["by_mode"][mode] = mine
+    if "naive" in by_length:
+        summary["naive_growth_above_fixed"] = growth(by_g, "naive", "peak_above_fixed_bytes")
+        summary["naive_growth_absolute"] = growth(by_g, "naive", "peak_rss_bytes")
+    if "detached" in summary["by_mode"]:
+        detached = summary["by_mode"]["detached"]
+        limit = TARGETS["longstraw_memory_growth_g2_to_g8_max"]
+        verdicts["detached_memory_flat_in_g_above_fixed"] = detached["growth_above_fixed"] <= limit
+        verdicts["detached_memory_flat_in_g_absolute"] = detached["growth_absolute"] <= limit
+        if "naive" in by_length:
+            ratio = detached["longest_prompt_ratio"]
+            verdicts["detached_longest_prompt_ratio"] = (
+                ratio is not None and ratio >= TARGETS["longest_prompt_ratio_min"]
+            )
+            verdicts["detached_speedup"] = detached["speedup"] >= TARGETS["speedup_min"]
+    if "exact" in summary["by_mode"]:
+        exact = summary["by_mode"]["exact"]
+        if "detached" in summary["by_mode"]:
+            exact["peak_vs_detached"] = _peak_ratios(by_g, by_length)
+            exact["time_vs_detached"] = speed["exact"]["seconds"] / speed["detached"]["seconds"]
+            worst = max(exact["peak_vs_detached"].values())
+            verdicts["exact_peak_vs_detached"] = worst <= TARGETS["exact_peak_vs_detached_max"]
+            verdicts["exact_time_vs_detached"] = (
+                exact["time_vs_detached"] <= TARGETS["exact_time_vs_detached_max"]
+            )
+        if "naive" in by_length:
+            ratio = exact["longest_prompt_ratio"]
+            verdicts["exact_longest_prompt_ratio"] = (
+                ratio is not None and ratio >= TARGETS["exact_longest_prompt_ratio_min"]
+            )
+            verdicts["exact_speedup"] = exact["speedup"] >= TARGETS["exact_speedup_min"]
+    return summary
+
+
+def _peak_ratios(
+    by_g: list[dict[str, Any]], by_length: dict[str, list[dict[str, Any]]]
+) -> dict[str, float]:
+    """Exact / detached peak above the fixed cost, for every configuration both measured."""
+    rows = [*by_g, *(row for method_rows in by_length.values() for row in method_rows)]
+    peaks = {(r["method"], r["prompt_tokens"], r["group_size"]): r for r in rows}
+    ratios = {}
+    for (method, tokens, group_size), row in sorted(peaks.items()):
+        detached = peaks.get(("detached", tokens, group_size))
+        if method == "exact" and detached is not None:
+            ratio = row["peak_above_fixed_bytes"] / detached["peak_above_fixed_bytes"]
+            ratios[f"prompt {tokens}, G={group_size}"] = ratio
+    return ratios
 
 
 def print_summary(
@@ -470,66 +508,107 @@ def print_summary(
     fixed: dict[str, dict[str, Any]],
 ) -> None:
     """A readable table of every headline number and whether its target is met."""
+    verdicts = summary["verdicts"]
 
-    def verdict(ok: bool) -> str:
-        return "MET" if ok else "NOT MET"
+    def verdict(key: str) -> str:
+        return "MET" if verdicts[key] else "NOT MET"
 
     print(f"\nmemory vs G (prompt {args.prompt_tokens}, responses {args.response_tokens}):")
     header = f"{'G':>3} | {'method':>9} | {'peak MiB':>9} | {'above fixed MiB':>15} | "
     print(f"  {header}{'spread MiB':>10} | {'runs':>4} | {'step s':>7}")
-    for row in sorted(by_g, key=lambda r: (r["group_size"], r["method"])):
+    for row in sorted(by_g, key=lambda r: (r["group_size"], METHODS.index(r["method"]))):
         print(
             f"  {row['group_size']:>3} | {row['method']:>9} | {row['peak_rss_bytes'] / MIB:9.1f} "
             f"| {row['peak_above_fixed_bytes'] / MIB:15.1f} | "
             f"{row['peak_rss_spread_bytes'] / MIB:10.1f} | {len(row['runs']):>4} | "
             f"{row['seconds']:7.1f}"
         )
-    target = TARGETS["longstraw_memory_growth_g2_to_g8_max"]
-    verdicts = summary["verdicts"]
     g_lo, g_hi = min(args.group_sizes), max(args.group_sizes)
-    print(
-        f"LongStraw peak growth G={g_lo}->{g_hi}: {summary['longstraw_growth_above_fixed']:+.1%} "
-        f"above fixed cost [{verdict(verdicts['memory_flat_in_g_above_fixed'])}, target <= "
-        f"{target:.0%}], {summary['longstraw_growth_absolute']:+.1%} absolute "
-        f"[{verdict(verdicts['memory_flat_in_g_absolute'])}]; naive: "
-        f"{summary['naive_growth_above_fixed']:+.1%} above fixed, "
-        f"{summary['naive_growth_absolute']:+.1%} absolute (one sequence per micro-batch "
-        "keeps the naive step flat in G too)"
-    )
+    target = TARGETS["longstraw_memory_growth_g2_to_g8_max"]
+    for mode, mine in summary["by_mode"].items():
+        judged = (
+            f" [{verdict('detached_memory_flat_in_g_above_fixed')}, target <= {target:.0%}]"
+            if mode == "detached"
+            else ""
+        )
+        print(
+            f"{mode} peak growth G={g_lo}->{g_hi}: {mine['growth_above_fixed']:+.1%} above "
+            f"fixed cost{judged}, {mine['growth_absolute']:+.1%} absolute"
+        )
+    if "naive_growth_above_fixed" in summary:
+        print(
+            f"naive peak growth: {summary['naive_growth_above_fixed']:+.1%} above fixed, "
+            f"{summary['naive_growth_absolute']:+.1%} absolute (one sequence per micro-batch "
+            "keeps the naive step flat in G too)"
+        )
+    exact = summary["by_mode"].get("exact", {})
+    if "peak_vs_detached" in exact:
+        print("exact / detached peak above fixed cost, same configuration:")
+        for where, ratio in exact["peak_vs_detached"].items():
+            print(f"  {where}: {ratio:.2f}x")
+        limit = TARGETS["exact_peak_vs_detached_max"]
+        print(f"  worst {max(exact['peak_vs_detached'].values()):.2f}x "
+              f"[{verdict('exact_peak_vs_detached')}, target <= {limit}x]")  # fmt: skip
+
     print(f"\nlongest prompt within {args.budget_gib} GiB above the fixed cost:")
-    for method in METHODS:
-        info = summary["longest"][method]
+    for method, info in summary["longest"].items():
         note = "" if info["crossed_budget"] else " (never crossed the budget: a lower bound)"
         print(f"  {method:>9}: {info['longest_prompt_tokens']} tokens{note}")
-    ratio = summary["longest_prompt_ratio"]
-    ratio_text = "n/a" if ratio is None else f"{ratio:.0f}x"
-    print(
-        f"  ratio: {ratio_text} ({summary['longest_prompt_ratio_kind']}) "
-        f"[{verdict(verdicts['longest_prompt_ratio'])}, target >= "
-        f"{TARGETS['longest_prompt_ratio_min']:.0f}x]"
-    )
-    crossing = summary["longstraw_extrapolated_budget_tokens"]
-    if crossing and not summary["longest"]["longstraw"]["crossed_budget"]:
-        extrapolated = summary["extrapolated_ratio"]
-        print(
-            f"  LongStraw's peak, extrapolated along its slope between the two longest prompts, "
-            f"meets the budget at ~{crossing:,.0f} tokens (an estimate, not measured)"
-            + (f": ~{extrapolated:.0f}x the naive's longest" if extrapolated else "")
+    for mode, mine in summary["by_mode"].items():
+        if "longest_prompt_ratio" not in mine:
+            continue
+        ratio = mine["longest_prompt_ratio"]
+        key, minimum = (
+            ("detached_longest_prompt_ratio", TARGETS["longest_prompt_ratio_min"])
+            if mode == "detached"
+            else ("exact_longest_prompt_ratio", TARGETS["exact_longest_prompt_ratio_min"])
         )
-    ls_row, naive_row = speed["longstraw"], speed["naive"]
-    cold = {method: row["seconds"] for method, row in fixed.items()}
-    sweep = f", sweep {ls_row['sweep_seconds']:.1f} s" if ls_row["sweep_seconds"] else ""
-    print(
-        f"\nstep time at prompt {ls_row['prompt_tokens']}, G={ls_row['group_size']}: LongStraw "
-        f"{ls_row['seconds']:.1f} s (prefill {ls_row['prefill_seconds']:.1f} s, replay "
-        f"{ls_row['replay_seconds']:.1f} s{sweep}), naive {naive_row['seconds']:.1f} s "
-        f"-> speed-up {summary['speedup']:.1f}x [{verdict(verdicts['speedup'])}, target >= "
-        f"{TARGETS['speedup_min']:.0f}x]"
-    )
-    for name, row in (("LongStraw", ls_row), ("naive", naive_row)):
+        ratio_text = "n/a" if ratio is None else f"{ratio:.0f}x"
+        print(
+            f"  {mode} / naive: {ratio_text} ({mine['longest_prompt_ratio_kind']}) "
+            f"[{verdict(key)}, target >= {minimum:.0f}x]"
+        )
+        crossing = mine["extrapolated_budget_tokens"]
+        if crossing and not summary["longest"][mode]["crossed_budget"]:
+            extrapolated = mine["extrapolated_ratio"]
+            print(
+                f"    its peak, extrapolated along the slope between its two longest prompts, "
+                f"meets the budget at ~{crossing:,.0f} tokens (an estimate, not measured)"
+                + (f": ~{extrapolated:.0f}x the naive's longest" if extrapolated else "")
+            )
+
+    any_row = next(iter(speed.values()))
+    print(f"\nstep time at prompt {any_row['prompt_tokens']}, G={any_row['group_size']}:")
+    for method, row in speed.items():
+        phases = ""
+        if method != "naive":
+            phases = (
+                f" (prefill {row['prefill_seconds']:.1f} s, replay {row['replay_seconds']:.1f} s"
+            )
+            phases += f", sweep {row['sweep_seconds']:.1f} s)" if row["sweep_seconds"] else ")"
         times = ", ".join(f"{run['seconds']:.1f}" for run in row["runs"])
         loads = ", ".join(f"{run['load_average'][0]:.1f}" for run in row["runs"])
-        print(f"  {name} runs: {times} s (1-min load average {loads}); fastest kept")
+        print(
+            f"  {method:>9}: {row['seconds']:.1f} s{phases}; runs {times} s "
+            f"(1-min load average {loads}); fastest kept"
+        )
+    if "detached" in summary["by_mode"] and "speedup" in summary["by_mode"]["detached"]:
+        print(
+            f"  detached vs naive: {summary['by_mode']['detached']['speedup']:.1f}x faster "
+            f"[{verdict('detached_speedup')}, target >= {TARGETS['speedup_min']:.0f}x]"
+        )
+    if "time_vs_detached" in exact:
+        print(
+            f"  exact / detached: {exact['time_vs_detached']:.2f}x "
+            f"[{verdict('exact_time_vs_detached')}, target <= "
+            f"{TARGETS['exact_time_vs_detached_max']}x]"
+        )
+    if "speedup" in exact:
+        print(
+            f"  exact vs naive: {exact['speedup']:.1f}x faster [{verdict('exact_speedup')}, "
+            f"target >= {TARGETS['exact_speedup_min']:.0f}x]"
+        )
+    cold = {method: row["seconds"] for method, row in fixed.items()}
     print(
         "  (one cold step per process; a 2-token step takes "
         + ", ".join(f"{m} {t:.2f} s" for m, t in cold.items())
@@ -547,16 +626,13 @@ def print_gradient_check(check: dict[str, Any]) -> None:
     ]
     for label, key in rows:
         errors = check[key]
-        if errors is None:
-            print(f"  {label}: not run (gradient='exact' is not implemented yet)")
-            continue
         print(
             f"  {label}: {errors['relative_error']:.1e} (worst parameter "
             f"{errors['worst_parameter']:.1e})"
         )
     print(
-        "  (detached mode drops the gradient through the prompt's keys/values, so only the "
-        "first line must be ~1e-6)",
+        "  (detached mode drops the gradient through the prompt's keys/values: the first and "
+        "third lines must be ~1e-6, the second is the gradient detached mode leaves out)",
         flush=True,
     )
 
@@ -577,7 +653,12 @@ def plot(
     import matplotlib.pyplot as plt
 
     paths = [out / f"grpo_{name}.png" for name in ("memory_vs_g", "memory_vs_prompt", "time")]
-    styles = {"longstraw": ("o-", "LongStraw"), "naive": ("s-", "naive (TRL-style)")}
+    styles = {
+        "detached": ("o-", "LongStraw detached"),
+        "exact": ("^-", "LongStraw exact"),
+        "naive": ("s-", "naive (TRL-style)"),
+    }
+    styles = {method: style for method, style in styles.items() if method in args.methods}
 
     figure, axis = plt.subplots(figsize=(6, 4))
     for method, (style, label) in styles.items():
@@ -607,22 +688,26 @@ def plot(
     figure.tight_layout()
     figure.savefig(paths[1], dpi=120)
 
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = plt.subplots(figsize=(7, 4))
     sizes = sorted(args.group_sizes)
     rows = {(r["method"], r["group_size"]): r for r in by_g}
-    x = range(len(sizes))
-    bottom = [0.0] * len(sizes)
-    for phase in ("prefill", "replay", "sweep"):  # sweep: exact mode's pass over the prompt
-        seconds = [rows["longstraw", g][f"{phase}_seconds"] for g in sizes]
-        if any(seconds):
-            axis.bar([i - 0.2 for i in x], seconds, 0.4, bottom=bottom, label=f"LongStraw {phase}")
-            bottom = [b + t for b, t in zip(bottom, seconds, strict=True)]
-    naive = [rows["naive", g]["seconds"] for g in sizes]
-    axis.bar([i + 0.2 for i in x], naive, 0.4, label="naive total")
-    axis.set_xticks(list(x), [f"G={g}" for g in sizes])
+    width = 0.8 / len(styles)
+    for slot, method in enumerate(styles):
+        offsets = [i - 0.4 + width * (slot + 0.5) for i in range(len(sizes))]
+        if method == "naive":
+            axis.bar(offsets, [rows[method, g]["seconds"] for g in sizes], width, label="naive")
+            continue
+        bottom = [0.0] * len(sizes)
+        for phase in ("prefill", "replay", "sweep"):  # sweep: exact mode's pass over the prompt
+            seconds = [rows[method, g][f"{phase}_seconds"] for g in sizes]
+            if any(seconds):
+                axis.bar(offsets, seconds, width, bottom=bottom, label=f"{method} {phase}")
+                bottom = [b + t for b, t in zip(bottom, seconds, strict=True)]
+    axis.set_xticks(list(range(len(sizes))), [f"G={g}" for g in sizes])
     axis.set_ylabel("step wall time (s), one cold step")
-    axis.set_title(f"GRPO step time, {args.prompt_tokens}-token prompt")
-    axis.legend()
+    axis.set_yscale("log")
+    axis.set_title(f"GRPO step time by phase, {args.prompt_tokens}-token prompt")
+    axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(paths[2], dpi=120)
     plt.close("all")
@@ -646,7 +731,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-longstraw-tokens", type=int, default=65536)
     parser.add_argument("--speed-prompt-tokens", type=int, default=16384)
     parser.add_argument("--speed-group-size", type=int, default=8)
-    parser.add_argument("--chunk-size", type=int, default=4096, help="LongStraw prefill chunk")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="LongStraw prefill chunk")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -658,7 +743,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument(
-        "--gradient", choices=("detached", "exact"), default="detached", help="LongStraw's mode"
+        "--methods", nargs="+", choices=METHODS, default=list(METHODS), help="what to measure"
     )
     parser.add_argument("--worker-method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--check-worker", type=int, help=argparse.SUPPRESS)
@@ -696,11 +781,11 @@ def main() -> None:
     by_length = sweep_prompt_lengths(runner)
     print("speed-up configuration (runs interleaved, fastest kept):", flush=True)
     for repeat in range(1, args.repeats + 1):
-        for method in METHODS:
+        for method in args.methods:
             runner.measure(method, args.speed_prompt_tokens, args.speed_group_size, repeat)
     speed = {
         method: runner.measure(method, args.speed_prompt_tokens, args.speed_group_size)
-        for method in METHODS
+        for method in args.methods
     }
     # Re-aggregated: the speed-up configuration is in the G sweep and may have more runs now.
     by_g = [runner.measure(r["method"], r["prompt_tokens"], r["group_size"]) for r in by_g]
@@ -722,8 +807,8 @@ def main() -> None:
             "torch thread(s); repeated configurations keep their fastest run"
         ),
         "loss": (
-            f"GRPOConfig(loss_type='dapo', gradient={args.gradient!r}), on-policy, beta=0; "
-            "the naive step always differentiates the full graph"
+            "GRPOConfig(loss_type='dapo'), on-policy, beta=0, LongStraw in detached and exact "
+            "mode; the naive step always differentiates the full graph"
         ),
         "targets": TARGETS,
         "gradient_check": gradients,
