@@ -48,7 +48,7 @@ memory: $(STAMP)
 	$(PY) benchmarks/prefix_memory.py
 
 benchmark: $(STAMP)
-	$(PY) benchmarks/grpo_memory_time.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--model-type", default="qwen3")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where JSON/PNG go")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -154,7 +155,7 @@ def main() -> None:
             f"between the two longest prompts ({before['prompt_tokens']} -> "
             f"{last['prompt_tokens']}): {tail_growth:.2f}"
         )
-    RESULTS.mkdir(exist_ok=True)
+    args.output.mkdir(parents=True, exist_ok=True)
     report = {
         "model_type": args.model_type,
         "fixed_rss_bytes": fixed,
@@ -162,9 +163,9 @@ def main() -> None:
         "peak_growth_over_state_growth": growth,
     }
     stem = f"prefix_memory_{args.model_type}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(rows, RESULTS / f"{stem}.png", args.model_type)
-    print(f"wrote {RESULTS / stem}.json and .png")
+    (args.output / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot(rows, args.output / f"{stem}.png", args.model_type)
+    print(f"wrote {args.output / stem}.json and .png")
 
 
 if __name__ == "__main__":

@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--model-type", default="qwen3")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where JSON/PNG go")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timings per mode (best kept)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -244,11 +245,11 @@ def main() -> None:
         f"{'ok' if report['verdicts']['speed'] else 'MISSED'}",
         flush=True,
     )
-    RESULTS.mkdir(exist_ok=True)
+    args.output.mkdir(parents=True, exist_ok=True)
     stem = "rollout_speed" if args.model_type == "qwen3" else f"rollout_speed_{args.model_type}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / f"{stem}.png")
-    print(f"wrote {RESULTS / stem}.json and .png")
+    (args.output / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.output / f"{stem}.png")
+    print(f"wrote {args.output / stem}.json and .png")
 
 
 if __name__ == "__main__":
