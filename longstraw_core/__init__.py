@@ -12,6 +12,7 @@ metrics = ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
 from longstraw_core.attention import segmented_attention
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import group_advantages
+from longstraw_core.offload import OffloadPolicy
 from longstraw_core.reference_policy import lora_reference
 from longstraw_core.replay import grpo_step
 from longstraw_core.rollout import RolloutOutput, rollout
@@ -25,6 +26,7 @@ __all__ = [
     "AttentionKV",
     "GRPOConfig",
     "ModelAdapter",
+    "OffloadPolicy",
     "PrefixState",
     "RolloutOutput",
     "adapt",

@@ -636,7 +636,7 @@ def _flash_segment_backward(
         d_q += grads[0]
         for sink, grad in zip(sinks, (d_keys, d_values), strict=True):
             if sink is not None:
-                sink[:, start : start + chunk] += grad.to(sink.dtype)
+                sink[:, start : start + chunk] += grad.to(device=sink.device, dtype=sink.dtype)
     return d_q, d_k, d_v
 
 

@@ -18,6 +18,11 @@ with the record's read/write interface that reads the stored values, routes grad
 ``grad``, and, during recompute, collects what a chunk writes (with its graph) into
 ``produced`` instead of storing it. Adapters therefore run the same code in prefill,
 branch replay and recompute.
+
+Offloaded records (``longstraw_core.offload``) get their ``dS`` beside them, in CPU memory:
+the sinks add each block's gradient across devices, and a view's ``with_record`` makes it
+read a streamed device copy while its gradients still go into the CPU buffer. What a
+recomputed chunk hands to the sweep is moved to the device its outputs are on.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class AttentionKVExactView:
     def __init__(self, record: AttentionKV, grad: AttentionKVGrad, produced: Produced | None):
         self.record, self.grad, self.produced = record, grad, produced
 
+    def with_record(self, record: AttentionKV) -> AttentionKVExactView:
+        """The same view reading ``record`` (a streamed copy of this one's)."""
+        return AttentionKVExactView(record, self.grad, self.produced)
+
     @property
     def length(self) -> int:
         return self.record.length
@@ -75,8 +84,8 @@ class AttentionKVExactView:
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + keys.shape[1]
-        self.produced.append((keys, self.grad.keys[:, start:end].to(keys.dtype, copy=True)))
-        self.produced.append((values, self.grad.values[:, start:end].to(values.dtype, copy=True)))
+        self.produced.append((keys, _grad_like(self.grad.keys[:, start:end], keys)))
+        self.produced.append((values, _grad_like(self.grad.values[:, start:end], values)))
 
 
 @dataclass
@@ -113,6 +122,10 @@ class RecurrentExactView:
     def __init__(self, record: RecurrentState, grad: RecurrentStateGrad, produced: Produced | None):
         self.record, self.grad, self.produced = record, grad, produced
 
+    def with_record(self, record: RecurrentState) -> RecurrentExactView:
+        """The same view reading ``record`` (a streamed copy of this one's)."""
+        return RecurrentExactView(record, self.grad, self.produced)
+
     @property
     def length(self) -> int:
         return self.record.length
@@ -129,7 +142,7 @@ class RecurrentExactView:
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
-            self.produced.append((output, buffer.clone().to(output.dtype)))
+            self.produced.append((output, _grad_like(buffer, output)))
             buffer.zero_()
 
 
@@ -163,6 +176,10 @@ class LatentKVExactView:
     def __init__(self, record: LatentKV, grad: LatentKVGrad, produced: Produced | None):
         self.record, self.grad, self.produced = record, grad, produced
 
+    def with_record(self, record: LatentKV) -> LatentKVExactView:
+        """The same view reading ``record`` (a streamed copy of this one's)."""
+        return LatentKVExactView(record, self.grad, self.produced)
+
     @property
     def length(self) -> int:
         return self.record.length
@@ -181,7 +198,13 @@ class LatentKVExactView:
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + latent.shape[0]
-        self.produced.append((latent, self.grad.latent[start:end].to(latent.dtype, copy=True)))
+        self.produced.append((latent, _grad_like(self.grad.latent[start:end], latent)))
+
+
+def _grad_like(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """A copy of ``dS`` for ``output``: its dtype, and its device (``dS`` of an offloaded
+    record is in CPU memory while the recomputed chunk runs on the device)."""
+    return grad.to(device=output.device, dtype=output.dtype, copy=True)
 
 
 # Each record kind's gradient buffer and exact-mode view, by record class.
@@ -262,7 +285,7 @@ class _GradSink(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
-        ctx.sink += grad.to(ctx.sink.dtype)
+        ctx.sink += grad.to(device=ctx.sink.device, dtype=ctx.sink.dtype)
         return None, None, grad.new_zeros(0)
 
 

@@ -20,6 +20,7 @@ import torch
 from longstraw_core.exact import new_state_grad
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
+from longstraw_core.offload import OffloadPolicy
 from longstraw_core.state import PrefixState
 from model_adapters.base import ModelAdapter, as_token_ids
 
@@ -53,6 +54,7 @@ def grpo_step(
     truncated: Sequence[bool] | None = None,
     chunk_size: int = 4096,
     loss_scale: float = 1.0,
+    offload: OffloadPolicy | str | dict | None = None,
 ) -> dict[str, float | list[float]]:
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return metrics.
 
@@ -61,7 +63,9 @@ def grpo_step(
     ``ref_adapter`` scores the reference policy when ``config.beta > 0``. ``state`` reuses a
     prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
     ``truncated`` marks responses cut at the length limit (for
-    ``mask_truncated_completions``). No optimizer step is taken.
+    ``mask_truncated_completions``). No optimizer step is taken. ``offload`` places the prefix
+    state of a prefill made here (the policy's and the reference's; see
+    ``longstraw_core.offload``); a given ``state`` keeps the placement it was prefilled with.
 
     ``config.gradient="exact"`` also backpropagates through the prompt: each branch adds its
     gradient of the prefix state into a buffer shaped like the state, and a reverse sweep
@@ -99,13 +103,17 @@ def grpo_step(
     ref_logps: list[torch.Tensor | None] = [None] * len(responses)
     if config.beta != 0.0:
         started = time.perf_counter()
-        ref_logps = _reference_logps(ref_adapter, prompt_ids, responses, weights, chunk_size)
+        ref_logps = _reference_logps(
+            ref_adapter, prompt_ids, responses, weights, chunk_size, offload
+        )
         timings["ref_seconds"] = time.perf_counter() - started
 
     if state is None:
         started = time.perf_counter()
         checkpoints = config.recurrent_checkpoints if config.gradient == "exact" else None
-        state = adapter.prefill(prompt_ids, chunk_size=chunk_size, checkpoints=checkpoints)
+        state = adapter.prefill(
+            prompt_ids, chunk_size=chunk_size, checkpoints=checkpoints, offload=offload
+        )
         timings["prefill_seconds"] = time.perf_counter() - started
 
     state_grad = new_state_grad(state) if config.gradient == "exact" else None
@@ -173,11 +181,13 @@ def _reference_logps(
     responses: list[torch.Tensor],
     weights: list[float],
     chunk_size: int,
+    offload: OffloadPolicy | str | dict | None = None,
 ) -> list[torch.Tensor | None]:
     """The reference policy's log-probs, from its own prefill (freed before the policy's)."""
     logps: list[torch.Tensor | None] = [None] * len(responses)
+    options = {} if offload is None else {"offload": offload}  # other policies may not take it
     with torch.no_grad():
-        ref_state = ref_adapter.prefill(prompt_ids, chunk_size=chunk_size)
+        ref_state = ref_adapter.prefill(prompt_ids, chunk_size=chunk_size, **options)
         for index in ref_adapter.in_step([i for i, weight in enumerate(weights) if weight]):
             if index is None:
                 ref_adapter.idle_forward()

@@ -8,6 +8,10 @@ quadratic copying of a growing cache.
 Rollout adds a ``BranchCache``: per layer, what each of ``B`` branches decoded from the
 prefix holds of its own (``BranchKV``, ``BranchRecurrent``, ``BranchLatent``), made by the
 prefix record's ``new_branch``. The prefix itself is shared by the branches, never copied.
+
+Records of the layer types an ``OffloadPolicy`` sends to the CPU live there (pinned with
+CUDA); passes read them through ``longstraw_core.offload.stream_layers``, which copies each
+record's ``window`` (what the pass reads) to the device one layer at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from longstraw_core.offload import OffloadPolicy, Residency, copy_rows
+
 
 class LayerState(Protocol):
     """One layer's share of the prefix state."""
@@ -25,6 +31,8 @@ class LayerState(Protocol):
     grows_with_prompt: ClassVar[bool]
 
     def nbytes(self) -> int: ...
+
+    def window(self, position: int | None) -> LayerState: ...
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> LayerState: ...
 
@@ -53,9 +61,11 @@ class AttentionKV:
         dtype: torch.dtype,
         device: torch.device,
         value_dim: int | None = None,
+        pin_memory: bool = False,
     ) -> AttentionKV:
-        keys = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        values = torch.empty(kv_heads, capacity, value_dim or head_dim, dtype=dtype, device=device)
+        options = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
+        keys = torch.empty(kv_heads, capacity, head_dim, **options)
+        values = torch.empty(kv_heads, capacity, value_dim or head_dim, **options)
         return cls(keys, values, 0)
 
     @property
@@ -70,8 +80,8 @@ class AttentionKV:
                 f"prefill wrote positions {start}..{end} into a state holding {self.length} "
                 f"of {self.capacity} positions; chunks must be written in order"
             )
-        self.keys[:, start:end] = keys
-        self.values[:, start:end] = values
+        _store(self.keys[:, start:end], keys)
+        _store(self.values[:, start:end], values)
         self.length = end
 
     def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,6 +91,12 @@ class AttentionKV:
             return []
         return [(self.keys[:, :end], self.values[:, :end])]
 
+    def window(self, position: int | None) -> AttentionKV:
+        """What a pass starting at ``position`` (``None``: after the prompt) reads: views of
+        the valid keys/values before it (``longstraw_core.offload`` copies them)."""
+        end = self.length if position is None else position
+        return AttentionKV(self.keys[:, :end], self.values[:, :end], end)
+
     def grad_segments(self, end: int | None = None) -> None:
         """Gradient buffers for the segments: none here (exact mode's views provide them)."""
         return None
@@ -88,10 +104,12 @@ class AttentionKV:
     def nbytes(self) -> int:
         return _nbytes(self.keys[:, : self.length]) + _nbytes(self.values[:, : self.length])
 
-    def new_branch(self, batch: int, capacity: int) -> BranchKV:
-        """Empty per-branch keys/values for ``batch`` branches of up to ``capacity`` positions."""
+    def new_branch(self, batch: int, capacity: int, device: torch.device | None = None) -> BranchKV:
+        """Empty per-branch keys/values for ``batch`` branches of up to ``capacity`` positions,
+        on ``device`` (default: the record's; an offloaded record's branches compute on the
+        device)."""
         kv_heads, _, head_dim = self.keys.shape
-        options = {"dtype": self.keys.dtype, "device": self.keys.device}
+        options = {"dtype": self.keys.dtype, "device": device or self.keys.device}
         return BranchKV(
             torch.empty(batch, kv_heads, capacity, head_dim, **options),
             torch.empty(batch, kv_heads, capacity, self.values.shape[-1], **options),
@@ -109,6 +127,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _store(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[...] = source``. Into pinned CPU memory from CUDA (an offloaded record's
+    prefill) the copy is asynchronous, row by row, on the compute stream: later kernels on
+    that stream may reuse ``source`` safely, and prefill synchronises before it returns."""
+    if target.device == source.device:
+        target.copy_(source)
+        return
+    copy_rows(target, source, non_blocking=source.is_cuda and target.is_pinned())
+
+
 @dataclass
 class PrefixState:
     """The prompt as later tokens see it: one record per decoder layer.
@@ -117,6 +145,9 @@ class PrefixState:
     token (``last_token``) is replayed at the head of every branch, because its logits score
     the branch's first token and must be computed with autograd. ``prompt_ids`` are kept
     (8 bytes a token) so exact mode can recompute chunks and a step can check its prompt.
+
+    ``offload``: the policy prefill placed the records by (``None``: all on the device);
+    passes stream offloaded layers to the device and account for it in ``residency``.
     """
 
     layers: list[LayerState]
@@ -124,6 +155,8 @@ class PrefixState:
     owner: str
     length: int = 0
     meta: dict[str, object] = field(default_factory=dict)
+    offload: OffloadPolicy | None = None
+    residency: Residency = field(default_factory=Residency, repr=False, compare=False)
 
     @property
     def last_token(self) -> torch.Tensor:
@@ -145,11 +178,17 @@ class PrefixState:
         """Bytes of recurrent-state checkpoints at chunk boundaries (exact mode)."""
         return sum(getattr(layer, "checkpoint_nbytes", lambda: 0)() for layer in self.layers)
 
+    def offloaded(self, layer: LayerState) -> bool:
+        """Whether ``layer``'s record lives in CPU memory and is streamed to the device."""
+        return self.offload is not None and self.offload.offloads(layer.kind)
+
     def keep_checkpoints(self, device: torch.device | str) -> None:
-        """Make recurrent records keep their state at every chunk start, on ``device``."""
+        """Make recurrent records keep their state at every chunk start, on ``device``
+        (offloaded records: in CPU memory, whatever ``device`` says)."""
         for layer in self.layers:
             if hasattr(layer, "checkpoint_device"):
-                layer.checkpoint_device = torch.device(device)
+                home = torch.device("cpu") if self.offloaded(layer) else torch.device(device)
+                layer.checkpoint_device = home
 
     def needs_checkpoints(self) -> bool:
         """Whether exact mode needs checkpoints this state lacks (recurrent layers only)."""
@@ -170,16 +209,25 @@ class PrefixState:
 
         Rows of records that offer ``expanded_nbytes()`` (latent attention) also carry
         ``expanded_bytes`` and ``expanded_bytes_per_token``: the same figures for the
-        per-head K/V a naive cache would hold.
+        per-head K/V a naive cache would hold. ``device_bytes`` + ``cpu_bytes`` ==
+        ``bytes``, split by where the offload policy keeps the records: on the compute
+        device, or in CPU memory, streamed in layer by layer.
         """
         table: dict[str, dict[str, float | int | bool]] = {}
         for layer in self.layers:
             row = table.setdefault(
                 layer.kind,
-                {"layers": 0, "bytes": 0, "grows_with_prompt": layer.grows_with_prompt},
+                {
+                    "layers": 0,
+                    "bytes": 0,
+                    "grows_with_prompt": layer.grows_with_prompt,
+                    "device_bytes": 0,
+                    "cpu_bytes": 0,
+                },
             )
             row["layers"] += 1
             row["bytes"] += layer.nbytes()
+            row["cpu_bytes" if self.offloaded(layer) else "device_bytes"] += layer.nbytes()
             if hasattr(layer, "checkpoint_nbytes"):
                 row["checkpoint_bytes"] = row.get("checkpoint_bytes", 0) + layer.checkpoint_nbytes()
             # Compressed records (latent attention) also report what a naive cache would hold.
@@ -193,13 +241,18 @@ class PrefixState:
         return table
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixState:
-        """The state on ``device``; tensors already there are shared, not copied."""
+        """The state on ``device``; tensors already there are shared, not copied. Offloaded
+        records stay in CPU memory (the policy goes with the state)."""
         return PrefixState(
-            layers=[layer.to(device, non_blocking=non_blocking) for layer in self.layers],
+            layers=[
+                layer if self.offloaded(layer) else layer.to(device, non_blocking=non_blocking)
+                for layer in self.layers
+            ],
             prompt_ids=self.prompt_ids.to(device),
             owner=self.owner,
             length=self.length,
             meta=dict(self.meta),
+            offload=self.offload,
         )
 
     def __repr__(self) -> str:
@@ -207,9 +260,16 @@ class PrefixState:
             f"{kind}: {row['layers']} layers, {format_bytes(row['bytes'])}"
             for kind, row in self.summary().items()
         )
+        where = f"on {self.device}"
+        if self.offload is not None and self.offload.active:
+            offloaded = sum(row["cpu_bytes"] for row in self.summary().values())
+            where += (
+                f" ({format_bytes(offloaded)} in CPU memory, streamed with "
+                f"resident_layers={self.offload.resident_layers})"
+            )
         return (
             f"PrefixState(prompt_length={self.prompt_length}, "
-            f"{format_bytes(self.nbytes())} on {self.device}; {kinds})"
+            f"{format_bytes(self.nbytes())} {where}; {kinds})"
         )
 
 
@@ -245,9 +305,11 @@ class RecurrentState:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        pin_memory: bool = False,
     ) -> RecurrentState:
-        conv = torch.zeros(conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-        recurrent = torch.zeros(value_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        options = {"device": device, "pin_memory": pin_memory}
+        conv = torch.zeros(conv_dim, conv_kernel - 1, dtype=dtype, **options)
+        recurrent = torch.zeros(value_heads, key_dim, value_dim, dtype=torch.float32, **options)
         return cls(conv, recurrent, 0)
 
     def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +324,12 @@ class RecurrentState:
             f"checkpoints at {sorted(self.checkpoints)}); prefill with checkpoints for exact mode"
         )
 
+    def window(self, position: int | None) -> RecurrentState:
+        """What a pass starting at ``position`` (``None``: after the prompt) reads: the state
+        there (``longstraw_core.offload`` copies it)."""
+        conv, recurrent = self.read(position)
+        return RecurrentState(conv, recurrent, self.length if position is None else position)
+
     def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Fold one prefill chunk of ``length`` positions at ``start`` into the state."""
         if start != self.length:
@@ -271,8 +339,8 @@ class RecurrentState:
             )
         if self.checkpoint_device is not None:
             self.checkpoints[start] = (
-                self.conv.to(self.checkpoint_device, copy=True),
-                self.recurrent.to(self.checkpoint_device, copy=True),
+                _copy_to(self.conv, self.checkpoint_device),
+                _copy_to(self.recurrent, self.checkpoint_device),
             )
         self.conv.copy_(conv)
         self.recurrent.copy_(recurrent)
@@ -284,11 +352,17 @@ class RecurrentState:
     def checkpoint_nbytes(self) -> int:
         return sum(_nbytes(c) + _nbytes(r) for c, r in self.checkpoints.values())
 
-    def new_branch(self, batch: int, capacity: int) -> BranchRecurrent:
-        """Per-branch copies of the state after the whole prompt (small: a fixed size)."""
+    def new_branch(
+        self, batch: int, capacity: int, device: torch.device | None = None
+    ) -> BranchRecurrent:
+        """Per-branch copies of the state after the whole prompt (small: a fixed size), on
+        ``device`` (default: the record's)."""
+        conv, recurrent = self.conv, self.recurrent
+        if device is not None:
+            conv, recurrent = conv.to(device), recurrent.to(device)
         return BranchRecurrent(
-            self.conv.expand(batch, *self.conv.shape).clone(),
-            self.recurrent.expand(batch, *self.recurrent.shape).clone(),
+            conv.expand(batch, *conv.shape).clone(),
+            recurrent.expand(batch, *recurrent.shape).clone(),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState:
@@ -299,6 +373,14 @@ class RecurrentState:
             self.checkpoint_device,
             dict(self.checkpoints),
         )
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``; pinned when it goes from pinned memory to the CPU
+    (offloaded checkpoints stream to the device like the state)."""
+    if device.type == "cpu" and tensor.device.type == "cpu" and tensor.is_pinned():
+        return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+    return tensor.to(device, copy=True)
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -343,11 +425,13 @@ class LatentKV:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        pin_memory: bool = False,
     ) -> LatentKV:
-        latent = torch.empty(capacity, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        options = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
+        latent = torch.empty(capacity, kv_lora_rank + rope_dim, **options)
         index_keys = None
         if index_dim is not None:
-            index_keys = torch.empty(capacity, index_dim, dtype=dtype, device=device)
+            index_keys = torch.empty(capacity, index_dim, **options)
         return cls(latent, index_keys, kv_lora_rank, expanded_width, 0)
 
     @property
@@ -374,9 +458,9 @@ class LatentKV:
             )
         if (index_keys is None) != (self.index_keys is None):
             raise RuntimeError("index keys must be written exactly on layers that keep them")
-        self.latent[start:end] = latent
+        _store(self.latent[start:end], latent)
         if index_keys is not None:
-            self.index_keys[start:end] = index_keys
+            _store(self.index_keys[start:end], index_keys)
         self.length = end
 
     def latent_prefix(self, end: int) -> torch.Tensor:
@@ -386,6 +470,13 @@ class LatentKV:
     def index_key_prefix(self, end: int) -> torch.Tensor | None:
         """The indexer keys of positions ``[0, end)`` (a view), ``None`` on shared layers."""
         return None if self.index_keys is None else self.index_keys[:end]
+
+    def window(self, position: int | None) -> LatentKV:
+        """What a pass starting at ``position`` (``None``: after the prompt) reads: views of
+        the valid latent and index keys before it (``longstraw_core.offload`` copies them)."""
+        end = self.length if position is None else position
+        index_keys = None if self.index_keys is None else self.index_keys[:end]
+        return LatentKV(self.latent[:end], index_keys, self.kv_lora_rank, self.expanded_width, end)
 
     def latent_grad(self, end: int) -> None:
         """Gradient buffer for ``latent_prefix(end)``: none here (exact mode's views give one)."""
@@ -401,9 +492,12 @@ class LatentKV:
         """Bytes of the per-head K/V a naive cache would hold for the same positions."""
         return self.length * self.expanded_width * self.latent.element_size()
 
-    def new_branch(self, batch: int, capacity: int) -> BranchLatent:
-        """Empty per-branch latent (and index keys) for ``batch`` branches of ``capacity``."""
-        options = {"dtype": self.latent.dtype, "device": self.latent.device}
+    def new_branch(
+        self, batch: int, capacity: int, device: torch.device | None = None
+    ) -> BranchLatent:
+        """Empty per-branch latent (and index keys) for ``batch`` branches of ``capacity``,
+        on ``device`` (default: the record's)."""
+        options = {"dtype": self.latent.dtype, "device": device or self.latent.device}
         index_keys = None
         if self.index_keys is not None:
             index_keys = torch.empty(batch, capacity, self.index_keys.shape[-1], **options)

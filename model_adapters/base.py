@@ -17,6 +17,11 @@ the model through ``_call_model``: plain calls in one process, the layer's and t
 registered FSDP forward methods when sharded. Ranks of a sharded model must also run the same
 number of passes of each kind (their collectives pair up), so the loops whose length depends
 on the data go through ``in_step``, which pads a rank's share with idle passes.
+
+Offload. ``prefill(..., offload=OffloadPolicy(...))`` keeps chosen layer types' state in CPU
+memory; ``run_layers`` takes each pass's records from ``layer_records``, which streams those
+layers to the device one at a time (``longstraw_core.offload``) and is ``state.layers``
+itself when nothing is offloaded.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import itertools
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -35,6 +41,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.offload import OffloadPolicy, stream_layers
 from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
@@ -174,8 +181,11 @@ class ModelAdapter(ABC):
         """Refuse configurations the adapter cannot reproduce exactly (override to add)."""
 
     @abstractmethod
-    def new_layer_states(self, capacity: int) -> list[LayerState]:
-        """Empty per-layer records sized for ``capacity`` prompt positions."""
+    def new_layer_states(
+        self, capacity: int, offload: OffloadPolicy | None = None
+    ) -> list[LayerState]:
+        """Empty per-layer records sized for ``capacity`` prompt positions, each allocated
+        where ``offload`` keeps its layer type (``longstraw_core.offload.home_options``)."""
 
     @abstractmethod
     def run_layers(
@@ -190,13 +200,21 @@ class ModelAdapter(ABC):
         Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
         span to their own records and see the prefix plus every position they hold. Each
-        layer's work goes through ``call_layer``.
+        layer's work goes through ``call_layer``; the records come from ``layer_records``.
 
         Returns the last layer's output, or ``None`` for a span that writes (a prefill chunk
         or its recompute): nothing reads that output, so the last layer computes only the
         state it writes (``writes_only``), which skips its MLP and, for attention, the
         queries' attention and output projection.
         """
+
+    def layer_records(
+        self, state: PrefixState, span: Span
+    ) -> AbstractContextManager[Sequence[LayerState]]:
+        """``with adapter.layer_records(state, span) as records``: each layer's record as the
+        pass over ``span`` reads it. Offloaded layers arrive one by one on the device (a
+        record is valid until the next one is taken); the others are ``state.layers``."""
+        return stream_layers(state, span.start if span.write else None, self.device)
 
     def call_layer(
         self, layer: nn.Module, fn: Callable[[torch.Tensor], Any], hidden: torch.Tensor
@@ -239,7 +257,7 @@ class ModelAdapter(ABC):
         """Empty per-branch records for ``batch`` branches of up to ``capacity`` positions
         decoded from ``state`` (which they read and never copy or write)."""
         self.check_state(state)
-        layers = [record.new_branch(batch, capacity) for record in state.layers]
+        layers = [record.new_branch(batch, capacity, self.device) for record in state.layers]
         return BranchCache(
             layers=layers, batch=batch, capacity=capacity, prefix_length=state.length
         )
@@ -279,6 +297,7 @@ class ModelAdapter(ABC):
         chunk_size: int = 4096,
         progress: bool | None = None,
         checkpoints: str | None = None,
+        offload: OffloadPolicy | str | dict | None = None,
     ) -> PrefixState:
         """Run the prompt once under ``no_grad``, in chunks, keeping only the prefix state.
 
@@ -286,21 +305,26 @@ class ModelAdapter(ABC):
         and replayed at the head of every branch (see ``score``). ``progress=None`` shows a
         progress bar only on a terminal. ``checkpoints`` (``"device"`` or ``"cpu"``) keeps
         recurrent layers' state at every chunk start, which exact mode needs; attention-only
-        models keep nothing extra.
+        models keep nothing extra. ``offload`` (an ``OffloadPolicy``, or what
+        ``OffloadPolicy.parse`` takes) keeps chosen layer types in CPU memory: each chunk's
+        state is copied there, and every later pass streams it in layer by layer (offloaded
+        recurrent layers keep their checkpoints in CPU memory too).
         """
         prompt_ids = as_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         if checkpoints not in (None, "device", "cpu"):
             raise ValueError(f"checkpoints must be None, 'device' or 'cpu', got {checkpoints!r}")
+        offload = OffloadPolicy.parse(offload)
         self._check_positions(len(prompt_ids), 0)
         prompt_ids = prompt_ids.to(self.device)
         stored = prompt_ids[:-1]
         state = PrefixState(
-            layers=self.new_layer_states(len(stored)),
+            layers=self.new_layer_states(len(stored), offload),
             prompt_ids=prompt_ids.clone(),
             owner=self.owner_id,
             meta={"model_type": self.config.model_type, "chunk_size": chunk_size},
+            offload=offload,
         )
         if checkpoints is not None:
             state.keep_checkpoints(self.device if checkpoints == "device" else "cpu")
@@ -315,6 +339,8 @@ class ModelAdapter(ABC):
                 self._call_model(functools.partial(self._run_chunk, chunk, span, state))
                 state.length = span.start + span.length
                 bar.update(len(chunk))
+        if offload is not None and offload.active and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # chunks copied out async
         return state
 
     def score(

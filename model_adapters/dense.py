@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from longstraw_core.attention import segmented_attention
+from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
 from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
 from model_adapters.registry import register_adapter
@@ -131,15 +132,16 @@ class DenseAdapter(ModelAdapter):
             )
         self.apply_rotary = model_rotary_function(self.decoder.layers[0].self_attn)
 
-    def new_layer_states(self, capacity: int) -> list[AttentionKV]:
+    def new_layer_states(
+        self, capacity: int, offload: OffloadPolicy | None = None
+    ) -> list[AttentionKV]:
         records = []
         kv_heads = self.config.num_key_value_heads
+        home = home_options(offload, AttentionKV.kind, self.device)
         for layer in self.decoder.layers:
             head_dim = layer.self_attn.head_dim
             records.append(
-                AttentionKV.empty(
-                    kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
-                )
+                AttentionKV.empty(kv_heads, capacity, head_dim, dtype=self.dtype, **home)
             )
         return records
 
@@ -151,13 +153,14 @@ class DenseAdapter(ModelAdapter):
         branch: BranchCache | None = None,
     ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
-        for index, (layer, record, branch_record) in enumerate(layers):
-            work = functools.partial(
-                self.decoder_layer, layer, position_embeddings, record, span, branch_record,
-                writes_only(span, index, self.decoder.layers),
-            )  # fmt: skip
-            hidden = self.call_layer(layer, work, hidden)
+        with self.layer_records(state, span) as records:
+            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
+            for index, (layer, record, branch_record) in enumerate(layers):
+                work = functools.partial(
+                    self.decoder_layer, layer, position_embeddings, record, span, branch_record,
+                    writes_only(span, index, self.decoder.layers),
+                )  # fmt: skip
+                hidden = self.call_layer(layer, work, hidden)
         return hidden
 
     def decoder_layer(

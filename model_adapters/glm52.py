@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import segmented_attention
+from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
 from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
 from model_adapters.registry import register_adapter
@@ -453,8 +454,11 @@ class GlmMoeDsaAdapter(ModelAdapter):
         self.rope = _module_function(first, "apply_rotary_pos_emb_interleave")
         self.index_rope = _module_function(first, _INDEXER_ROPE[config.model_type])
 
-    def new_layer_states(self, capacity: int) -> list[LatentKV]:
+    def new_layer_states(
+        self, capacity: int, offload: OffloadPolicy | None = None
+    ) -> list[LatentKV]:
         records = []
+        home = home_options(offload, LatentKV.kind, self.device)
         for layer in self.decoder.layers:
             attention = layer.self_attn
             indexer = attention.indexer
@@ -466,7 +470,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                     None if indexer is None else indexer.head_dim,
                     attention.num_heads * (attention.qk_head_dim + attention.v_head_dim),
                     dtype=self.dtype,
-                    device=self.device,
+                    **home,
                 )
             )
         return records
@@ -482,20 +486,21 @@ class GlmMoeDsaAdapter(ModelAdapter):
         # Dense when the last query of the span sees no more than index_topk positions.
         dense = self.config.index_topk >= span.start + span.length
         selection = None
-        layers = zip(self.decoder.layers, state.layers, branch_records(branch, state), strict=True)
-        for index, (layer, record, branch_record) in enumerate(layers):
-            work = functools.partial(
-                self.decoder_layer,
-                layer,
-                position_embeddings,
-                record,
-                span,
-                selection,
-                dense,
-                branch_record,
-                writes_only(span, index, self.decoder.layers),
-            )
-            hidden, selection = self.call_layer(layer, work, hidden)
+        with self.layer_records(state, span) as records:
+            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
+            for index, (layer, record, branch_record) in enumerate(layers):
+                work = functools.partial(
+                    self.decoder_layer,
+                    layer,
+                    position_embeddings,
+                    record,
+                    span,
+                    selection,
+                    dense,
+                    branch_record,
+                    writes_only(span, index, self.decoder.layers),
+                )
+                hidden, selection = self.call_layer(layer, work, hidden)
         return hidden
 
     def decoder_layer(

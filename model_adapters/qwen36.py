@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import (
     AttentionKV,
     BranchCache,
@@ -378,8 +379,12 @@ class Qwen36Adapter(ModelAdapter):
     def max_positions(self) -> int | None:
         return getattr(self.text_config, "max_position_embeddings", None)
 
-    def new_layer_states(self, capacity: int) -> list[AttentionKV | RecurrentState]:
+    def new_layer_states(
+        self, capacity: int, offload: OffloadPolicy | None = None
+    ) -> list[AttentionKV | RecurrentState]:
         records: list[AttentionKV | RecurrentState] = []
+        recurrent_home = home_options(offload, RecurrentState.kind, self.device)
+        attention_home = home_options(offload, AttentionKV.kind, self.device)
         for layer, kind in zip(self.decoder.layers, self.layer_types, strict=True):
             if kind == LINEAR_ATTENTION:
                 deltanet = layer.linear_attn
@@ -390,7 +395,7 @@ class Qwen36Adapter(ModelAdapter):
                     deltanet.head_k_dim,
                     deltanet.head_v_dim,
                     dtype=self.dtype,
-                    device=self.device,
+                    **recurrent_home,
                 )
             else:
                 record = AttentionKV.empty(
@@ -398,7 +403,7 @@ class Qwen36Adapter(ModelAdapter):
                     capacity,
                     layer.self_attn.head_dim,
                     dtype=self.dtype,
-                    device=self.device,
+                    **attention_home,
                 )
             records.append(record)
         return records
@@ -411,19 +416,20 @@ class Qwen36Adapter(ModelAdapter):
         branch: BranchCache | None = None,
     ) -> torch.Tensor:
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        layers = zip(
-            self.decoder.layers,
-            self.layer_types,
-            state.layers,
-            branch_records(branch, state),
-            strict=True,
-        )
-        for index, (layer, kind, record, branch_record) in enumerate(layers):
-            work = functools.partial(
-                self.decoder_layer, layer, kind, position_embeddings, record, span, branch_record,
-                writes_only(span, index, self.decoder.layers),
-            )  # fmt: skip
-            hidden = self.call_layer(layer, work, hidden)
+        with self.layer_records(state, span) as records:
+            layers = zip(
+                self.decoder.layers,
+                self.layer_types,
+                records,
+                branch_records(branch, state),
+                strict=True,
+            )
+            for index, (layer, kind, record, branch_record) in enumerate(layers):
+                work = functools.partial(
+                    self.decoder_layer, layer, kind, position_embeddings, record, span,
+                    branch_record, writes_only(span, index, self.decoder.layers),
+                )  # fmt: skip
+                hidden = self.call_layer(layer, work, hidden)
         return hidden
 
     def decoder_layer(
