@@ -32,7 +32,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-# FSDP2 on two CPU ranks (torchrun, gloo) against one unsharded process.
+# FSDP2 on two CPU ranks (torchrun, gloo) against one unsharded process, and both recipes
+# as sharded runs (own group per rank, checkpoint, resume). A few minutes on 2 cores.
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q -m multiprocess
 

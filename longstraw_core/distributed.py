@@ -55,6 +55,12 @@ Typical use under ``torchrun``::
         optimizer.zero_grad()
         metrics = reduce_metrics(metrics)
 
+The recipes run this way under ``torchrun ... distributed.fsdp=true``: one group per rank and
+step (sample ``data_position + rank``), ``require_sharding`` refuses several unsharded
+processes, ``gather_rows`` collects every rank's completions for the table rank 0 logs,
+``longstraw_core.checkpoint`` gathers and restores the sharded state, and ``exit_ranks`` ends
+a finished rank without gloo's fragile interpreter teardown.
+
 Communication: every pass gathers every layer once, so a prefill of ``n`` chunks (or a
 rollout of ``n`` tokens) gathers the model ``n`` times: a larger ``chunk_size`` trades
 activation memory for less traffic, and ``reshard_after_forward=False`` keeps the layers
@@ -73,6 +79,8 @@ sharded parameters: change it only with every parameter released (``lora_referen
 from __future__ import annotations
 
 import math
+import os
+import sys
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -89,6 +97,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from longstraw_core.config import ConfigError
 from longstraw_core.grpo_config import GRPOConfig
 
 if TYPE_CHECKING:
@@ -103,6 +112,7 @@ _VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 _TOKEN_LEVEL_LOSSES = ("bnpo", "dapo", "cispo")
 
 Group = TypeVar("Group")
+Row = TypeVar("Row")
 
 
 # --- sharding -------------------------------------------------------------------------------------
@@ -256,6 +266,48 @@ class FSDPRun:
     def reshard(self) -> None:
         for module in (*self.layers, self.root):
             module.reshard()
+
+
+# --- runs of several processes -------------------------------------------------------------------
+
+
+def require_sharding(world_size: int, fsdp: bool) -> None:
+    """Refuse a run of several processes that would not shard the model.
+
+    Unsharded, each process would train its own copy of the model on its own groups and
+    nothing would average their gradients: ``world_size`` diverging runs that look like one.
+    """
+    if world_size > 1 and not fsdp:
+        raise ConfigError(
+            "distributed.fsdp",
+            f"{world_size} processes run this recipe but the model is not sharded, so each "
+            "would train its own copy with nothing averaging their gradients; set "
+            "distributed.fsdp=true, or run a single process",
+        )
+
+
+def gather_rows(rows: Sequence[Row]) -> list[Row]:
+    """Every rank's ``rows`` (picklable) on every rank, in rank order: e.g. a completions
+    table of every rank's group rather than rank 0's alone. Collective: every rank calls it.
+    Without a process group: the rows as they are."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(rows)
+    gathered: list[list[Row] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(rows))
+    return [row for part in gathered if part for row in part]
+
+
+def exit_ranks() -> None:
+    """End a rank of a finished distributed run at once, with status 0.
+
+    Call it last, once the process group is destroyed and everything is written. It skips
+    the interpreter's teardown: gloo's worker threads may still free finished work (which
+    needs the GIL) while Python finalises, and that aborts the process now and then (torch
+    2.13), turning a finished run into a failed one.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- groups and their share of the loss -----------------------------------------------------------

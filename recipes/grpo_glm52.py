@@ -13,6 +13,11 @@ state is the smallest of any architecture here. Each step
    back over the prompt's chunks so the gradient equals the full-graph one (the indexer
    stays frozen, as in transformers); the optimizer steps once per group.
 
+Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own group every step
+(sample ``data_position + rank``, its own rollout seed), FSDP2 averages the gradients so the
+step's loss is TRL's over every rank's responses as one batch, metrics are averaged over the
+ranks, and rank 0 logs and writes the checkpoints.
+
 Run it:
     python recipes/grpo_glm52.py                                   # tiny CPU default
     python recipes/grpo_glm52.py train.steps=2 grpo.gradient=detached
@@ -34,7 +39,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import longstraw_core as ls
-from longstraw_core import checkpoint, config, data, models, tokenizer, tracking
+from longstraw_core import checkpoint, config, data, distributed, models, tokenizer, tracking
 from longstraw_core.progress import StepProgress
 from longstraw_core.rewards import RewardSet
 
@@ -52,15 +57,17 @@ class Recipe:
         self.accelerator = Accelerator(
             cpu=not torch.cuda.is_available(), log_with=tracking.log_with(cfg.tracking)
         )
-        set_seed(cfg.train.seed)
+        # One group per rank and step: rank r of n takes sample data_position + r.
+        self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
+        distributed.require_sharding(self.world_size, cfg.distributed.fsdp)
+        self.bars = None if self.accelerator.is_main_process else False  # progress bars
+        set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
         self.adapter = ls.adapt(self.model)
         if cfg.distributed.fsdp:
-            from longstraw_core.distributed import shard_model
-
-            shard_model(
+            distributed.shard_model(
                 self.adapter,
                 mixed_precision=cfg.distributed.mixed_precision,
                 reshard_after_forward=cfg.distributed.reshard_after_forward,
@@ -79,9 +86,7 @@ class Recipe:
         )
         if resumed:
             self.logger.load_state_dict(resumed.extra.get("logger", {}))
-        self.progress = StepProgress(
-            cfg.train.steps, initial=self.step, enabled=self.accelerator.is_main_process or None
-        )
+        self.progress = StepProgress(cfg.train.steps, initial=self.step, enabled=self.bars)
 
     def _reference_policy(self) -> ls.ModelAdapter | None:
         """With ``beta > 0``: LoRA's base weights (adapters off), else a frozen copy."""
@@ -103,10 +108,10 @@ class Recipe:
     def train(self) -> None:
         cfg = self.cfg
         while self.step < cfg.train.steps:
-            sample = self.sample_at(self.data_position)
-            metrics = self.train_step(sample)
+            index = self.data_position + self.rank
+            metrics = distributed.reduce_metrics(self.train_step(self.sample_at(index), index))
             self.step += 1
-            self.data_position += 1
+            self.data_position += self.world_size
             metrics |= self.progress.step_done()
             self.logger.log(self.step, metrics)
             if cfg.train.save_every and (
@@ -115,12 +120,17 @@ class Recipe:
                 with self.progress.phase("checkpoint"):
                     self.save_checkpoint()
 
-    def train_step(self, sample: data.Sample) -> dict[str, float]:
-        """prefill -> rollout -> rewards -> grpo_step -> optimizer step; returns metrics."""
+    def train_step(self, sample: data.Sample, index: int) -> dict[str, float]:
+        """prefill -> rollout -> rewards -> grpo_step -> optimizer step; this rank's metrics.
+
+        ``index``: the sample's position in the data, which seeds the rollout.
+        """
         cfg, progress = self.cfg, self.progress
         prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
         with progress.phase("prefill"):  # no recurrent layers: nothing to checkpoint for exact
-            state = self.adapter.prefill(prompt_ids, chunk_size=cfg.train.chunk_size)
+            state = self.adapter.prefill(
+                prompt_ids, chunk_size=cfg.train.chunk_size, progress=self.bars
+            )
         with progress.phase("rollout"):
             out = ls.rollout(
                 self.adapter,
@@ -131,8 +141,13 @@ class Recipe:
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
                 eos_token_ids=[self.tokenizer.eos_token_id],
-                seed=cfg.train.seed * 1_000_003 + self.data_position,
+                seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
+                progress=self.bars,
             )
+        # This group's share of the step's loss over every rank's responses (TRL's one batch).
+        (loss_scale,) = distributed.group_loss_scales(
+            [[len(r) for r in out.responses]], self.grpo, [out.truncated]
+        )
         completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
         with progress.phase("reward"):
             scored = self.rewards(completions, [sample] * len(completions))
@@ -147,6 +162,7 @@ class Recipe:
                 state=state,
                 truncated=out.truncated,
                 chunk_size=cfg.train.chunk_size,
+                loss_scale=loss_scale,
             )
         with progress.phase("optimizer"):
             grad_norm = self._optimizer_step()
@@ -155,10 +171,11 @@ class Recipe:
                 {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
                 for text, r in zip(completions, scored.rewards, strict=True)
             ]
-            self.logger.log_completions(self.step + 1, rows)
+            self.logger.log_completions(self.step + 1, distributed.gather_rows(rows))
         state_bytes = {f"state_bytes/{k}": v["bytes"] for k, v in state.summary().items()}
         return {
             **{k: v for k, v in step_metrics.items() if k != "advantages"},
+            "loss": step_metrics["loss"] * loss_scale,  # averaged over ranks: the step's loss
             **scored.metrics(),
             **state_bytes,
             "advantage_abs_mean": sum(map(abs, step_metrics["advantages"])) / len(out.responses),
@@ -178,8 +195,7 @@ class Recipe:
         return float(norm)
 
     def save_checkpoint(self) -> None:
-        if not self.accelerator.is_main_process:
-            return
+        """Every rank calls it (a sharded model is gathered); rank 0 writes."""
         extra = {"logger": self.logger.state_dict(), "wandb_run_id": self.logger.run_id}
         path = checkpoint.save_checkpoint(
             self.cfg.train.output_dir,
@@ -190,12 +206,13 @@ class Recipe:
             data_position=self.data_position,
             extra=extra,
         )
-        self.progress.write(f"saved {path}")
+        if self.accelerator.is_main_process:
+            self.progress.write(f"saved {path}")
 
     def cleanup(self) -> None:
         self.progress.close()
         self.logger.finish()
-        self.accelerator.end_training()
+        self.accelerator.end_training()  # also destroys the process group
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,11 +225,16 @@ def main(argv: list[str] | None = None) -> None:
     except (config.ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
     recipe = Recipe(cfg)
-    recipe.setup()
+    try:
+        recipe.setup()
+    except config.ConfigError as error:
+        sys.exit(f"config error: {error}")
     try:
         recipe.train()
     finally:
         recipe.cleanup()
+    if cfg.distributed.fsdp:  # a sharded run is done on every rank: skip gloo's teardown
+        distributed.exit_ranks()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Checkpoints: a stopped and resumed run equals an uninterrupted one; saves are atomic."""
+"""Checkpoints: a stopped and resumed run equals an uninterrupted one; saves are atomic;
+an FSDP2-sharded model saves the same files and resumes sharded or not."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from pathlib import Path
@@ -9,13 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch.distributed.tensor import DTensor
 
+import longstraw_core as ls
 from longstraw_core.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from longstraw_core.distributed import shard_model
 from longstraw_core.tiny_models import tiny_model
 
 
@@ -177,3 +183,94 @@ def test_lora_checkpoint_holds_only_adapters_loadable_by_peft(tmp_path: Path) ->
     assert load_checkpoint(path, fresh, fresh_opt, fresh_sched).data_position == 2
     _assert_same_params(model, fresh)
     assert fresh_opt.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+# --------------------------------------------------------------------------- sharded (FSDP2)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank, so FSDP2 and DCP run in this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    yield
+    gc.collect()  # sharded models hold the group: free them while the group still exists
+    dist.destroy_process_group()
+
+
+def _built(lora: bool, sharded: bool, seed: int = 0):
+    """A tiny model (LoRA or not), sharded by FSDP2 or not, with its optimizer and schedule."""
+    model = _model(seed)
+    if lora:
+        torch.manual_seed(seed)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    if sharded:
+        shard_model(ls.adapt(model))
+    return model, *_optimizer(model)
+
+
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter as a whole tensor (gathered when sharded); a LoRA
+    checkpoint holds only the adapters, the base model comes from its own checkpoint."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        for index, state in optimizer.state_dict()["state"].items()
+    }
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sharded_checkpoint_resumes_sharded_and_unsharded_runs(tmp_path, world_of_one, lora):
+    _seed_all(0)
+    model, optimizer, scheduler = _built(lora, sharded=True)
+    _train_step(model, optimizer, scheduler)
+    path = save_checkpoint(tmp_path / "sharded", 1, model, optimizer, scheduler, data_position=3)
+    files = {p.name for p in (path / "model").iterdir()}
+    assert ("adapter_model.safetensors" in files) == lora and ("model.safetensors" in files) != lora
+    saved = torch.load(path / "optimizer.pt", weights_only=True)
+    expected = _whole_optimizer_state(optimizer)
+    assert saved["state"].keys() == expected.keys()  # keyed by index, whole tensors
+    for index, state in expected.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["state"][index][key], state[key]), (index, key)
+
+    # Into a fresh sharded run and a fresh single-process run (other initial weights).
+    for sharded in (True, False):
+        other, other_opt, other_sched = _built(lora, sharded=sharded, seed=7)
+        info = load_checkpoint(path, other, other_opt, other_sched)
+        assert (info.step, info.data_position) == (1, 3)
+        for name, value in _whole(model).items():
+            assert torch.equal(_whole(other)[name], value), name
+        resumed = _whole_optimizer_state(other_opt)
+        for index, state in expected.items():
+            assert torch.equal(resumed[index]["exp_avg_sq"], state["exp_avg_sq"]), index
+        assert other_opt.param_groups[0]["betas"] == optimizer.param_groups[0]["betas"]
+        assert other_sched.state_dict() == scheduler.state_dict()
+    # ... and a single process's checkpoint into a sharded run.
+    plain, plain_opt, plain_sched = _built(lora, sharded=False)
+    _train_step(plain, plain_opt, plain_sched)
+    save_checkpoint(tmp_path / "plain", 1, plain, plain_opt, plain_sched)
+    other, other_opt, other_sched = _built(lora, sharded=True, seed=7)
+    load_checkpoint(tmp_path / "plain", other, other_opt, other_sched)
+    for name, value in _whole(plain).items():
+        assert torch.equal(_whole(other)[name], value), name
+
+
+def test_sharded_load_refuses_a_checkpoint_of_another_model(tmp_path, world_of_one):
+    model, optimizer, scheduler = _built(lora=False, sharded=True)
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    with pytest.raises(FileExistsError, match="step-000001"):
+        save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    other = tiny_model("qwen3", num_hidden_layers=3)
+    shard_model(ls.adapt(other))
+    with pytest.raises(ValueError, match="do not match"):
+        load_checkpoint(tmp_path, other)

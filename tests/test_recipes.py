@@ -62,8 +62,10 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
     config = "configs/qwen36/tiny_learn_cpu.yaml"  # rewards with variance from the start
+    # The stopped run is told train.steps=2: a schedule over the run's length (cosine) would
+    # differ from the uninterrupted run's, so the learning rate is kept constant here.
     common = ["train.save_every=2", "grpo.gradient=exact", "rollout.num_generations=8",
-              "rollout.max_new_tokens=16"]  # fmt: skip
+              "rollout.max_new_tokens=16", "optim.scheduler=constant"]  # fmt: skip
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_recipe("grpo_qwen36.py", config, straight, "train.steps=4", *common)
     run_recipe("grpo_qwen36.py", config, stopped, "train.steps=2", *common)
@@ -117,15 +119,23 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path, override, key):
 
 @pytest.mark.slow
 def test_tiny_learn_config_raises_the_reward(tmp_path):
-    """GRPO alone moves a random toy: last 10 steps' mean reward >= first 10's + 0.3."""
+    """GRPO alone moves a random toy: last 10 steps' mean reward >= first 10's + 0.3.
+
+    The config's fixed seed gives about +0.55 (0.07 -> 0.63) in ~1 min on one core; one
+    thread, because another thread count can change float sums and so the sampled curve.
+    """
+    import os
+
     command = [sys.executable, str(ROOT / "recipes/grpo_qwen36.py"), "--config",
                str(ROOT / "configs/qwen36/tiny_learn_cpu.yaml"), "tracking.wandb=false",
                f"train.output_dir={tmp_path / 'learn'}"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True, env=env)
     rewards = [
         float(r)
         for r in re.findall(r"step \d+/\d+\s+reward ([0-9.]+)", result.stdout + result.stderr)
     ]
     assert len(rewards) >= 20, result.stderr[-2000:]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.3, f"first 10 steps {first:.3f}, last 10 {last:.3f}"
+    curve = [round(sum(rewards[i : i + 10]) / 10, 2) for i in range(0, len(rewards) - 9, 10)]
+    assert last >= first + 0.3, f"first 10 steps {first:.3f}, last 10 {last:.3f}; {curve}"

@@ -1,0 +1,183 @@
+"""The recipes as sharded runs: ``torchrun --nproc_per_node 2 ... distributed.fsdp=true``.
+
+Two CPU ranks (gloo) run the real entry point in a subprocess, on a tiny model and short
+prompts. Each rank must train on its own group (checked through the W&B completions table,
+which holds every rank's group), only rank 0 may log, a multi-rank run that does not shard
+must stop at once naming ``distributed.fsdp``, and a stopped and resumed 2-rank run must end
+with the same parameters and optimizer state as an uninterrupted one, with checkpoints that
+peft (LoRA) and a single unsharded process load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from longstraw_core import checkpoint, config, models
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = 8
+SMALL = [
+    "data.prompt_tokens=512",  # the passkey task needs ~300 tokens of instructions
+    f"rollout.num_generations={GROUP}",
+    "rollout.max_new_tokens=16",
+    "train.chunk_size=128",  # four prompt chunks: prefill and the exact sweep loop
+    "train.completions_every=0",
+    "tracking.wandb=false",
+    # Partial credit that a random toy sometimes earns: groups with reward variance, so the
+    # steps really move the parameters. vocab_size: only ids the byte tokenizer decodes.
+    "rewards=[{name: answer_char_recall, weight: 1.0}]",
+    "model.tiny_overrides.vocab_size=260",
+    # A stopped run is told train.steps=2: a schedule over the run's length would differ.
+    "optim.scheduler=constant",
+]
+QWEN, GLM = "configs/qwen36/tiny_grpo_cpu.yaml", "configs/glm52/tiny_grpo_cpu.yaml"
+CASES = {  # name: (recipe, config, overrides); LoRA and full weights, both recipes
+    "qwen36-full-exact": ("grpo_qwen36.py", QWEN, ["grpo.gradient=exact"]),
+    "qwen36-lora-exact": (
+        "grpo_qwen36.py", "configs/qwen36/tiny_lora_grpo_cpu.yaml", ["grpo.gradient=exact"],
+    ),
+    "glm52-lora-kl-detached": (
+        "grpo_glm52.py", GLM, ["lora.enabled=true", "grpo.gradient=detached", "grpo.beta=0.04"],
+    ),
+}  # fmt: skip
+
+
+def torchrun(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int = 2):
+    """The recipe under torchrun, killed with its ranks if it hangs; (returncode, log)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks), str(ROOT / "recipes" / recipe), "--config", str(ROOT / config_path), *SMALL,
+        f"train.output_dir={output_dir}", *overrides,
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        log, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
+    return process.returncode, log
+
+
+def run_ok(*args, **kwargs) -> str:
+    returncode, log = torchrun(*args, **kwargs)
+    assert returncode == 0, f"torchrun failed ({returncode}):\n{log[-5000:]}"
+    return log
+
+
+def tensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    assert files, f"no weights in {directory}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def assert_same_optimizer_state(a: Path, b: Path) -> None:
+    first, second = (torch.load(p / "optimizer.pt", weights_only=True) for p in (a, b))
+    assert first["param_groups"] == second["param_groups"]
+    assert first["state"].keys() == second["state"].keys() and first["state"]
+    for index, state in first["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, second["state"][index][key]), (index, key)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config_path"), [("grpo_qwen36.py", QWEN), ("grpo_glm52.py", GLM)]
+)
+def test_ranks_train_on_their_own_groups_and_only_rank_0_logs(tmp_path, recipe, config_path):
+    out = tmp_path / "run"
+    log = run_ok(
+        recipe, config_path, out, "distributed.fsdp=true", "train.steps=2",
+        "grpo.gradient=detached", "tracking.wandb=true", "train.completions_every=1",
+    )  # fmt: skip
+    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, f"one W&B run (rank 0's), got {runs}"
+    tables = sorted(runs[0].rglob("completions_*.table.json"))
+    assert len(tables) == 2, tables
+    seen = []
+    for table in tables:  # completions_<step>_<hash>: a table per step, rows of both ranks
+        body = json.loads(table.read_text())
+        column = body["columns"].index("sample")
+        samples = [row[column] for row in body["data"]]
+        assert len(samples) == 2 * GROUP  # both ranks' groups
+        seen.append(sorted(set(samples)))
+    # Step 1: samples 0 (rank 0) and 1 (rank 1); step 2: samples 2 and 3.
+    indices = [[int(sample.rsplit(":", 1)[1]) for sample in step] for step in seen]
+    assert sorted(indices) == [[0, 1], [2, 3]], seen
+
+
+def test_several_ranks_without_sharding_fail_naming_the_key(tmp_path):
+    returncode, log = torchrun("grpo_qwen36.py", QWEN, tmp_path / "run", "train.steps=1")
+    assert returncode != 0
+    assert "distributed.fsdp" in log, log[-3000:]
+    assert not (tmp_path / "run" / "latest").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumed_sharded_run_equals_uninterrupted_run(tmp_path, case):
+    recipe, config_path, extra = CASES[case]
+    common = ["distributed.fsdp=true", "train.save_every=2", *extra]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_ok(recipe, config_path, straight, "train.steps=4", *common)
+    run_ok(recipe, config_path, stopped, "train.steps=2", *common)
+    run_ok(recipe, config_path, stopped, "train.steps=4", "train.resume_from=latest", *common)
+
+    for run in (straight, stopped):
+        assert (run / "latest").read_text().strip() == "step-000004"
+        state = json.loads((run / "step-000004" / "trainer_state.json").read_text())
+        assert state["step"] == 4 and state["data_position"] == 8  # 4 steps x 2 ranks
+        rng_files = {p.name for p in (run / "step-000004").glob("rng*.pt")}
+        assert rng_files == {"rng.pt", "rng-rank1.pt"}  # each rank's generators
+    first, second = tensors(straight / "step-000004/model"), tensors(stopped / "step-000004/model")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    initial = tensors(straight / "step-000002/model")
+    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
+    assert_same_optimizer_state(straight / "step-000004", stopped / "step-000004")
+
+    # The checkpoint is the single-process layout: peft and an unsharded process load it.
+    cfg = config.load_config(ROOT / config_path, [*SMALL, *common])
+    saved = straight / "step-000004"
+    lora = "lora" in case
+    if lora:
+        assert (saved / "model" / "adapter_config.json").is_file()
+        assert not (saved / "model" / "model.safetensors").exists()
+        loaded = PeftModel.from_pretrained(
+            models.build_model(cfg.model, cfg.train.seed), saved / "model"
+        )
+        adapters = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+        assert len(adapters) == len(first)
+        for key, value in adapters.items():
+            assert torch.equal(value, first[key.replace(".default", "")]), key
+    model = models.add_lora(models.build_model(cfg.model, seed=123), cfg.lora)
+    optimizer = models.build_optimizer(model, cfg.optim)
+    info = checkpoint.load_checkpoint(saved, model, optimizer, restore_rng=False)
+    assert (info.step, info.data_position) == (4, 8)
+    state = model.state_dict()
+    for key, value in first.items():
+        name = key.replace(".weight", ".default.weight") if lora else key
+        assert torch.equal(state[name], value), name
+    # optimizer.pt is keyed by parameter index, in the unsharded optimizer's order.
+    reference = torch.load(saved / "optimizer.pt", weights_only=True)["state"]
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    assert reference.keys() == optimizer.state_dict()["state"].keys()
+    for index, values in optimizer.state_dict()["state"].items():
+        assert values["exp_avg"].shape == parameters[index].shape, index
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(values[key], reference[index][key]), (index, key)
