@@ -221,6 +221,17 @@ class DistributedSection:
 
 
 @dataclass
+class MemorySection:
+    """The per-GPU memory budget ``longstraw_core.plan.check_fits`` checks a run against
+    before any weight is loaded (``python -m longstraw_core.plan`` prints the plan)."""
+
+    gpu_mem: str | None = None  # memory per GPU: "96GiB", "80GB"; null: no check (CPU runs)
+    gpus: int | None = None  # ranks the step runs on (FSDP shards over them); null: 1
+    headroom: float = 0.05  # fraction of gpu_mem kept free: CUDA context, NCCL, fragmentation
+    check: bool = True  # false: print the plan but start even when it predicts no fit
+
+
+@dataclass
 class RunConfig:
     """Everything one GRPO run reads. Build it with ``load_config``."""
 
@@ -235,6 +246,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    memory: MemorySection = field(default_factory=MemorySection)
 
 
 # --------------------------------------------------------------------------- loading
@@ -481,6 +493,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_train(cfg.train, check_paths)
     _check_choice("tracking.mode", cfg.tracking.mode, TRACKING_MODES)
     _check_distributed(cfg)
+    _check_memory(cfg.memory)
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:
@@ -747,6 +760,20 @@ def _check_distributed(cfg: RunConfig) -> None:
             "'bf16' is FSDP2's MixedPrecisionPolicy and needs distributed.fsdp=true; "
             "for bf16 parameters without FSDP set model.dtype=bfloat16",
         )
+
+
+def _check_memory(memory: MemorySection) -> None:
+    from longstraw_core.memory import parse_bytes
+
+    if memory.gpu_mem is not None:
+        try:
+            parse_bytes(memory.gpu_mem)
+        except ValueError as exc:
+            raise ConfigError("memory.gpu_mem", f"{exc}; or null for no check") from None
+    if memory.gpus is not None:
+        _check_range("memory.gpus", memory.gpus, memory.gpus >= 1, "null or an int >= 1")
+    headroom = memory.headroom
+    _check_range("memory.headroom", headroom, 0 <= headroom < 1, "a float in [0, 1)")
 
 
 # --------------------------------------------------------------------------- output

@@ -1,0 +1,248 @@
+"""The memory planner against measured peaks, its CLI, ``check_fits`` and ``memory`` config.
+
+Accuracy: each case runs one real step on a tiny model (prefill, rollout, ``grpo_step``, an
+AdamW step) under ``LiveTensorMemory``, which sums the live tensor storages (parameters,
+gradients, optimizer moments, state, activations; not Python objects nor kernels' internal
+scratch), and compares its peak with the planner's prediction, made from the config alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import longstraw_core as ls
+from longstraw_core.config import ConfigError, load_config
+from longstraw_core.memory import LiveTensorMemory, parse_bytes
+from longstraw_core.plan import (
+    MemoryPlanError,
+    ModelSpec,
+    Workload,
+    check_fits,
+    plan_for_config,
+    plan_memory,
+)
+from longstraw_core.tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    gradient: str
+    prompt: int
+    group: int
+    response: int
+    chunk: int
+
+
+CASES = [
+    Case("qwen3", "detached", 4096, 4, 48, 1024),
+    Case("qwen3", "exact", 4096, 2, 64, 512),
+    Case("qwen3_5_text", "detached", 3072, 3, 32, 512),
+    Case("qwen3_5_text", "exact", 3072, 2, 48, 512),
+    Case("glm_moe_dsa", "detached", 2048, 2, 32, 512),
+    Case("glm_moe_dsa", "exact", 2048, 2, 32, 256),
+]
+
+
+def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, dict]:
+    """One recipe-shaped step in steady state (AdamW moments already exist), measured."""
+    adapter = ls.adapt(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    for p in params:  # a first step creates the moments: later steps start with them
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, adapter.vocab_size, (case.prompt,), generator=generator)
+    config = ls.GRPOConfig(num_generations=case.group, gradient=case.gradient)
+    checkpoints = "device" if case.gradient == "exact" else None
+    tracked = [*model.parameters(), *model.buffers(), optimizer.state_dict()["state"], prompt]
+    with LiveTensorMemory(tracked) as memory:
+        with memory.phase("prefill"):
+            state = adapter.prefill(prompt, chunk_size=case.chunk, checkpoints=checkpoints)
+        with memory.phase("rollout"):
+            out = ls.rollout(adapter, state, case.group, case.response, seed=0)
+        with memory.phase("step"):
+            rewards = [float(i) for i in range(case.group)]
+            metrics = ls.grpo_step(
+                adapter, prompt, out.responses, rewards, config=config, state=state,
+                chunk_size=case.chunk,
+            )  # fmt: skip
+        with memory.phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    metrics["checkpoint_bytes"] = state.checkpoint_nbytes()
+    return memory, metrics
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.model_type}-{c.gradient}")
+def test_prediction_within_15_percent_of_measured_peak(case: Case) -> None:
+    torch.set_num_threads(1)
+    positions = case.prompt + case.response + 8
+    model = tiny_model(case.model_type, max_position_embeddings=positions).train()
+    memory, metrics = measure_step(model, case)
+    spec = ModelSpec.from_model(model, case.model_type)
+    work = Workload(
+        prompt_tokens=case.prompt,
+        group=case.group,
+        response_tokens=case.response,
+        chunk_size=case.chunk,
+        gradient=case.gradient,
+        device="cpu",
+    )
+    plan = plan_memory(spec, work)
+    error = (plan.peak - memory.peak) / memory.peak
+    phases = {
+        "prefill": plan.phases["prefill"],
+        "rollout": plan.phases["rollout"],
+        "step": max(plan.phases["replay"], plan.phases.get("sweep", 0)),
+        "optimizer": plan.phases["optimizer"],
+    }
+    report = {name: (memory.phases[name], phases[name]) for name in phases}
+    assert abs(error) <= TOLERANCE, f"peak {memory.peak} vs {plan.peak} ({error:+.1%}): {report}"
+    # The exact parts come from the adapter's own records: they must match to the byte.
+    state = sum(line.device for line in plan.lines if line.name.startswith("prefix state"))
+    assert state == metrics["state_bytes"]
+    if case.gradient == "exact":
+        assert plan.line("dS (exact)").device == metrics["state_grad_bytes"]
+        checkpoints = next((x for x in plan.lines if x.name == "recurrent checkpoints"), None)
+        assert (checkpoints.device if checkpoints else 0) == metrics["checkpoint_bytes"]
+
+
+def test_live_tensor_memory_counts_views_once_and_frees() -> None:
+    with LiveTensorMemory() as memory:
+        x = torch.zeros(1000)
+        views = [x[:10], x[10:], x.view(10, 100)]
+        assert memory.current == 4000
+        y = x * 2
+        assert memory.current == 8000
+        del x, views, y
+        assert memory.current == 0
+    assert memory.peak == 8000
+
+
+# --- check_fits, the CLI ----------------------------------------------------------------------
+
+TINY_QWEN36 = ROOT / "configs/qwen36/tiny_grpo_cpu.yaml"
+
+
+def _config(*overrides: str):
+    return load_config(TINY_QWEN36, list(overrides), check_paths=False)
+
+
+def test_check_fits_without_a_budget_returns_the_plan_unchecked() -> None:
+    plan = check_fits(_config())
+    assert plan.fits is None and plan.peak > 0
+    assert plan.work.device == "cpu"
+
+
+def test_check_fits_names_a_smaller_chunk_when_that_is_enough() -> None:
+    cfg = _config("memory.headroom=0")
+    big = check_fits(cfg, gpu_mem="1TiB")
+    small = check_fits(_config("memory.headroom=0", "train.chunk_size=256"), gpu_mem="1TiB")
+    budget = (big.peak + small.peak) // 2
+    with pytest.raises(MemoryPlanError) as caught:
+        check_fits(cfg, gpu_mem=budget)
+    message = str(caught.value)
+    assert "per GPU" in message and "train.chunk_size=" in message
+    assert caught.value.plan.peak == big.peak
+    relaxed = check_fits(_config("memory.headroom=0", "memory.check=false"), gpu_mem=budget)
+    assert relaxed.fits is False  # memory.check=false: the plan, no error
+
+
+def test_check_fits_offloads_attention_when_the_state_does_not_fit() -> None:
+    cfg = _config(
+        "model.tiny=qwen3",
+        "model.tiny_overrides={max_position_embeddings: 300000}",
+        "grpo.gradient=detached",
+        "data.prompt_tokens=262144",
+        "memory.headroom=0",
+    )
+    plan = check_fits(cfg, gpu_mem="1TiB")
+    state = plan.line("prefix state: full_attention").device
+    with pytest.raises(MemoryPlanError, match=r"offload\.attention=cpu") as caught:
+        check_fits(cfg, gpu_mem=plan.peak - state // 2)
+    assert "saves" in str(caught.value)
+
+
+def test_cpu_offload_moves_state_and_ds_off_the_device() -> None:
+    cfg = _config(
+        "data.prompt_tokens=65536", "model.tiny_overrides={max_position_embeddings: 70000}"
+    )
+    spec, work = plan_for_config(cfg)
+    resident = plan_memory(spec, work)
+    offloaded = plan_memory(
+        spec, dataclasses.replace(work, offload=ls.OffloadPolicy(attention="cpu"))
+    )
+    line = offloaded.line("prefix state: full_attention")
+    assert line.device == 0 and line.cpu == resident.line("prefix state: full_attention").device
+    assert offloaded.line("dS (exact)").cpu > 0
+    assert offloaded.peak < resident.peak
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "longstraw_core.plan", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_a_table_and_exits_zero_when_it_fits(tmp_path: Path) -> None:
+    markdown = tmp_path / "plan.md"
+    result = _cli(
+        "--config", str(TINY_QWEN36), "--prompt-tokens", "8192", "--group", "8",
+        "--gpu-mem", "8GiB", "--markdown", str(markdown),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for row in ("parameters", "prefix state: full_attention", "dS (exact)", "predicted peak"):
+        assert row in result.stdout
+    assert "fits" in result.stdout
+    assert "| predicted peak per GPU" in markdown.read_text()
+
+
+def test_cli_exits_nonzero_and_names_the_fix_when_it_does_not_fit() -> None:
+    result = _cli(
+        "--config", str(TINY_QWEN36), "--prompt-tokens", "16384", "--gpu-mem", "100MiB",
+        "--offload", "attention=cpu", "--resident-layers", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "error: predicted" in result.stderr and "train.chunk_size=" in result.stderr
+
+
+# --- the memory section ---------------------------------------------------------------------
+
+
+def test_memory_section_validates() -> None:
+    cfg = _config("memory.gpu_mem=80GB", "memory.gpus=8")
+    assert parse_bytes(cfg.memory.gpu_mem) == 80 * 10**9 and cfg.memory.gpus == 8
+    assert parse_bytes("96GiB") == 96 * 2**30
+    for override, key in (
+        ("memory.gpu_mem=96 gigabytes", "memory.gpu_mem"),
+        ("memory.gpu_mem=-1GB", "memory.gpu_mem"),
+        ("memory.gpus=0", "memory.gpus"),
+        ("memory.headroom=1.0", "memory.headroom"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            _config(override)
+        assert caught.value.key == key
+    with pytest.raises(ConfigError, match=r"did you mean 'memory\.gpu_mem'"):
+        _config("memory.gpu_memory=80GB")
+
+
+@pytest.mark.slow
+def test_paper_tables_render(tmp_path: Path) -> None:
+    path = tmp_path / "tables.md"
+    result = _cli("--paper-tables", str(path))
+    assert result.returncode == 0, result.stderr
+    text = path.read_text()
+    assert "Qwen3.6-27B, LoRA r=32, 2.10M positions" in text and "GLM-5.2" in text
+    assert "### Assumptions" in text
