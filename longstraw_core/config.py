@@ -45,6 +45,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.offload import PLACEMENTS, OffloadPolicy
 from longstraw_core.rewards import resolve_reward
 from longstraw_core.tasks import TASKS
 from longstraw_core.tiny_models import TINY_CONFIGS
@@ -221,6 +222,21 @@ class DistributedSection:
 
 
 @dataclass
+class OffloadSection:
+    """Where the prefix state lives, per layer type (``longstraw_core.offload.OffloadPolicy``).
+
+    ``cpu`` keeps that layer type's state (and exact mode's gradient buffer for it) in host
+    memory and streams it to the GPU layer by layer: less GPU memory, more host-device traffic.
+    """
+
+    attention: str = "device"  # full-attention K/V: the state that grows with the prompt
+    recurrent: str = "device"  # Gated DeltaNet conv + recurrent states (constant per layer)
+    latent: str = "device"  # MLA latent + index keys (GLM-5.2)
+    resident_layers: int = 2  # offloaded layers on the GPU at once: 2 overlaps copy and compute
+    pin_memory: bool = True  # pinned host memory on CUDA: asynchronous copies
+
+
+@dataclass
 class MemorySection:
     """The per-GPU memory budget ``longstraw_core.plan.check_fits`` checks a run against
     before any weight is loaded (``python -m longstraw_core.plan`` prints the plan)."""
@@ -247,6 +263,7 @@ class RunConfig:
     tracking: TrackingSection = field(default_factory=TrackingSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
 
 
 # --------------------------------------------------------------------------- loading
@@ -494,6 +511,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_choice("tracking.mode", cfg.tracking.mode, TRACKING_MODES)
     _check_distributed(cfg)
     _check_memory(cfg.memory)
+    _check_offload(cfg.offload)
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:
@@ -787,3 +805,18 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 def to_yaml(cfg: RunConfig) -> str:
     """The resolved config as YAML, for the log and the output directory."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _check_offload(offload: OffloadSection) -> None:
+    for name in ("attention", "recurrent", "latent"):
+        _check_choice(f"offload.{name}", getattr(offload, name), PLACEMENTS)
+    count = offload.resident_layers
+    _check_range("offload.resident_layers", count, count >= 1, "an int >= 1")
+
+
+def offload_policy(cfg: RunConfig) -> OffloadPolicy | None:
+    """The run's ``OffloadPolicy``, or None when every layer type stays on the device."""
+    section = cfg.offload
+    if all(getattr(section, name) == "device" for name in ("attention", "recurrent", "latent")):
+        return None
+    return OffloadPolicy(**dataclasses.asdict(section))

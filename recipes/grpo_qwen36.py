@@ -37,7 +37,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import longstraw_core as ls
-from longstraw_core import checkpoint, config, data, distributed, models, tokenizer, tracking
+from longstraw_core import checkpoint, config, data, distributed, models, plan, tokenizer, tracking
 from longstraw_core.progress import StepProgress
 from longstraw_core.rewards import RewardSet
 
@@ -72,6 +72,7 @@ class Recipe:
             )
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)
+        self.offload = config.offload_policy(cfg)  # prefix state on CPU, streamed per layer
         self.rewards = RewardSet([r.name for r in cfg.rewards], [r.weight for r in cfg.rewards])
         self.sample_at = data.sample_source(cfg.data, self.tokenizer)
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
@@ -132,6 +133,7 @@ class Recipe:
                 chunk_size=cfg.train.chunk_size,
                 progress=self.bars,
                 checkpoints=cfg.grpo.recurrent_checkpoints if exact else None,
+                offload=self.offload,
             )
         with progress.phase("rollout"):
             out = ls.rollout(
@@ -165,6 +167,7 @@ class Recipe:
                 truncated=out.truncated,
                 chunk_size=cfg.train.chunk_size,
                 loss_scale=loss_scale,
+                offload=self.offload,
             )
         with progress.phase("optimizer"):
             grad_norm = self._optimizer_step()
@@ -226,6 +229,11 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config.load_config(args.config, args.overrides)
     except (config.ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
+    try:  # before any weight is loaded: refuse a step the GPUs cannot hold
+        plan.check_fits(cfg)
+    except plan.MemoryPlanError as error:
+        table = f"python -m longstraw_core.plan --config {args.config} prints the full table"
+        sys.exit(f"memory plan: {error}\n({table})")
     recipe = Recipe(cfg)
     try:
         recipe.setup()

@@ -46,6 +46,11 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
         ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", ["grpo.gradient=exact"]),
         ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml",
          ["grpo.gradient=detached", "lora.enabled=true", "grpo.beta=0.04"]),
+        ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml",
+         ["grpo.gradient=exact", "offload.attention=cpu", "offload.recurrent=cpu",
+          "offload.resident_layers=1"]),
+        ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml",
+         ["grpo.gradient=exact", "offload.latent=cpu"]),
     ],
 )  # fmt: skip
 def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
@@ -115,6 +120,19 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path, override, key):
     assert result.returncode != 0
     assert key in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_step_the_budget_cannot_hold_is_refused_before_loading(tmp_path):
+    """The memory planner runs before any weight is built and names what to change."""
+    result = run_recipe(
+        "grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml", tmp_path / "tight",
+        "memory.gpu_mem=4MiB", check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "memory plan: predicted" in result.stderr, result.stderr[-2000:]
+    assert "4.00 MiB" in result.stderr or "budget" in result.stderr
+    assert "python -m longstraw_core.plan" in result.stderr
+    assert not (tmp_path / "tight").exists()
 
 
 @pytest.mark.slow
