@@ -32,7 +32,7 @@ budget, targets and verdicts) and PNG plots under ``benchmarks/results/``.
     python benchmarks/grpo_memory_time.py --budget-gib 1 --max-longstraw-tokens 131072
 
 Defaults: G in {2, 4, 8} at a 16384-token prompt, 256-token responses, prefill chunks of
-1024 tokens (exact mode recomputes one chunk at a time: its graph is exact mode's extra
+512 tokens (exact mode recomputes one chunk at a time: its graph is exact mode's extra
 transient); prompt lengths doubling from 4096 at G=2 against a 0.5 GiB budget, LongStraw
 capped at 65536 tokens (262144 would take hours on 2 cores: the prefill's attention is
 quadratic); step times at 16384 tokens, G=8.
@@ -731,7 +731,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-longstraw-tokens", type=int, default=65536)
     parser.add_argument("--speed-prompt-tokens", type=int, default=16384)
     parser.add_argument("--speed-group-size", type=int, default=8)
-    parser.add_argument("--chunk-size", type=int, default=1024, help="LongStraw prefill chunk")
+    parser.add_argument("--chunk-size", type=int, default=512, help="LongStraw prefill chunk")
     parser.add_argument(
         "--repeats",
         type=int,
