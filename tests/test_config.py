@@ -253,7 +253,11 @@ def test_overrides_are_typed_and_accept_bare_unique_names() -> None:
     assert cfg.rewards[1].weight == 0.5 and cfg.rewards[0].weight == 1.0
     assert cfg.train.resume_from == "latest"
     assert grpo_config(cfg).scale_rewards == "none"  # TRL's bool spelling
-    assert cfg.model.tiny_overrides == {"max_position_embeddings": 32768, "num_hidden_layers": 2}
+    assert cfg.model.tiny_overrides == {
+        "max_position_embeddings": 32768,
+        "vocab_size": 260,
+        "num_hidden_layers": 2,
+    }
     assert grpo_config(cfg).max_completion_length == cfg.rollout.max_new_tokens
     assert load_config(TINY, ["model={dtype: float64}"]).model.tiny == "qwen3_5_text"
     cleared = load_config(TINY, ["model.tiny_overrides={}", "data.prompt_tokens=2000"])
@@ -287,7 +291,7 @@ def test_defaults_cycle_and_missing_base_are_reported(tmp_path: Path) -> None:
 def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
     cfg = load_config(CONFIGS / "qwen36" / "tiny_lora_grpo_cpu.yaml", ["train.steps=3"])
     text = to_yaml(cfg)
-    assert "tiny_overrides" in text and "num_generations: 4" in text
+    assert "tiny_overrides" in text and "num_generations: 8" in text
     again = load_config(_write(tmp_path, "resolved.yaml", text))
     assert again == cfg
 
