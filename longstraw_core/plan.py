@@ -363,6 +363,7 @@ class Workload:
     budget: int | None = None
     headroom: float = 0.0
     rollout: bool = True
+    activation_checkpointing: bool = False  # ModelAdapter.activation_checkpointing
 
     @property
     def stored(self) -> int:
@@ -554,38 +555,133 @@ class _Activations:
     def rotary(self, tokens: int) -> int:
         return 2 * self.spec.rotary_dim * self.b * tokens
 
-    def branch_graph(self, tokens: int) -> int:
-        """Everything one replayed branch keeps for its backward (bytes)."""
-        prefix = self.work.stored
-        layers = sum(self.layer(layer, tokens, prefix) for layer in self.spec.layers)
+    def head(self, tokens: int) -> int:
+        """What the final norm, the LM head and ``log_softmax`` keep for backward (bytes)."""
         head = self.norm(self.spec.hidden) + self.linear_input(self.spec.hidden, ("lm_head",))
         head += _FP32 * self.spec.vocab + 2 * _INT64  # log-probs, gather index, input ids
-        return layers + head * tokens + self.rotary(tokens)
+        return head * tokens
+
+    def branch_graph(self, tokens: int) -> int:
+        """Everything one replayed branch keeps for its backward (bytes). Checkpointed: each
+        layer's input instead of its activations (``checkpoint_kept``)."""
+        prefix = self.work.stored
+        if self.work.activation_checkpointing:
+            layers = sum(self.checkpoint_kept(layer, tokens, prefix) for layer in self.spec.layers)
+        else:
+            layers = sum(self.layer(layer, tokens, prefix) for layer in self.spec.layers)
+        return layers + self.head(tokens) + self.rotary(tokens)
 
     def chunk_graph(self, tokens: int, start: int) -> int:
         """Everything one recomputed prompt chunk keeps for its backward (bytes)."""
+        if self.work.activation_checkpointing:
+            kept = sum(
+                self.checkpoint_kept(layer, tokens, start) + self.written(layer, tokens)
+                for layer in self.spec.layers
+            )
+            return kept + self.rotary(tokens) + _INT64 * tokens
         *layers, last = self.spec.layers
         saved = sum(self.layer(layer, tokens, start) for layer in layers)
         saved += self.last_layer_state_only(last, tokens)
         return saved + self.rotary(tokens) + _INT64 * tokens
 
+    # --- activation checkpointing ------------------------------------------------------------
+
+    def checkpoint_kept(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
+        """What a checkpointed layer keeps from its forward to its backward: its input
+        ``[T, hidden]``, and the DSA selection it passes on (the next layer's work holds it)."""
+        kept = self.b * self.spec.hidden * tokens
+        d = layer.dims
+        if layer.mixer == "mla" and d["indexer"] and d["index_topk"] < prefix + tokens:
+            kept += _INT64 * d["index_topk"] * tokens
+        return kept
+
+    def written(self, layer: LayerSpec, tokens: int) -> int:
+        """What a recomputed chunk's layer hands the sweep, alive until the chunk's backward
+        ends: keys and values, the latent, or DeltaNet's final states (conv window, fp32
+        recurrent state)."""
+        d = layer.dims
+        if layer.mixer == "deltanet":
+            conv = self.b * d["conv_dim"] * (d["kernel"] - 1)
+            return conv + _FP32 * d["value_heads"] * d["key_dim"] * d["value_dim"]
+        if layer.mixer == "mla":
+            return self.b * (d["kv_rank"] + d["rope_dim"]) * tokens
+        return 2 * self.b * d["kv_heads"] * d["head_dim"] * tokens
+
+    def layer_recompute(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
+        """Backward of one checkpointed layer: its graph recomputed (with the kernels'
+        forward scratch), then its MLP's backward over the whole graph, then its mixer's
+        once the MLP's share is freed (with the attention's blocks over the prefix)."""
+        b, hidden = self.b, self.spec.hidden
+        graph = self.layer(layer, tokens, prefix)
+        mlp_graph = (self.norm(hidden) + self.mlp(layer)) * tokens
+        residual = 2 * b * hidden * tokens + self.weight_grad_scratch(layer)
+        mlp = graph + residual + 3 * b * tokens * self.mlp_width(layer)
+        mixer = graph - mlp_graph + residual + 3 * b * tokens * self.mixer_width(layer)
+        mixer += self.prefix_backward_scratch(layer, tokens, prefix)
+        return max(graph + self.kernel_forward_scratch(layer, tokens, prefix), mlp, mixer)
+
+    def checkpointed_branch_peak(self, tokens: int) -> int:
+        """A checkpointed branch's peak beyond the state: every layer's input kept, then the
+        head's logits, or one layer recomputed and backpropagated while the inputs of the
+        layers before it are still kept (the head's graph is freed by then)."""
+        prefix = self.work.stored
+        layers = self.spec.layers
+        kept = [self.checkpoint_kept(layer, tokens, prefix) for layer in layers]
+        rotary = self.rotary(tokens)
+        peak = sum(kept) + rotary + self.head(tokens) + self.head_peak(tokens)
+        for index, layer in enumerate(layers):
+            before = sum(kept[:index]) + rotary
+            peak = max(peak, before + self.forward_working(layer, tokens, prefix))
+            recompute = self.layer_recompute(layer, tokens, prefix)
+            peak = max(peak, before + kept[index] + recompute)
+        return peak
+
+    def checkpointed_chunk_peak(self, tokens: int, start: int) -> int:
+        """A checkpointed chunk recompute's peak (without the ``dS`` slices handed with it):
+        what every layer writes stays alive to the end of the chunk's backward; each layer's
+        input until its own backward, which recomputes its graph (the last layer's: the
+        state it writes)."""
+        layers = self.spec.layers
+        kept = [self.checkpoint_kept(layer, tokens, start) for layer in layers]
+        written = [self.written(layer, tokens) for layer in layers]
+        fixed = self.rotary(tokens) + _INT64 * tokens
+        peak = 0
+        for index, layer in enumerate(layers):
+            before = sum(kept[:index]) + sum(written[:index]) + fixed  # in its forward
+            after = before + sum(written[index:])  # in its backward: every layer wrote
+            last = index == len(layers) - 1
+            if last:
+                forward = self.state_only_working(layer, tokens, start)
+                graph = self.last_layer_state_only(layer, tokens)
+                working = forward
+                if layer.mixer != "deltanet":  # its backward: the key/value projections only
+                    working = max(working, self.weight_grad_scratch(layer))
+                recompute = graph + working
+            else:
+                forward = self.forward_working(layer, tokens, start)
+                recompute = self.layer_recompute(layer, tokens, start)
+            peak = max(peak, before + forward, after + kept[index] + recompute)
+        return peak
+
     # --- working sets: what lives only while a step runs (no autograd, or in backward) -------
 
     def widest(self, layer: LayerSpec) -> int:
         """The widest per-token activation of a layer (elements): its MLP or its mixer."""
-        d = layer.dims
+        return max(self.mlp_width(layer), self.mixer_width(layer), self.spec.hidden)
+
+    def mlp_width(self, layer: LayerSpec) -> int:
         if layer.mlp == "dense":
-            mlp = layer.mlp_dims["intermediate"]
-        else:
-            m = layer.mlp_dims
-            mlp = max(m["top_k"] * (2 * m["expert_dim"] + self.spec.hidden), m["shared_dim"])
+            return layer.mlp_dims["intermediate"]
+        m = layer.mlp_dims
+        return max(m["top_k"] * (2 * m["expert_dim"] + self.spec.hidden), m["shared_dim"])
+
+    def mixer_width(self, layer: LayerSpec) -> int:
+        d = layer.dims
         if layer.mixer == "deltanet":
-            mixer = d["conv_dim"] + d["value_heads"] * d["value_dim"]
-        elif layer.mixer == "mla":
-            mixer = d["heads"] * (d["qk_dim"] + d["kv_rank"] + d["rope_dim"])
-        else:
-            mixer = (2 + (layer.mixer == "gated_attention")) * d["heads"] * d["head_dim"]
-        return max(mlp, mixer, self.spec.hidden)
+            return d["conv_dim"] + d["value_heads"] * d["value_dim"]
+        if layer.mixer == "mla":
+            return d["heads"] * (d["qk_dim"] + d["kv_rank"] + d["rope_dim"])
+        return (2 + (layer.mixer == "gated_attention")) * d["heads"] * d["head_dim"]
 
     def forward_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Peak bytes a layer holds while it runs without autograd (a prefill chunk), besides
@@ -1019,6 +1115,8 @@ class _Parts:
     def branch_transient(self) -> int:
         """One replayed branch: its graph, then the head's logits or a layer's backward."""
         tokens, prefix = self.work.response_tokens, self.work.stored
+        if self.work.activation_checkpointing:
+            return self.act.checkpointed_branch_peak(tokens)
         graph = self.act.branch_graph(tokens)
         working = max(
             max(
@@ -1037,11 +1135,13 @@ class _Parts:
         work = self.work
         tokens = min(work.chunk_size, work.stored)
         start = work.stored - tokens
-        graph = self.act.chunk_graph(tokens, start)
         produced = sum(
             layer.grad_per_token * tokens * self.cb // _FP32 + layer.grad_fixed * self.cb // _FP32
             for layer in self.spec.layers
         )
+        if work.activation_checkpointing:
+            return produced + self.act.checkpointed_chunk_peak(tokens, start)
+        graph = self.act.chunk_graph(tokens, start)
         *layers, last = self.spec.layers
         working = max(
             (
@@ -1127,7 +1227,8 @@ class _Parts:
             Line("one branch graph (transient)", self.branch_transient(), note=self._branch_note()),
         ]
         if self.exact:
-            lines.append(Line("sweep chunk graph (transient)", self.sweep_transient()))
+            note = "layers checkpointed" if work.activation_checkpointing else ""
+            lines.append(Line("sweep chunk graph (transient)", self.sweep_transient(), note=note))
         if work.rollout:
             lines.append(Line("rollout caches + step (transient)", self.rollout_transient()))
         lines.append(Line("optimizer step (transient)", self.optimizer_transient()))
@@ -1176,7 +1277,8 @@ class _Parts:
         return note
 
     def _branch_note(self) -> str:
-        return f"{self.work.response_tokens} tokens, logits [T, {self.spec.vocab}] fp32"
+        note = f"{self.work.response_tokens} tokens, logits [T, {self.spec.vocab}] fp32"
+        return note + (", layers checkpointed" if self.work.activation_checkpointing else "")
 
 
 def _dtype_name(size: int) -> str:
@@ -1273,7 +1375,13 @@ def workload_from_config(
         device=device or ("cuda" if budget is not None else "cpu"),
         budget=budget,
         headroom=getattr(memory, "headroom", 0.0) if budget is not None else 0.0,
+        activation_checkpointing=_activation_checkpointing(cfg),
     )
+
+
+def _activation_checkpointing(cfg: Any) -> bool:
+    """The config's ``train.activation_checkpointing`` (False when the key is absent)."""
+    return bool(getattr(getattr(cfg, "train", None), "activation_checkpointing", False))
 
 
 def _model_type(cfg: Any) -> str | None:
@@ -1411,7 +1519,23 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
         saves = _gib(plan.peak - fixed.peak)
         fixes.append(Fix(f"{what} to CPU (saves {saves})", keys, fixed))
         break
+    if not work.activation_checkpointing:
+        fixes += _checkpointing_fix(plan)
     return fixes
+
+
+def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
+    """Activation checkpointing, with the first of its own fixes when it needs one."""
+    trial = dataclasses.replace(plan.work, activation_checkpointing=True)
+    fixed = plan_memory(plan.spec, trial, advise=False)
+    keys = "train.activation_checkpointing=true"
+    if not fixed.fits:
+        more = fixes_for(fixed)
+        if not more:
+            return []
+        fixed, keys = more[0].plan, f"{keys} {more[0].keys}"
+    label = f"checkpoint each decoder layer's activations (saves {_gib(plan.peak - fixed.peak)})"
+    return [Fix(label, keys, fixed)]
 
 
 def _all_cpu(policy: OffloadPolicy) -> bool:
@@ -1579,12 +1703,23 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         f"{_dtype_name(_bytes(work.param_dtype))}; layers compute and keep their state in "
         f"{_dtype_name(_bytes(work.compute_dtype))}; {tuning}",
         sharded,
-        f"gradient={work.gradient}; no activation checkpointing inside a branch (the whole "
-        "branch graph is kept until its backward); logits [T, vocab] in float32",
+        f"gradient={work.gradient}; {_checkpointing_note(work)}; logits [T, vocab] in float32",
         kernels,
         "AdamW moments in the trainable parameters' dtype; counted: tensor memory only "
         "(no CUDA context, NCCL buffers, fragmentation: that is what memory.headroom is for)",
     ]
+
+
+def _checkpointing_note(work: Workload) -> str:
+    if work.activation_checkpointing:
+        return (
+            "activation checkpointing per decoder layer (a branch, or a recomputed chunk, keeps "
+            "each layer's input; backward recomputes one layer at a time)"
+        )
+    return (
+        "no activation checkpointing inside a branch (the whole branch graph is kept until "
+        "its backward)"
+    )
 
 
 def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
@@ -1611,10 +1746,11 @@ def _title(plan: MemoryPlan) -> str:
     offload = ""
     if work.offload is not None and work.offload.active:
         offload = ", offload " + _offload_keys(work.offload).replace("offload.", "")
+    checkpointing = ", activation checkpointing" if work.activation_checkpointing else ""
     return (
         f"{plan.spec.name}: {work.prompt_tokens:,} prompt tokens, G={work.group}, "
         f"{work.response_tokens} response tokens, chunk {work.chunk_size}, "
-        f"{work.gradient}, {work.gpus} GPU(s){offload}"
+        f"{work.gradient}{checkpointing}, {work.gpus} GPU(s){offload}"
     )
 
 
@@ -1834,6 +1970,8 @@ def _settings(plan: MemoryPlan) -> str:
         text += ", " + _offload_keys(work.offload).replace("offload.", "")
     if work.gradient == "exact" and work.checkpoints == "cpu":
         text += ", recurrent_checkpoints=cpu"
+    if work.activation_checkpointing:
+        text += ", activation checkpointing"
     return text
 
 
@@ -1906,6 +2044,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resident-layers", type=int, help="offloaded layers on the GPU at once")
     parser.add_argument("--lora-rank", type=int, help="preset: LoRA rank (0: full fine-tuning)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="which kernels to model")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="recompute each decoder layer in backward (default: train.activation_checkpointing"
+        ", off for a preset)",
+    )
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
     parser.add_argument("--paper-tables", metavar="PATH", help="write the paper-scale tables")
     return parser
@@ -1969,6 +2113,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         changes["offload"] = offload
     if args.device:
         changes["device"] = args.device
+    if args.activation_checkpointing is not None:
+        changes["activation_checkpointing"] = args.activation_checkpointing
     return plan_memory(spec, dataclasses.replace(work, **changes))
 
 

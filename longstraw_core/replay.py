@@ -4,7 +4,9 @@ The prompt is prefilled once (or the rollout's state is reused); then each respo
 replayed alone with autograd against that state, its share of the group loss is computed
 with denominators fixed up front, and ``backward()`` runs before the next branch starts.
 Parameter gradients accumulate in ``.grad``; the memory of the step is the state plus one
-branch's graph, whatever the group size.
+branch's graph, whatever the group size. With ``adapter.activation_checkpointing`` that graph
+keeps only each decoder layer's input, and backward recomputes one layer at a time (exact
+mode's sweep recomputes its chunks' layers the same way).
 """
 
 from __future__ import annotations

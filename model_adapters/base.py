@@ -22,21 +22,38 @@ Offload. ``prefill(..., offload=OffloadPolicy(...))`` keeps chosen layer types' 
 memory; ``run_layers`` takes each pass's records from ``layer_records``, which streams those
 layers to the device one at a time (``longstraw_core.offload``) and is ``state.layers``
 itself when nothing is offloaded.
+
+Activation checkpointing. With ``adapter.activation_checkpointing = True``, the passes that
+run with autograd (``score`` with grad enabled, and each chunk recompute of exact mode's
+``backprop_prompt``) wrap every decoder layer's work in ``torch.utils.checkpoint`` (the
+non-reentrant variant): the graph keeps only each layer's input, and backward recomputes one
+layer at a time. ``call_layer`` applies it inside the layer's work, so on a sharded model it
+runs inside the layer's FSDP forward method (torchtitan's order: FSDP gathers, then the
+checkpointed work). The recompute reads the layer's record through a ``LayerRecord`` that
+``layer_records`` hands out for those passes: its writes (a recomputed chunk's keys/values
+handed to the sweep, a recurrent state's update) are dropped, since the first run made them;
+an offloaded record's device copy, released after the layer's forward, goes into the
+checkpoint as an input, so the offload stream's saved-tensor hooks keep a handle to it and
+fetch it again when backward recomputes that layer. Gradients are unchanged: the recomputed
+forward only rebuilds the saved tensors of the first one's graph, whose nodes (with exact
+mode's ``dS`` sinks) are the ones backward runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -158,6 +175,12 @@ class ModelAdapter(ABC):
     model_types: ClassVar[tuple[str, ...]] = ()
     # Set by ``longstraw_core.distributed.shard_model``. None: one process, plain calls.
     parallel: Parallel | None = None
+    # Recompute each decoder layer in backward instead of keeping its activations, in the
+    # passes with autograd (``score`` with grad enabled, ``backprop_prompt``): a branch's
+    # graph keeps one ``[T, hidden]`` input per layer plus one layer's graph during backward,
+    # for about one more forward of the layers. Set it on the adapter (any time between
+    # passes); see the module docstring.
+    activation_checkpointing: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -174,6 +197,8 @@ class ModelAdapter(ABC):
         self.owner_id: str = getattr(self.causal_lm, _OWNER_ATTRIBUTE)
         # Exact mode's list of what a recomputed chunk writes, while one is recomputed.
         self._produced: Produced | None = None
+        # Whether the pass running now checkpoints its layers (``_checkpointed_pass``).
+        self._checkpointing = False
 
     # --- architecture hooks ---------------------------------------------------------------
 
@@ -200,7 +225,8 @@ class ModelAdapter(ABC):
         Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
         span to their own records and see the prefix plus every position they hold. Each
-        layer's work goes through ``call_layer``; the records come from ``layer_records``.
+        layer's work goes through ``call_layer``, with the record it reads; the records come
+        from ``layer_records``.
 
         Returns the last layer's output, or ``None`` for a span that writes (a prefill chunk
         or its recompute): nothing reads that output, so the last layer computes only the
@@ -214,10 +240,17 @@ class ModelAdapter(ABC):
         """``with adapter.layer_records(state, span) as records``: each layer's record as the
         pass over ``span`` reads it. Offloaded layers arrive one by one on the device (a
         record is valid until the next one is taken); the others are ``state.layers``."""
-        return stream_layers(state, span.start if span.write else None, self.device)
+        records = stream_layers(state, span.start if span.write else None, self.device)
+        if not self._checkpoints_layers():
+            return records
+        return _recomputable(records, state.layers)
 
     def call_layer(
-        self, layer: nn.Module, fn: Callable[[torch.Tensor], Any], hidden: torch.Tensor
+        self,
+        layer: nn.Module,
+        fn: Callable[[torch.Tensor], Any],
+        hidden: torch.Tensor,
+        record: Any = None,
     ) -> Any:
         """``fn(hidden)``: decoder ``layer``'s work on the activations ``hidden``.
 
@@ -225,10 +258,32 @@ class ModelAdapter(ABC):
         FSDP forward method: the layer's parameters are gathered for it and its backward is
         hooked. Pass only activations as ``hidden``; records, spans and branch caches belong
         in ``fn``'s closure (FSDP casts and hooks the arguments it is given).
+
+        ``record``: the record ``fn`` reads, as ``layer_records`` gave it. With
+        ``activation_checkpointing`` in a pass with autograd, ``fn`` runs under
+        ``torch.utils.checkpoint`` and is run again in backward, reading ``record`` (writes
+        dropped, an offloaded copy fetched again); a call without a record is not
+        checkpointed.
         """
+        if isinstance(record, LayerRecord) and self._checkpoints_layers():
+            fn = functools.partial(_checkpointed, fn, record)
         if self.parallel is None:
             return fn(hidden)
         return self.parallel.run_layer(layer, fn, hidden, self._produced)
+
+    def _checkpoints_layers(self) -> bool:
+        """Whether the layers of the pass running now are checkpointed."""
+        return self._checkpointing and torch.is_grad_enabled()
+
+    @contextmanager
+    def _checkpointed_pass(self) -> Iterator[None]:
+        """A pass whose layers are checkpointed when ``activation_checkpointing`` is on."""
+        previous = self._checkpointing
+        self._checkpointing = bool(self.activation_checkpointing)
+        try:
+            yield
+        finally:
+            self._checkpointing = previous
 
     # --- properties -------------------------------------------------------------------------
 
@@ -373,7 +428,8 @@ class ModelAdapter(ABC):
                 logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
             )
 
-        log_probs = self._call_model(replay)
+        with self._checkpointed_pass():
+            log_probs = self._call_model(replay)
         logps = log_probs.gather(-1, response_ids[:, None])[:, 0]
         if not return_entropy:
             return logps
@@ -389,7 +445,9 @@ class ModelAdapter(ABC):
         Chunk ``k`` (last to first) is recomputed with autograd from the stored state before
         it and backpropagated with the accumulated gradient of the state it produced; its
         reads of earlier state add into ``state_grad`` for the chunks still to come.
-        Parameter gradients accumulate in ``.grad``. Memory: one chunk's graph.
+        Parameter gradients accumulate in ``.grad``. Memory: one chunk's graph (with
+        ``activation_checkpointing``: each layer's input and what the chunk writes, plus one
+        layer's graph while backward recomputes it).
         """
         self.check_state(state)
         chunk_size = int(state.meta["chunk_size"])
@@ -415,7 +473,8 @@ class ModelAdapter(ABC):
                 reads = exact_state(state, state_grad, produced)
                 self._produced = produced  # what call_layer hands to a sharded layer
                 try:
-                    self._call_model(functools.partial(self._run_chunk, chunk, span, reads))
+                    with self._checkpointed_pass():
+                        self._call_model(functools.partial(self._run_chunk, chunk, span, reads))
                 finally:
                     self._produced = None
                 # Outputs that depend on no trainable parameter (frozen early layers under
@@ -514,3 +573,119 @@ class ModelAdapter(ABC):
 
 def _nothing(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
+
+
+# --- activation checkpointing --------------------------------------------------------------------
+
+
+class LayerRecord:
+    """One layer's record in a pass whose layers are checkpointed (``layer_records``).
+
+    Reads go to the record the pass gave (``record``: the state's own, an exact-mode view,
+    or the offload stream's device copy). Writes go there too, except while backward
+    recomputes the layer (``replaying``): the first run already handed them over, and a
+    second ``update`` of an exact-mode recurrent view would clear the ``dS`` its backward
+    is about to fill. ``streamed``: the record is the stream's short-lived copy (released
+    after the layer's forward), so the recompute reads a copy fetched again instead.
+    """
+
+    def __init__(self, record: Any, home: Any) -> None:
+        self._record = record
+        self._replay: Any = None
+        self.streamed = record is not home
+        self._view = hasattr(record, "with_record")  # exact mode: reads go through a view
+        self._names: list[str] = []
+        self._fields: dict[str, Any] = {}
+        self._type: type | None = None
+        if self.streamed:
+            home = home.record if self._view else home
+            reader = record.record if self._view else record
+            self._type = type(home)
+            for field in dataclasses.fields(home):
+                if field.init:
+                    value = getattr(reader, field.name)
+                    if isinstance(value, torch.Tensor):
+                        self._names.append(field.name)
+                    else:
+                        self._fields[field.name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__
+        if "_record" not in state:
+            raise AttributeError(name)
+        target = state["_replay"] if state["_replay"] is not None else state["_record"]
+        return getattr(target, name)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """A streamed record's tensors (the device copy), for the checkpoint to keep: the
+        offload hooks turn them into handles and fetch them again for the recompute."""
+        if not self.streamed:
+            return ()
+        reader = self._record.record if self._view else self._record
+        return tuple(getattr(reader, name) for name in self._names)
+
+    @contextmanager
+    def replaying(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Reads from ``tensors`` (the streamed copy fetched again) or the record itself,
+        writes dropped, while backward recomputes the layer."""
+        target = self._record
+        if self.streamed:
+            copy = self._type(**self._fields, **dict(zip(self._names, tensors, strict=True)))
+            target = self._record.with_record(copy) if self._view else copy
+        self._replay = target
+        try:
+            yield
+        finally:
+            self._replay = None
+
+    def write(self, *args: Any) -> None:
+        if self._replay is None:
+            self._record.write(*args)
+
+    def update(self, *args: Any) -> None:
+        if self._replay is None:
+            self._record.update(*args)
+
+
+class _RecomputableRecords:
+    """The records of a checkpointed pass, each as a ``LayerRecord`` (iterated once)."""
+
+    def __init__(self, records: Sequence[Any], homes: Sequence[Any]) -> None:
+        self.records, self.homes = records, homes
+
+    def __len__(self) -> int:
+        return len(self.homes)
+
+    def __iter__(self) -> Iterator[LayerRecord]:
+        for record, home in zip(self.records, self.homes, strict=True):
+            yield LayerRecord(record, home)
+
+
+@contextmanager
+def _recomputable(
+    records: AbstractContextManager[Sequence[Any]], homes: Sequence[Any]
+) -> Iterator[_RecomputableRecords]:
+    with records as layers:
+        yield _RecomputableRecords(layers, homes)
+
+
+def _checkpointed(
+    fn: Callable[[torch.Tensor], Any], record: LayerRecord, hidden: torch.Tensor
+) -> Any:
+    """``fn(hidden)`` under non-reentrant activation checkpointing.
+
+    The first call is the forward; a later one is backward's recompute, which reads
+    ``record`` replayed (writes dropped; a streamed record from its copy fetched again,
+    which the checkpoint received as inputs).
+    """
+    calls = 0
+
+    def run(hidden: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(hidden)
+        with record.replaying(tensors):
+            return fn(hidden)
+
+    return checkpoint(run, hidden, *record.tensors(), use_reentrant=False)

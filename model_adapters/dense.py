@@ -160,7 +160,7 @@ class DenseAdapter(ModelAdapter):
                     self.decoder_layer, layer, position_embeddings, record, span, branch_record,
                     writes_only(span, index, self.decoder.layers),
                 )  # fmt: skip
-                hidden = self.call_layer(layer, work, hidden)
+                hidden = self.call_layer(layer, work, hidden, record)
         return hidden
 
     def decoder_layer(

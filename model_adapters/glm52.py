@@ -500,7 +500,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                     branch_record,
                     writes_only(span, index, self.decoder.layers),
                 )
-                hidden, selection = self.call_layer(layer, work, hidden)
+                hidden, selection = self.call_layer(layer, work, hidden, record)
         return hidden
 
     def decoder_layer(

@@ -319,7 +319,10 @@ def run_gated_deltanet(
     )
     kept = conv_input.shape[-1] - conv_state.shape[-1]
     if span.write:
-        record.update(span.start, length, conv_input[0, :, kept:], final_state[0])
+        # A copy of the last kernel - 1 columns: exact mode's recompute hands them to the
+        # sweep, which keeps them to the chunk's backward, and a view would keep all of
+        # conv_input (the whole chunk) alive with them past a checkpointed layer's forward.
+        record.update(span.start, length, conv_input[0, :, kept:].clone(), final_state[0])
     if branch is not None:
         branch.update(conv_input[:, :, kept:], final_state)
 
@@ -429,7 +432,7 @@ class Qwen36Adapter(ModelAdapter):
                     self.decoder_layer, layer, kind, position_embeddings, record, span,
                     branch_record, writes_only(span, index, self.decoder.layers),
                 )  # fmt: skip
-                hidden = self.call_layer(layer, work, hidden)
+                hidden = self.call_layer(layer, work, hidden, record)
         return hidden
 
     def decoder_layer(

@@ -41,6 +41,7 @@ class Case:
     group: int
     response: int
     chunk: int
+    checkpointing: bool = False  # adapter.activation_checkpointing
 
 
 CASES = [
@@ -50,12 +51,18 @@ CASES = [
     Case("qwen3_5_text", "exact", 3072, 2, 48, 512),
     Case("glm_moe_dsa", "detached", 2048, 2, 32, 512),
     Case("glm_moe_dsa", "exact", 2048, 2, 32, 256),
+    # Activation checkpointing, with responses and chunks long enough for the step to be the
+    # peak: the head's logits (qwen3), a layer recomputed in the sweep (qwen3_5_text).
+    Case("qwen3", "detached", 1024, 2, 512, 256, checkpointing=True),
+    Case("qwen3_5_text", "exact", 2048, 2, 256, 1024, checkpointing=True),
+    Case("glm_moe_dsa", "exact", 1024, 2, 256, 512, checkpointing=True),
 ]
 
 
 def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, dict]:
     """One recipe-shaped step in steady state (AdamW moments already exist), measured."""
     adapter = ls.adapt(model)
+    adapter.activation_checkpointing = case.checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     for p in params:  # a first step creates the moments: later steps start with them
@@ -86,7 +93,11 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
     return memory, metrics
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.model_type}-{c.gradient}")
+def _case_id(case: Case) -> str:
+    return f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_prediction_within_15_percent_of_measured_peak(case: Case) -> None:
     torch.set_num_threads(1)
     positions = case.prompt + case.response + 8
@@ -100,6 +111,7 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case) -> None:
         chunk_size=case.chunk,
         gradient=case.gradient,
         device="cpu",
+        activation_checkpointing=case.checkpointing,
     )
     plan = plan_memory(spec, work)
     error = (plan.peak - memory.peak) / memory.peak
@@ -118,6 +130,24 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case) -> None:
         assert plan.line("dS (exact)").device == metrics["state_grad_bytes"]
         checkpoints = next((x for x in plan.lines if x.name == "recurrent checkpoints"), None)
         assert (checkpoints.device if checkpoints else 0) == metrics["checkpoint_bytes"]
+
+
+def test_checkpointing_shrinks_the_branch_and_sweep_at_paper_scale() -> None:
+    """Qwen3.6-27B, a 2048-token branch and an 8192-token chunk: checkpointed, each keeps
+    one ``[T, hidden]`` input per layer instead of every activation; the rest of the step
+    (parameters, state, dS) is the same."""
+    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    plain = plan_memory(spec, work)
+    checkpointed = plan_memory(spec, dataclasses.replace(work, activation_checkpointing=True))
+    branch, sweep = "one branch graph (transient)", "sweep chunk graph (transient)"
+    assert checkpointed.line(branch).device < 0.2 * plain.line(branch).device
+    assert checkpointed.line(sweep).device < 0.2 * plain.line(sweep).device
+    for name in ("parameters", "prefix state: full_attention", "dS (exact)"):
+        assert checkpointed.line(name) == plain.line(name)
+    assert checkpointed.phases["prefill"] == plain.phases["prefill"]
 
 
 def test_live_tensor_memory_counts_views_once_and_frees() -> None:
@@ -207,6 +237,30 @@ def test_cli_prints_a_table_and_exits_zero_when_it_fits(tmp_path: Path) -> None:
         assert row in result.stdout
     assert "fits" in result.stdout
     assert "| predicted peak per GPU" in markdown.read_text()
+
+
+def test_check_fits_names_activation_checkpointing_when_that_is_enough() -> None:
+    cfg = _config("memory.headroom=0", "train.chunk_size=256", "grpo.gradient=detached")
+    spec, work = plan_for_config(cfg, gpu_mem="1TiB")
+    plain = plan_memory(spec, dataclasses.replace(work, response_tokens=2048))
+    checkpointed = plan_memory(spec, dataclasses.replace(plain.work, activation_checkpointing=True))
+    assert checkpointed.peak < plain.peak
+    budget = (plain.peak + checkpointed.peak) // 2
+    tight = plan_memory(spec, dataclasses.replace(plain.work, budget=budget))
+    assert tight.fits is False
+    assert any("train.activation_checkpointing=true" in line for line in tight.advice)
+
+
+def test_cli_activation_checkpointing_flag(tmp_path: Path) -> None:
+    markdown = tmp_path / "plan.md"
+    result = _cli(
+        "--preset", "Qwen3.6-27B", "--prompt-tokens", "65536", "--gpus", "8",
+        "--activation-checkpointing", "--markdown", str(markdown),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = markdown.read_text()
+    assert "exact, activation checkpointing, 8 GPU(s)" in text
+    assert "layers checkpointed" in text
 
 
 def test_cli_exits_nonzero_and_names_the_fix_when_it_does_not_fit() -> None:
