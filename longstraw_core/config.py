@@ -198,6 +198,9 @@ class OptimSection:
 class TrainSection:
     steps: int = 100
     chunk_size: int = 4096  # prefill chunk; also the exact sweep's recompute unit
+    activation_checkpointing: bool = (
+        False  # recompute layers in backward: less memory, ~1 more forward
+    )
     seed: int = 0
     log_every: int = 1  # print a summary line every N steps (metrics go to W&B every step)
     completions_every: int = 10  # log a table of sample completions every N steps; 0: never

@@ -1865,6 +1865,7 @@ def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload
         device="cuda",
         budget=parse_bytes(scenario.gpu_mem),
         headroom=0.05,
+        activation_checkpointing=True,  # as the shipped GPU configs set it
     )
 
 
@@ -1986,7 +1987,7 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
         "hidden 6144, MLA q_lora 2048 / kv_lora 512 / rope 64, 64 heads, DSA indexer "
         "(32 x 128, top-2048) on every layer, vocabulary 154880",
         "Settings of the shipped configs (configs/qwen36/27b_*_8xgpu.yaml, "
-        "configs/glm52/full_grpo_32xgpu.yaml): 2048 response tokens, prefill chunk 8192, "
+        "configs/glm52/lora_grpo_32xgpu.yaml): 2048 response tokens, prefill chunk 8192, "
         "loss dapo, beta 0 (no reference model), FSDP2 per decoder layer with bf16 mixed "
         "precision (fp32 gradient reduction), reshard_after_forward on; LoRA r=32 on the "
         "configs' target modules with a bf16 base, full fine-tuning with fp32 master "
@@ -1998,9 +1999,11 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
         "unsharded gradients in bf16 plus their fp32 copy for the reduction",
         "The prefix state is bf16 (the compute dtype); dS float32; Gated DeltaNet "
         "checkpoints (exact mode) one per chunk start, on the GPU",
-        "No activation checkpointing inside a branch: the whole graph of one 2048-token "
-        "branch (all layers) is kept until its backward; logits [2048, vocab] in float32 "
-        "with log_softmax. Exact mode recomputes one 8192-token prompt chunk with autograd",
+        "Activation checkpointing per decoder layer (train.activation_checkpointing=true, "
+        "as in the shipped configs): a 2048-token branch keeps each layer's input and one "
+        "layer's graph during its backward; logits [2048, vocab] in float32 with "
+        "log_softmax. Exact mode recomputes one prompt chunk (8192 tokens unless the table "
+        "says otherwise) the same way",
         "Offload, when applied: the growing state (full-attention K/V, or MLA latent + "
         "indexer keys) in CPU memory, dS beside it, `resident_layers` layers streamed to the "
         "GPU at once (longstraw_core.offload); CPU figures are per rank (x8 per node)",

@@ -22,7 +22,7 @@ Run it:
     python recipes/grpo_glm52.py                                   # tiny CPU default
     python recipes/grpo_glm52.py train.steps=2 grpo.gradient=detached
     accelerate launch --config_file configs/accelerate/32xgpu_fsdp2.yaml \\
-        recipes/grpo_glm52.py --config configs/glm52/full_grpo_32xgpu.yaml
+        recipes/grpo_glm52.py --config configs/glm52/lora_grpo_32xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_glm52.py distributed.fsdp=true   # sharded CPU run
 
 Copy this file and edit it: every mechanism is a ``longstraw_core`` call.
@@ -66,6 +66,7 @@ class Recipe:
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
         self.adapter = ls.adapt(self.model)
+        self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
         if cfg.distributed.fsdp:
             distributed.shard_model(
                 self.adapter,

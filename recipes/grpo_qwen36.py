@@ -64,6 +64,7 @@ class Recipe:
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
         self.adapter = ls.adapt(self.model)
+        self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
         if cfg.distributed.fsdp:
             distributed.shard_model(
                 self.adapter,

@@ -56,7 +56,7 @@ def test_the_recipe_configs_of_issue_8_exist() -> None:
         "qwen36/27b_lora_grpo_8xgpu.yaml",
         "qwen36/27b_full_grpo_8xgpu.yaml",
         "glm52/tiny_grpo_cpu.yaml",
-        "glm52/full_grpo_32xgpu.yaml",
+        "glm52/lora_grpo_32xgpu.yaml",
         "accelerate/8xgpu_fsdp2.yaml",
         "accelerate/32xgpu_fsdp2.yaml",
         "accelerate/cpu_2proc.yaml",
