@@ -705,7 +705,6 @@ def plot(
                 bottom = [b + t for b, t in zip(bottom, seconds, strict=True)]
     axis.set_xticks(list(range(len(sizes))), [f"G={g}" for g in sizes])
     axis.set_ylabel("step wall time (s), one cold step")
-    axis.set_yscale("log")
     axis.set_title(f"GRPO step time by phase, {args.prompt_tokens}-token prompt")
     axis.legend(fontsize="small")
     figure.tight_layout()

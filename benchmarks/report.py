@@ -184,7 +184,9 @@ def write_report(directory: Path) -> Path:
 def publish(directory: Path, report: Path) -> None:
     """Copy the report and its plots to docs/benchmarks/ for the README."""
     PUBLISHED.mkdir(parents=True, exist_ok=True)
-    for path in [report, *sorted(directory.glob("*.png"))]:
+    text = report.read_text()
+    plots = [path for path in sorted(directory.glob("*.png")) if f"({path.name})" in text]
+    for path in [report, *plots]:
         shutil.copy2(path, PUBLISHED / path.name)
     print(f"published {report.name} and the plots to {PUBLISHED}")
 
