@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -1342,14 +1343,16 @@ def workload_from_config(
 
     The budget is ``gpu_mem`` or ``memory.gpu_mem``; ``gpus`` (or ``memory.gpus``) ranks
     shard the parameters when ``distributed.fsdp`` is on. Kernels are CUDA's when a budget
-    is known, the CPU's otherwise (``device`` overrides).
+    is known, the CPU's otherwise (``device`` overrides). Without ``gpus`` or
+    ``memory.gpus``, a launched run counts its ranks (``WORLD_SIZE``).
     """
     from longstraw_core.config import lora_targets
     from longstraw_core.memory import parse_bytes
 
     memory = getattr(cfg, "memory", None)
     gpu_mem = gpu_mem if gpu_mem is not None else getattr(memory, "gpu_mem", None)
-    gpus = gpus or getattr(memory, "gpus", None) or 1
+    # torchrun and accelerate launch export WORLD_SIZE: a launched recipe shards over it.
+    gpus = gpus or getattr(memory, "gpus", None) or int(os.environ.get("WORLD_SIZE", "1"))
     budget = None if gpu_mem is None else parse_bytes(gpu_mem)
     param_dtype = getattr(torch, cfg.model.dtype)
     bf16 = cfg.distributed.fsdp and cfg.distributed.mixed_precision == "bf16"
