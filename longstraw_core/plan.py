@@ -23,7 +23,8 @@ Where the numbers come from (so the plan cannot drift from the code):
   recurrent checkpoints are one record-sized copy per prefill chunk.
 - **Transients.** Activation memory is derived from tensor shapes, module by module, following
   the code that runs (``_Activations``): what autograd saves in one branch (or one recomputed
-  chunk), the logits ``[T, vocab]`` in float32 with ``log_softmax``, the kernels' blocks
+  chunk), the LM head's float32 logits and ``log_softmax`` in row chunks
+  (``model_adapters.base.HEAD_CHUNK_ELEMENTS``), the kernels' blocks
   (``attention._MAX_SCORE_ELEMENTS``, ``glm52._WORK_ELEMENTS``), the optimizer's scratch.
 
 What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` reports, or
@@ -556,10 +557,22 @@ class _Activations:
     def rotary(self, tokens: int) -> int:
         return 2 * self.spec.rotary_dim * self.b * tokens
 
+    def head_rows(self, tokens: int) -> int:
+        """Rows per chunk of ``score``'s LM head (``model_adapters.base.head_rows``)."""
+        from model_adapters.base import head_rows
+
+        return head_rows(tokens, self.spec.vocab)
+
     def head(self, tokens: int) -> int:
-        """What the final norm, the LM head and ``log_softmax`` keep for backward (bytes)."""
-        head = self.norm(self.spec.hidden) + self.linear_input(self.spec.hidden, ("lm_head",))
-        head += _FP32 * self.spec.vocab + 2 * _INT64  # log-probs, gather index, input ids
+        """What the final norm, the LM head and ``log_softmax`` keep for backward (bytes).
+        One chunk: the head's input and the float32 log-probs ``[T, vocab]``. Several
+        (checkpointed) chunks: only the normed hidden states the chunks read."""
+        hidden = self.spec.hidden
+        head = self.norm(hidden) + 2 * _INT64  # gather index, input ids
+        if self.head_rows(tokens) < tokens:
+            head += self.b * hidden
+        else:
+            head += self.linear_input(hidden, ("lm_head",)) + _FP32 * self.spec.vocab
         return head * tokens
 
     def branch_graph(self, tokens: int) -> int:
@@ -840,10 +853,21 @@ class _Activations:
         return 2 * kv * keys * head * _FP32 + _FP32 * rows * head
 
     def head_peak(self, tokens: int) -> int:
-        """The LM head beyond the graph: float32 logits [T, vocab] next to the saved
-        log-probs (entropy's exp and product; backward's gather and log_softmax grads)."""
-        logits = _FP32 * tokens * self.spec.vocab
-        return 2 * logits + (self.b * tokens * self.spec.vocab if self.b < _FP32 else 0)
+        """The LM head beyond the graph: float32 logits next to the saved log-probs
+        (entropy's exp and product; backward's gather and log_softmax grads), for the whole
+        branch in one chunk. In several chunks, one chunk's backward: its recomputed
+        log-probs and those, the gradients of the chunks' inputs, and (when the head trains)
+        its weight's gradient next to the sum of the chunks' before it."""
+        rows = self.head_rows(tokens)
+        chunked = rows < tokens
+        logits = _FP32 * rows * self.spec.vocab
+        peak = 2 * logits + (self.b * rows * self.spec.vocab if self.b < _FP32 else 0)
+        if not chunked:
+            return peak
+        peak += logits + self.b * self.spec.hidden * tokens
+        if not self.lora:
+            peak += self.b * self.spec.vocab * self.spec.hidden
+        return peak
 
 
 def _blocked_scratch(
@@ -1278,7 +1302,12 @@ class _Parts:
         return note
 
     def _branch_note(self) -> str:
-        note = f"{self.work.response_tokens} tokens, logits [T, {self.spec.vocab}] fp32"
+        tokens = self.work.response_tokens
+        rows = self.act.head_rows(tokens)
+        if rows < tokens:
+            note = f"{tokens} tokens, logits [{rows}, {self.spec.vocab}] fp32 per chunk"
+        else:
+            note = f"{tokens} tokens, logits [T, {self.spec.vocab}] fp32"
         return note + (", layers checkpointed" if self.work.activation_checkpointing else "")
 
 
@@ -1706,11 +1735,18 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         f"{_dtype_name(_bytes(work.param_dtype))}; layers compute and keep their state in "
         f"{_dtype_name(_bytes(work.compute_dtype))}; {tuning}",
         sharded,
-        f"gradient={work.gradient}; {_checkpointing_note(work)}; logits [T, vocab] in float32",
+        f"gradient={work.gradient}; {_checkpointing_note(work)}; logits in float32, in chunks of "
+        f"at most {_head_chunk_elements():,} (recomputed in backward)",
         kernels,
         "AdamW moments in the trainable parameters' dtype; counted: tensor memory only "
         "(no CUDA context, NCCL buffers, fragmentation: that is what memory.headroom is for)",
     ]
+
+
+def _head_chunk_elements() -> int:
+    from model_adapters.base import HEAD_CHUNK_ELEMENTS
+
+    return HEAD_CHUNK_ELEMENTS
 
 
 def _checkpointing_note(work: Workload) -> str:

@@ -63,6 +63,10 @@ from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixSt
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
 Item = TypeVar("Item")
+# ``score`` runs the LM head in row chunks of at most this many logits (``[rows, vocab]``, at
+# least one row): about 256 MB in float32, instead of ``[T, vocab]`` for the whole branch
+# (2 GB per copy for 2048 tokens of a 248K vocabulary). See ``_head_log_probs``.
+HEAD_CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -411,7 +415,9 @@ class ModelAdapter(ABC):
         to the parameters. The branch replays the last prompt token first, so every logit
         that scores a response token runs with autograd. ``state`` is only read. With
         ``return_entropy`` also returns the (detached) entropy of each predictive distribution.
-        With ``state_grad`` (exact mode), backward also adds ``dL/dstate`` into it.
+        With ``state_grad`` (exact mode), backward also adds ``dL/dstate`` into it. The LM head
+        runs in row chunks of at most ``HEAD_CHUNK_ELEMENTS`` logits, each recomputed in
+        backward when there are several (``_head_log_probs``).
         """
         self.check_state(state)
         response_ids = as_token_ids(response_ids, "response_ids", self.vocab_size)
@@ -421,20 +427,15 @@ class ModelAdapter(ABC):
         span = Span(start=state.length, length=len(inputs), write=False)
         reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
 
-        def replay() -> torch.Tensor:
+        def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
-            logits = self.lm_head(self.decoder.norm(hidden[0]))
-            return torch.log_softmax(
-                logits.to(torch.promote_types(logits.dtype, torch.float32)), -1
-            )
+            hidden = self.decoder.norm(hidden[0])
+            return _head_log_probs(self.lm_head, hidden, response_ids, return_entropy)
 
         with self._checkpointed_pass():
-            log_probs = self._call_model(replay)
-        logps = log_probs.gather(-1, response_ids[:, None])[:, 0]
+            logps, entropy = self._call_model(replay)
         if not return_entropy:
             return logps
-        with torch.no_grad():
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
         return logps, entropy
 
     def backprop_prompt(
@@ -573,6 +574,88 @@ class ModelAdapter(ABC):
 
 def _nothing(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
+
+
+# --- the LM head in row chunks -------------------------------------------------------------------
+
+
+def head_rows(tokens: int, vocab: int) -> int:
+    """Rows per chunk of ``score``'s LM head: as few chunks as ``HEAD_CHUNK_ELEMENTS``
+    allows (one row at least), of equal size but the last."""
+    limit = max(1, HEAD_CHUNK_ELEMENTS // max(vocab, 1))
+    chunks = max(1, -(-tokens // limit))
+    return -(-tokens // chunks)
+
+
+def _head_log_probs(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log p(targets[t])`` ``[T]`` from the final normed ``hidden`` ``[T, width]``, and the
+    detached entropy of each distribution (``with_entropy``; else ``None``).
+
+    The logits ``[T, vocab]`` are computed ``head_rows`` rows at a time, so only one chunk's
+    are alive. With autograd and more than one chunk, each chunk runs under non-reentrant
+    ``torch.utils.checkpoint``: its graph keeps only its input rows (views of ``hidden``) and
+    backward recomputes its logits, one chunk at a time; a single chunk runs plainly (no
+    recompute), as do chunks without autograd. The math is the unchunked one, row by row.
+    """
+    rows = head_rows(len(hidden), _head_width(head, hidden))
+    if rows >= len(hidden):
+        return _head_chunk(head, with_entropy, hidden, targets)
+    recompute = torch.is_grad_enabled()
+    pieces = []
+    for rows_hidden, rows_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
+        if recompute:
+            pieces.append(_checkpointed_head_chunk(head, with_entropy, rows_hidden, rows_targets))
+        else:
+            pieces.append(_head_chunk(head, with_entropy, rows_hidden, rows_targets))
+    logps = torch.cat([logps for logps, _ in pieces])
+    entropy = torch.cat([entropy for _, entropy in pieces]) if with_entropy else None
+    return logps, entropy
+
+
+def _head_width(head: nn.Module, hidden: torch.Tensor) -> int:
+    """The number of logits ``head`` computes per row (its ``out_features``, or a probe's)."""
+    out = getattr(head, "out_features", None)
+    if isinstance(out, int):
+        return out
+    with torch.no_grad():
+        return head(hidden[:1]).shape[-1]
+
+
+def _head_chunk(
+    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of rows: ``log_softmax`` in ``promote_types(logits, float32)``, gathered
+    at ``targets``; the entropy under ``no_grad``. The logits and their promoted copy are
+    temporaries (freed as soon as ``log_softmax`` has run)."""
+    log_probs = torch.log_softmax(_promoted(head(hidden)), -1)
+    logps = log_probs.gather(-1, targets[:, None])[:, 0]
+    if not with_entropy:
+        return logps, None
+    with torch.no_grad():
+        product = log_probs.exp()
+        entropy = -product.mul_(log_probs).sum(-1)
+    return logps, entropy
+
+
+def _promoted(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _checkpointed_head_chunk(
+    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_head_chunk`` under non-reentrant checkpointing: backward recomputes the chunk's
+    logits and ``log_softmax`` (not its entropy, which the first run returned)."""
+    calls = 0
+
+    def run(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        nonlocal calls
+        calls += 1
+        return _head_chunk(head, with_entropy and calls == 1, hidden, targets)
+
+    return checkpoint(run, hidden, targets, use_reentrant=False)
 
 
 # --- activation checkpointing --------------------------------------------------------------------

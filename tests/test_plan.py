@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import longstraw_core as ls
+import model_adapters.base as base
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.memory import LiveTensorMemory, parse_bytes
 from longstraw_core.plan import (
@@ -42,6 +43,8 @@ class Case:
     response: int
     chunk: int
     checkpointing: bool = False  # adapter.activation_checkpointing
+    vocab: int = 512  # the tiny models' own
+    head_chunk: int = 0  # model_adapters.base.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
 
 
 CASES = [
@@ -56,6 +59,10 @@ CASES = [
     Case("qwen3", "detached", 1024, 2, 512, 256, checkpointing=True),
     Case("qwen3_5_text", "exact", 2048, 2, 256, 1024, checkpointing=True),
     Case("glm_moe_dsa", "exact", 1024, 2, 256, 512, checkpointing=True),
+    # The LM head in chunks of 64 rows (eight a branch) with a vocabulary large enough for
+    # the head to be the step's peak.
+    Case("qwen3", "detached", 1024, 2, 512, 256, vocab=8192, head_chunk=64 * 8192),
+    Case("qwen3_5_text", "exact", 1024, 2, 512, 256, True, vocab=8192, head_chunk=64 * 8192),
 ]
 
 
@@ -94,14 +101,18 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
 
 
 def _case_id(case: Case) -> str:
-    return f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
+    name = f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
+    return name + ("-head-chunks" if case.head_chunk else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_prediction_within_15_percent_of_measured_peak(case: Case) -> None:
+def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) -> None:
     torch.set_num_threads(1)
+    if case.head_chunk:  # the adapter's and the planner's budget
+        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", case.head_chunk)
     positions = case.prompt + case.response + 8
-    model = tiny_model(case.model_type, max_position_embeddings=positions).train()
+    overrides = {"vocab_size": case.vocab} if case.vocab != 512 else {}
+    model = tiny_model(case.model_type, max_position_embeddings=positions, **overrides).train()
     memory, metrics = measure_step(model, case)
     spec = ModelSpec.from_model(model, case.model_type)
     work = Workload(
@@ -149,6 +160,25 @@ def test_checkpointing_shrinks_the_branch_and_sweep_at_paper_scale() -> None:
     for name in ("parameters", "prefix state: full_attention", "dS (exact)"):
         assert checkpointed.line(name) == plain.line(name)
     assert checkpointed.phases["prefill"] == plain.phases["prefill"]
+
+
+def test_chunked_head_shrinks_the_branch_at_paper_scale(monkeypatch) -> None:
+    """Qwen3.6-27B, a 2048-token branch over a 248K vocabulary, layers checkpointed: the head
+    in chunks of 256 rows keeps no ``[T, vocab]`` log-probs and builds one chunk's logits
+    at a time, a fraction of the whole branch's."""
+    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = dataclasses.replace(work, activation_checkpointing=True)
+    branch = "one branch graph (transient)"
+    chunked = plan_memory(spec, work)
+    assert "logits [256, 248320]" in chunked.line(branch).note
+    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", 1 << 40)  # the whole branch: one chunk
+    whole = plan_memory(spec, work)
+    assert chunked.line(branch).device < 0.4 * whole.line(branch).device
+    tokens, vocab = work.response_tokens, spec.vocab
+    assert whole.line(branch).device - chunked.line(branch).device > 2 * 4 * tokens * vocab
 
 
 def test_live_tensor_memory_counts_views_once_and_frees() -> None:
