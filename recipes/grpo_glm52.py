@@ -179,8 +179,9 @@ class Recipe:
             ]
             self.logger.log_completions(self.step + 1, distributed.gather_rows(rows))
         state_bytes = {f"state_bytes/{k}": v["bytes"] for k, v in state.summary().items()}
+        unused = ("advantages", "prefill_seconds")  # the prefill is the recipe's: time/prefill
         return {
-            **{k: v for k, v in step_metrics.items() if k != "advantages"},
+            **{k: v for k, v in step_metrics.items() if k not in unused},
             "loss": step_metrics["loss"] * loss_scale,  # averaged over ranks: the step's loss
             **scored.metrics(),
             **state_bytes,
