@@ -1,7 +1,23 @@
-"""Shared test settings."""
+"""Shared test settings and fixtures."""
 
+import gc
+
+import pytest
 import torch
+import torch.distributed as dist
 
 # Tiny models spend more time synchronising threads than computing; one thread is faster
 # and keeps timings steady when the 2-core CI machine is busy.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank, so FSDP2 and DCP run in this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    gc.collect()  # sharded models hold the group: free them while the group still exists
+    dist.destroy_process_group()

@@ -176,6 +176,33 @@ def rollout_group(adapter: ls.ModelAdapter, rank: int) -> dict[str, list]:
     return {"responses": [r.tolist() for r in out.responses], "steps": out.stats["steps"]}
 
 
+def assert_like_one_process(
+    sharded: dict,
+    model: torch.nn.Module,
+    grads: dict[str, torch.Tensor],
+    metrics: list[dict[str, float]],
+    initial: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """A two-rank run's saved results (``main``) equal one process's ``train`` over the same
+    groups: gradients, parameters, and the last step's metrics summed over the ranks. With
+    the ``initial`` parameters, also that trained parameters moved and frozen ones did not."""
+    from reference import assert_grads_close
+
+    assert_grads_close(sharded["grads"], grads, rtol=1e-5)
+    for name, parameter in model.named_parameters():
+        expected, got = parameter.detach(), sharded["parameters"][name]
+        assert (got - expected).abs().max() <= 1e-5, name
+        if initial is None:
+            continue
+        moved = (expected - initial[name]).abs().max()
+        if name in grads:  # trained: moved far more than the tolerance
+            assert moved > 1e-4, name
+        else:  # frozen (LoRA's base weights, GLM's DSA indexer): untouched
+            assert moved == 0, name
+    for key in ("branches_replayed", "completion_tokens"):  # one group per rank
+        assert sharded["reduced"][key] == sum(m[key] for m in metrics[-2:]), key
+
+
 def main(out_dir: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     # A collective that no other rank joins fails after a minute instead of half an hour.

@@ -15,17 +15,13 @@
 from __future__ import annotations
 
 import contextlib
-import gc
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import distributed_worker as worker
 import pytest
 import torch
-import torch.distributed as dist
+from launch import torchrun_ok
 from peft import LoraConfig, get_peft_model
 from reference import assert_grads_close, step_grads
 
@@ -282,18 +278,6 @@ def test_offloaded_layers_stay_within_budget(model_type, resident_layers):
 # --- FSDP2 ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of one rank for the test, torn down after it."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    gc.collect()  # sharded models hold the group: free them while the group still exists
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(
     "case,offload",
     [
@@ -327,21 +311,7 @@ def test_sharded_checkpointing_changes_no_gradient(world_of_one, monkeypatch, ca
 def sharded_runs(tmp_path_factory) -> Path:
     """``SHARDED_CASES`` on two ranks with checkpointing on; the directory of their results."""
     out = tmp_path_factory.mktemp("fsdp_checkpointed")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        __file__, str(out), *SHARDED_CASES,
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
-    try:
-        log, _ = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
-    assert process.returncode == 0, f"torchrun failed:\n{log[-5000:]}"
+    torchrun_ok(__file__, str(out), *SHARDED_CASES)
     return out
 
 
@@ -352,12 +322,7 @@ def test_two_ranks_with_checkpointing_train_like_one_process(sharded_runs, name)
     model, adapter = worker.build(case)  # one process, no checkpointing
     grads, metrics = worker.train(model, adapter, case, worker.step_groups)
     sharded = torch.load(sharded_runs / f"{name}.pt")
-    assert_grads_close(sharded["grads"], grads, rtol=1e-5)
-    for parameter_name, parameter in model.named_parameters():
-        got = sharded["parameters"][parameter_name]
-        assert (got - parameter.detach()).abs().max() <= 1e-5, parameter_name
-    for key in ("branches_replayed", "completion_tokens"):
-        assert sharded["reduced"][key] == sum(m[key] for m in metrics[-2:]), key
+    worker.assert_like_one_process(sharded, model, grads, metrics)
 
 
 def _rank_main(out_dir: str, names: list[str]) -> None:

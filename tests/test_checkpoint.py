@@ -3,7 +3,6 @@ an FSDP2-sharded model saves the same files and resumes sharded or not."""
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 from pathlib import Path
@@ -11,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.distributed.tensor import DTensor
 
@@ -186,18 +184,6 @@ def test_lora_checkpoint_holds_only_adapters_loadable_by_peft(tmp_path: Path) ->
 
 
 # --------------------------------------------------------------------------- sharded (FSDP2)
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of one rank, so FSDP2 and DCP run in this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)  # fmt: skip
-    yield
-    gc.collect()  # sharded models hold the group: free them while the group still exists
-    dist.destroy_process_group()
 
 
 def _built(lora: bool, sharded: bool, seed: int = 0):

@@ -10,11 +10,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from reference import detached_reference_logps
 
@@ -157,18 +154,6 @@ def test_exact_mode_grpo_step_is_unchanged(monkeypatch) -> None:
     assert metrics["entropy"] == pytest.approx(want_metrics["entropy"], abs=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-12, atol=1e-12, msg=name)
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of one rank for the test, torn down after it."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    gc.collect()  # sharded models hold the group: free them while the group still exists
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -13,12 +13,7 @@
 
 from __future__ import annotations
 
-import gc
 import math
-import os
-import signal
-import subprocess
-import sys
 from itertools import chain
 from pathlib import Path
 
@@ -26,6 +21,7 @@ import distributed_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
+from launch import torchrun_ok
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -58,22 +54,7 @@ TRAINING_CASES = list(worker.CASES)
 def sharded_runs(tmp_path_factory) -> Path:
     """Every worker case on two ranks, once; the directory of their results."""
     out = tmp_path_factory.mktemp("fsdp")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ROOT / "tests" / "distributed_worker.py"), str(out), *TRAINING_CASES, "rollout",
-    ]  # fmt: skip
-    # Its own session, so that a hang kills the ranks too, not only torchrun.
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
-    try:
-        log, _ = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
-    assert process.returncode == 0, f"torchrun failed:\n{log[-5000:]}"
+    torchrun_ok(ROOT / "tests" / "distributed_worker.py", str(out), *TRAINING_CASES, "rollout")
     return out
 
 
@@ -85,19 +66,7 @@ def test_two_ranks_train_like_one_process(sharded_runs, name):
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads, metrics = worker.train(model, adapter, case, worker.step_groups)
     sharded = torch.load(sharded_runs / f"{name}.pt")
-
-    assert_grads_close(sharded["grads"], grads, rtol=1e-5)
-    for parameter_name, parameter in model.named_parameters():
-        expected, got = parameter.detach(), sharded["parameters"][parameter_name]
-        assert (got - expected).abs().max() <= 1e-5, parameter_name
-        moved = (expected - initial[parameter_name]).abs().max()
-        if parameter_name in grads:  # trained: moved far more than the tolerance
-            assert moved > 1e-4, parameter_name
-        else:  # frozen (LoRA's base weights, GLM's DSA indexer): untouched
-            assert moved == 0, parameter_name
-    # The last step's metrics, summed over the two ranks (one group each).
-    for key in ("branches_replayed", "completion_tokens"):
-        assert sharded["reduced"][key] == sum(m[key] for m in metrics[-2:]), key
+    worker.assert_like_one_process(sharded, model, grads, metrics, initial)
 
 
 @pytest.mark.multiprocess
@@ -115,18 +84,6 @@ def test_two_ranks_roll_out_in_step(sharded_runs):
 
 
 # --- a world of one rank, in this process ---------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of one rank for the test, torn down after it."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    gc.collect()  # sharded models hold the group: free them while the group still exists
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])

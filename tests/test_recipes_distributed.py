@@ -11,12 +11,9 @@ peft (LoRA) and a single unsharded process load.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 from peft import PeftModel
@@ -55,23 +52,11 @@ CASES = {  # name: (recipe, config, overrides); LoRA and full weights, both reci
 
 
 def torchrun(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int = 2):
-    """The recipe under torchrun, killed with its ranks if it hangs; (returncode, log)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(ranks), str(ROOT / "recipes" / recipe), "--config", str(ROOT / config_path), *SMALL,
-        f"train.output_dir={output_dir}", *overrides,
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    """The recipe on ``ranks`` CPU ranks with the small settings; ``(returncode, log)``."""
+    return launch.torchrun(
+        ROOT / "recipes" / recipe, "--config", str(ROOT / config_path), *SMALL,
+        f"train.output_dir={output_dir}", *overrides, ranks=ranks,
     )  # fmt: skip
-    try:
-        log, _ = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
-    return process.returncode, log
 
 
 def run_ok(*args, **kwargs) -> str:

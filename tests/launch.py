@@ -1,0 +1,41 @@
+"""Launching scripts on several CPU ranks (torchrun, gloo) from the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: Path | str, *args: str, ranks: int = 2, timeout: int = 300) -> tuple[int, str]:
+    """``script args`` on ``ranks`` CPU ranks; ``(returncode, log)``.
+
+    The launch gets its own process session, so that a hang (ranks out of step in a
+    collective) kills the ranks too, not only torchrun.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks), str(script), *args,
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        log, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
+    return process.returncode, log
+
+
+def torchrun_ok(script: Path | str, *args: str, ranks: int = 2) -> str:
+    """``torchrun`` that must succeed; its log."""
+    returncode, log = torchrun(script, *args, ranks=ranks)
+    assert returncode == 0, f"torchrun failed ({returncode}):\n{log[-5000:]}"
+    return log
