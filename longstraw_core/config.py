@@ -819,7 +819,5 @@ def _check_offload(offload: OffloadSection) -> None:
 
 def offload_policy(cfg: RunConfig) -> OffloadPolicy | None:
     """The run's ``OffloadPolicy``, or None when every layer type stays on the device."""
-    section = cfg.offload
-    if all(getattr(section, name) == "device" for name in ("attention", "recurrent", "latent")):
-        return None
-    return OffloadPolicy(**dataclasses.asdict(section))
+    policy = OffloadPolicy.parse(dataclasses.asdict(cfg.offload))
+    return policy if policy.active else None

@@ -1427,16 +1427,10 @@ def _model_type(cfg: Any) -> str | None:
 
 
 def _offload_of(cfg: Any, override: OffloadPolicy | str | dict | None) -> OffloadPolicy | None:
-    """The offload policy: the CLI's, else the config's ``offload`` section if it has one."""
-    if override is not None:
-        return OffloadPolicy.parse(override)
-    section = getattr(cfg, "offload", None)
-    if section is None:
-        return None
-    if dataclasses.is_dataclass(section):
-        names = {f.name for f in dataclasses.fields(OffloadPolicy)}
-        section = {k: v for k, v in dataclasses.asdict(section).items() if k in names}
-    return OffloadPolicy.parse(section)
+    """The offload policy: the CLI's, else the config's ``offload`` section."""
+    from longstraw_core.config import offload_policy
+
+    return OffloadPolicy.parse(override) if override is not None else offload_policy(cfg)
 
 
 # --------------------------------------------------------------------------- advice
