@@ -49,16 +49,15 @@ from typing import Any
 import torch
 from torch import nn
 
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.attention import _FLASH_BWD_CHUNK, _FUSED_BWD_CHUNK
+from longstraw_core.attention import _MAX_SCORE_ELEMENTS as _ATTENTION_SCORE_ELEMENTS
 from longstraw_core.offload import OffloadPolicy
+from model_adapters.glm52 import _WORK_ELEMENTS as _DSA_WORK_ELEMENTS
 
 GIB = 2**30
 _FP32 = 4
 _INT64 = 8
-# Kernel block budgets, mirrored from the modules that use them (see the *_scratch helpers).
-_ATTENTION_SCORE_ELEMENTS = 1 << 22  # attention._MAX_SCORE_ELEMENTS
-_FUSED_BWD_CHUNK = 1 << 14  # attention._FUSED_BWD_CHUNK (CPU fused backward)
-_FLASH_BWD_CHUNK = 1 << 16  # attention._FLASH_BWD_CHUNK
-_DSA_WORK_ELEMENTS = 1 << 22  # glm52._WORK_ELEMENTS
 _DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
 PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")
 CHUNK_CHOICES = tuple(2**k for k in range(8, 17))  # 256 .. 65536
