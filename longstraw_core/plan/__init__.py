@@ -1,0 +1,72 @@
+"""Memory planner: the peak per GPU of one LongStraw GRPO step, before anything is loaded.
+
+A long-prompt run fails late and expensively when it does not fit: after the weights load,
+after a prefill of millions of tokens. The planner predicts the peak from the config alone
+and names what to change (chunk size, offload, GPUs) when it does not fit::
+
+    python -m longstraw_core.plan --config configs/qwen36/27b_lora_grpo_8xgpu.yaml \\
+        --prompt-tokens 2100000 --group 8 --gpus 8 --gpu-mem 96GiB
+    python -m longstraw_core.plan --preset Qwen3.6-27B --prompt-tokens 2100000 --group 8 \\
+        --gpus 8 --gpu-mem 96GiB --offload attention=cpu --resident-layers 2
+    python -m longstraw_core.plan --paper-tables docs/memory_plans.md
+
+Where the numbers come from (so the plan cannot drift from the code):
+
+- **Model.** The model is built from its transformers config on the ``meta`` device (no
+  weights, no memory): a tiny model from ``longstraw_core.tiny_models``, a checkpoint's
+  ``config.json`` through ``AutoConfig``, or a named paper-scale preset (``PRESETS``).
+  Parameter counts are read from its modules; LoRA counts ``r x (in + out)`` per targeted
+  ``nn.Linear``.
+- **State.** The adapter's own ``new_layer_states`` builds the records (on ``meta``) at
+  capacity 0 and 1: their tensors give the fixed and per-position bytes of every layer, in
+  the dtype the layers compute in. ``dS`` comes from ``exact.GRAD_FACTORIES`` the same way,
+  recurrent checkpoints are one record-sized copy per prefill chunk.
+- **Transients.** Activation memory is derived from tensor shapes, module by module, following
+  the code that runs (``_Activations``): what autograd saves in one branch (or one recomputed
+  chunk), the LM head's float32 logits and ``log_softmax`` in row chunks
+  (``model_adapters.base.HEAD_CHUNK_ELEMENTS``), the kernels' blocks
+  (``attention._MAX_SCORE_ELEMENTS``, ``glm52._WORK_ELEMENTS``), the optimizer's scratch.
+
+What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` reports, or
+``memory.LiveTensorMemory`` on CPU) of parameters, gradients, AdamW moments, prefix state,
+``dS``, checkpoints and every transient, per rank. Not counted: the CUDA context and
+NCCL buffers (~1-3 GiB, covered by ``memory.headroom``), allocator fragmentation, the
+kernels' internal scratch.
+
+Modules: ``model`` (presets, the model's layer specs, the workload), ``activations``
+(transients from tensor shapes), ``core`` (the plan's lines and phase peaks), ``sources``
+(specs and workloads from presets, checkpoints and run configs), ``advice`` (fixes and
+``check_fits``), ``output`` (tables), ``paper`` (paper-scale tables), ``cli``.
+"""
+
+from longstraw_core.plan.advice import check_fits, fixes_for, plan_for_config
+from longstraw_core.plan.core import Line, MemoryPlan, MemoryPlanError, plan_memory
+from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
+from longstraw_core.plan.output import print_plan, render_markdown, render_text
+from longstraw_core.plan.paper import SCENARIOS, Scenario, paper_tables, scenario_workload
+from longstraw_core.plan.sources import spec_for_config, spec_for_preset, workload_from_config
+
+__all__ = [
+    "PRESETS",
+    "SCENARIOS",
+    "LayerSpec",
+    "Line",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "ModelSpec",
+    "Preset",
+    "Scenario",
+    "Workload",
+    "check_fits",
+    "fixes_for",
+    "paper_tables",
+    "plan_for_config",
+    "plan_memory",
+    "print_plan",
+    "render_markdown",
+    "render_text",
+    "scenario_workload",
+    "spec_for_config",
+    "spec_for_preset",
+    "workload_from_config",
+]

@@ -1,0 +1,261 @@
+"""What to change when a step does not fit, and the check the recipes run before loading."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.offload import OffloadPolicy
+from longstraw_core.plan.core import MemoryPlan, MemoryPlanError, plan_memory
+from longstraw_core.plan.model import CHUNK_CHOICES, ModelSpec, Workload, _gib
+from longstraw_core.plan.sources import spec_for_config, workload_from_config
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A change that makes the step fit, with its config keys and the plan it gives."""
+
+    label: str
+    keys: str
+    plan: MemoryPlan
+
+
+def _advice(plan: MemoryPlan) -> list[str]:
+    """What to change: the largest chunk that fits, offload when the state does not fit."""
+    if plan.budget is None:
+        return ["no GPU memory budget (memory.gpu_mem / --gpu-mem): nothing to check against"]
+    work = plan.work
+    advice = []
+    if plan.cpu_bytes:
+        ranks = min(work.gpus, 8)
+        advice.append(
+            f"CPU memory for the offloaded state: {_gib(plan.cpu_bytes)} per rank, "
+            f"{_gib(plan.cpu_bytes * ranks)} for {ranks} ranks on a node"
+        )
+    if plan.fits:
+        chunk = largest_chunk(plan.spec, work)
+        if chunk is not None:
+            advice.append(
+                f"train.chunk_size={chunk} is the largest chunk that fits (configured: "
+                f"{work.chunk_size}; larger chunks mean fewer prefill passes)"
+            )
+        return advice
+    fixes = fixes_for(plan)
+    if fixes:
+        advice += [f"{fix.label}: {fix.keys} (peak {_gib(fix.plan.peak)})" for fix in fixes]
+    else:
+        advice.append(_no_fix(plan))
+    return advice
+
+
+def largest_chunk(spec: ModelSpec, work: Workload) -> int | None:
+    """The largest power-of-two chunk (256 .. 65536, at most the prompt) that fits."""
+    ceiling = max(CHUNK_CHOICES[0], work.stored)
+    for chunk in sorted(CHUNK_CHOICES, reverse=True):
+        if chunk > ceiling and chunk != CHUNK_CHOICES[0]:
+            continue
+        if plan_memory(spec, dataclasses.replace(work, chunk_size=chunk), advise=False).fits:
+            return chunk
+    return None
+
+
+def _offload_options(spec: ModelSpec, work: Workload) -> list[tuple[OffloadPolicy, str]]:
+    """(offload policy, where exact mode's checkpoints go) to try, least disruptive first:
+    the growing state's layer types to CPU streaming two layers, the recurrent
+    checkpoints to CPU too, one streamed layer, then every layer type."""
+    base = work.offload or OffloadPolicy()
+    growing = {layer.record for layer in spec.layers if layer.state_per_token}
+    fields = {"full_attention": "attention", "mla_dsa": "latent"}
+    changes = {fields[kind]: "cpu" for kind in growing if kind in fields}
+    checkpoints = work.gradient == "exact" and any(layer.checkpoint for layer in spec.layers)
+    options = [(dataclasses.replace(base, **changes, resident_layers=2), work.checkpoints)]
+    if checkpoints:
+        options.append((options[0][0], "cpu"))
+    last = "cpu" if checkpoints else work.checkpoints
+    options.append((dataclasses.replace(base, **changes, resident_layers=1), last))
+    options.append((OffloadPolicy.cpu(resident_layers=1), last))
+    return [option for option in options if _offloads_more(option, work)]
+
+
+def _offloads_more(option: tuple[OffloadPolicy, str], work: Workload) -> bool:
+    """Whether ``option`` keeps less on the device than the workload already does."""
+    policy, checkpoints = option
+    current = work.offload or OffloadPolicy()
+    names = ("attention", "recurrent", "latent")
+    if any(getattr(current, n) == "cpu" and getattr(policy, n) != "cpu" for n in names):
+        return False
+    if checkpoints != "cpu" and work.checkpoints == "cpu":
+        return False
+    if current.active and policy.resident_layers > current.resident_layers:
+        return False
+    return (policy, checkpoints) != (work.offload, work.checkpoints)
+
+
+def fixes_for(plan: MemoryPlan) -> list[Fix]:
+    """Changes that make ``plan`` fit: a smaller chunk, offload, or both (best first)."""
+    spec, work = plan.spec, plan.work
+    fixes = []
+    chunk = largest_chunk(spec, work)
+    if chunk is not None and chunk < work.chunk_size:
+        fixed = plan_memory(spec, dataclasses.replace(work, chunk_size=chunk), advise=False)
+        saves = _gib(plan.peak - fixed.peak)
+        label = f"set train.chunk_size={chunk} (saves {saves})"
+        fixes.append(Fix(label, f"train.chunk_size={chunk}", fixed))
+    for policy, checkpoints in _offload_options(spec, work):
+        trial = dataclasses.replace(work, offload=policy, checkpoints=checkpoints)
+        keys = _offload_keys(policy)
+        if checkpoints != work.checkpoints:
+            keys += f" grpo.recurrent_checkpoints={checkpoints}"
+        fixed = plan_memory(spec, trial, advise=False)
+        if not fixed.fits:
+            chunk = largest_chunk(spec, trial)
+            if chunk is None or (fixes and chunk <= fixes[0].plan.work.chunk_size):
+                continue  # no better than changing the chunk alone
+            trial = dataclasses.replace(trial, chunk_size=chunk)
+            fixed = plan_memory(spec, trial, advise=False)
+            keys += f" train.chunk_size={chunk}"
+        what = "offload the prefix state" if _all_cpu(policy) else "offload attention K/V"
+        if "latent=cpu" in keys and not _all_cpu(policy):
+            what = "offload the MLA latent"
+        saves = _gib(plan.peak - fixed.peak)
+        fixes.append(Fix(f"{what} to CPU (saves {saves})", keys, fixed))
+        break
+    if not work.activation_checkpointing:
+        fixes += _checkpointing_fix(plan)
+    return fixes
+
+
+def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
+    """Activation checkpointing, with the first of its own fixes when it needs one."""
+    trial = dataclasses.replace(plan.work, activation_checkpointing=True)
+    fixed = plan_memory(plan.spec, trial, advise=False)
+    keys = "train.activation_checkpointing=true"
+    if not fixed.fits:
+        more = fixes_for(fixed)
+        if not more:
+            return []
+        fixed, keys = more[0].plan, f"{keys} {more[0].keys}"
+    label = f"checkpoint each decoder layer's activations (saves {_gib(plan.peak - fixed.peak)})"
+    return [Fix(label, keys, fixed)]
+
+
+def _all_cpu(policy: OffloadPolicy) -> bool:
+    return all(getattr(policy, name) == "cpu" for name in ("attention", "recurrent", "latent"))
+
+
+def _offload_keys(policy: OffloadPolicy) -> str:
+    keys = [
+        f"offload.{name}=cpu"
+        for name in ("attention", "recurrent", "latent")
+        if getattr(policy, name) == "cpu"
+    ]
+    return " ".join([*keys, f"offload.resident_layers={policy.resident_layers}"])
+
+
+def _no_fix(plan: MemoryPlan) -> str:
+    """Nothing in chunking or offload fits: say what dominates, how far the prompt (or the
+    responses) may go, and what else would help."""
+    spec, work = plan.spec, plan.work
+    best = dataclasses.replace(
+        work,
+        offload=OffloadPolicy.cpu(resident_layers=1),
+        checkpoints="cpu",
+        chunk_size=CHUNK_CHOICES[0],
+    )
+    floor = plan_memory(spec, dataclasses.replace(best, prompt_tokens=2), advise=False)
+    parts = []
+    if floor.fits:
+        longest = _longest(spec, best, "prompt_tokens")
+        parts.append(f"at most {longest:,} prompt tokens fit (state offloaded, chunk 256)")
+    else:
+        top = sorted(floor.lines, key=lambda line: -line.device)[:3]
+        named = ", ".join(f"{line.name} {_gib(line.device)}" for line in top)
+        parts.append(f"even a 2-token prompt needs {_gib(floor.peak)} per GPU ({named})")
+    shorter = dataclasses.replace(best, response_tokens=1)
+    if plan_memory(spec, shorter, advise=False).fits:
+        longest = _longest(spec, best, "response_tokens")
+        parts.append(f"or rollout.max_new_tokens={longest} with the whole prompt (offloaded)")
+    if not work.lora_rank:
+        parts.append("LoRA (lora.enabled=true) trains far fewer parameters")
+    if work.fsdp:
+        parts.append("more GPUs shard parameters, gradients and optimizer further")
+    else:
+        parts.append("distributed.fsdp=true shards parameters, gradients and optimizer")
+    return "no chunk size or offload fits; " + "; ".join(parts)
+
+
+def _longest(spec: ModelSpec, work: Workload, name: str) -> int:
+    """The largest value of ``work.<name>`` (prompt or response tokens) that fits."""
+    low, high = 1, max(getattr(work, name), 2)
+    if plan_memory(spec, dataclasses.replace(work, **{name: high}), advise=False).fits:
+        return high
+    while high - low > max(1, low // 1000):
+        middle = (low + high) // 2
+        trial = dataclasses.replace(work, **{name: middle})
+        if plan_memory(spec, trial, advise=False).fits:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def check_fits(
+    cfg: Any,
+    prompt_tokens: int | None = None,
+    gpus: int | None = None,
+    gpu_mem: str | int | None = None,
+    *,
+    group: int | None = None,
+    offload: OffloadPolicy | str | dict | None = None,
+) -> MemoryPlan:
+    """The plan of ``cfg``'s step; raises ``MemoryPlanError`` naming a fix if it won't fit.
+
+    No budget (``gpu_mem`` and ``memory.gpu_mem`` unset, e.g. a CPU run) or
+    ``memory.check=false``: the plan is returned unchecked. Recipes call this before
+    loading weights.
+    """
+    spec, work = plan_for_config(
+        cfg, prompt_tokens, gpus=gpus, gpu_mem=gpu_mem, group=group, offload=offload
+    )
+    plan = plan_memory(spec, work)
+    memory = getattr(cfg, "memory", None)
+    if plan.fits is False and getattr(memory, "check", True):
+        raise MemoryPlanError(_error_message(plan), plan)
+    return plan
+
+
+def plan_for_config(
+    cfg: Any,
+    prompt_tokens: int | None = None,
+    **overrides: Any,
+) -> tuple[ModelSpec, Workload]:
+    model_type = None
+    if cfg.model.tiny is not None:
+        model_type = cfg.model.tiny
+    work = workload_from_config(cfg, prompt_tokens, model_type=model_type, **overrides)
+    spec = spec_for_config(cfg, work.compute_dtype)
+    if work.lora_rank and not work.lora_targets:
+        work = dataclasses.replace(work, lora_targets=tuple(_default_targets(cfg, spec)))
+    return spec, work
+
+
+def _default_targets(cfg: Any, spec: ModelSpec) -> list[str]:
+    from longstraw_core.config import lora_targets
+
+    return lora_targets(cfg.lora, spec.model_type)
+
+
+def _error_message(plan: MemoryPlan) -> str:
+    work = plan.work
+    head = (
+        f"predicted {_gib(plan.peak)} per GPU ({plan.peak_phase} phase) > "
+        f"{_gib(plan.budget)} budget ({_gib(work.budget)} x (1 - memory.headroom "
+        f"{work.headroom:g})) for {work.prompt_tokens:,} prompt tokens, G={work.group}, "
+        f"{work.gpus} GPU(s)"
+    )
+    fixes = fixes_for(plan)
+    if fixes:
+        return head + ": " + " or ".join(f"{fix.label}: {fix.keys}" for fix in fixes)
+    return head + ": " + _no_fix(plan)

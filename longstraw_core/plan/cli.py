@@ -1,0 +1,158 @@
+"""``python -m longstraw_core.plan``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.offload import OffloadPolicy
+from longstraw_core.plan.advice import _error_message, plan_for_config
+from longstraw_core.plan.core import MemoryPlan, plan_memory
+from longstraw_core.plan.model import PRESETS
+from longstraw_core.plan.output import print_plan, render_markdown
+from longstraw_core.plan.paper import (
+    _GLM_LORA,
+    _QWEN_LORA,
+    Scenario,
+    paper_tables,
+    scenario_workload,
+)
+from longstraw_core.plan.sources import spec_for_preset
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m longstraw_core.plan",
+        description="Predict the per-GPU memory of one LongStraw GRPO step (no weights loaded).",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", help="a run config (YAML); key=value overrides follow")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a paper-scale preset")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.chunk_size=2048")
+    parser.add_argument("--prompt-tokens", type=int, help="default: data.prompt_tokens")
+    parser.add_argument("--group", type=int, help="G; default: rollout.num_generations")
+    parser.add_argument("--response-tokens", type=int, help="default: rollout.max_new_tokens")
+    parser.add_argument("--chunk-size", type=int, help="default: train.chunk_size")
+    parser.add_argument("--gradient", choices=("detached", "exact"))
+    parser.add_argument("--gpus", type=int, help="ranks (FSDP shards over them)")
+    parser.add_argument("--gpu-mem", help="memory per GPU, e.g. 96GiB or 80GB")
+    parser.add_argument("--headroom", type=float, help="fraction of --gpu-mem kept free")
+    parser.add_argument(
+        "--offload",
+        action="append",
+        default=[],
+        metavar="KIND=cpu",
+        help="attention=cpu, recurrent=cpu, latent=cpu or all=cpu (repeatable)",
+    )
+    parser.add_argument("--resident-layers", type=int, help="offloaded layers on the GPU at once")
+    parser.add_argument("--lora-rank", type=int, help="preset: LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="which kernels to model")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="recompute each decoder layer in backward (default: train.activation_checkpointing"
+        ", off for a preset)",
+    )
+    parser.add_argument("--markdown", help="also write the table as markdown to this file")
+    parser.add_argument("--paper-tables", metavar="PATH", help="write the paper-scale tables")
+    return parser
+
+
+def _offload_arg(args: argparse.Namespace) -> OffloadPolicy | None:
+    if not args.offload and args.resident_layers is None:
+        return None
+    fields: dict[str, Any] = {}
+    for item in args.offload:
+        kind, _, place = item.partition("=")
+        kinds = ("attention", "recurrent", "latent") if kind == "all" else (kind,)
+        for name in kinds:
+            fields[name] = place or "cpu"
+    if args.resident_layers is not None:
+        fields["resident_layers"] = args.resident_layers
+    return OffloadPolicy.parse(fields)
+
+
+def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
+    offload = _offload_arg(args)
+    if args.preset:
+        scenario = Scenario(
+            args.preset,
+            args.prompt_tokens or 131072,
+            args.gpus or 1,
+            args.gpu_mem or "96GiB",
+            32 if args.lora_rank is None else args.lora_rank,
+            _QWEN_LORA if PRESETS[args.preset].model_type != "glm_moe_dsa" else _GLM_LORA,
+        )
+        work = scenario_workload(scenario, args.group or 8, args.gradient or "exact")
+        if args.gpu_mem is None:
+            work = dataclasses.replace(work, budget=None)
+        spec = spec_for_preset(args.preset, work.compute_dtype)
+    else:
+        from longstraw_core.config import load_config
+
+        overrides = list(args.overrides)
+        if args.gradient:
+            overrides.append(f"grpo.gradient={args.gradient}")
+        if args.chunk_size:
+            overrides.append(f"train.chunk_size={args.chunk_size}")
+        cfg = load_config(args.config, overrides, check_paths=False)
+        spec, work = plan_for_config(
+            cfg,
+            args.prompt_tokens,
+            group=args.group,
+            gpus=args.gpus,
+            gpu_mem=args.gpu_mem,
+            offload=offload,
+            device=args.device,
+        )
+    changes: dict[str, Any] = {}
+    if args.response_tokens:
+        changes["response_tokens"] = args.response_tokens
+    if args.chunk_size:
+        changes["chunk_size"] = args.chunk_size
+    if args.headroom is not None:
+        changes["headroom"] = args.headroom
+    if offload is not None:
+        changes["offload"] = offload
+    if args.device:
+        changes["device"] = args.device
+    if args.activation_checkpointing is not None:
+        changes["activation_checkpointing"] = args.activation_checkpointing
+    return plan_memory(spec, dataclasses.replace(work, **changes))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the plan; exit 1 with the fix named when it does not fit the budget."""
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.paper_tables:
+        text = paper_tables()
+        Path(args.paper_tables).write_text(text)
+        print(text)
+        print(f"wrote {args.paper_tables}")
+        return 0
+    if not args.config and not args.preset:
+        parser.error("give --config PATH, --preset NAME or --paper-tables PATH")
+    try:
+        plan = _cli_plan(args)
+    except (ValueError, OSError) as exc:
+        hint = ""
+        if "model.path" in str(exc) or isinstance(exc, OSError):
+            hint = (
+                f" (no weights are needed: a checkpoint's config.json, or a preset: "
+                f"model.path={' / '.join(PRESETS)} or --preset)"
+            )
+        print(f"error: {exc}{hint}", file=sys.stderr)
+        return 2
+    print_plan(plan)
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(plan) + "\n")
+    if plan.fits is False:
+        print(f"error: {_error_message(plan)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,401 @@
+"""The plan: every memory line of one GRPO step per rank, and the peak of each phase."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.plan.activations import _Activations
+from longstraw_core.plan.model import (
+    _FP32,
+    _INT64,
+    PHASES,
+    LayerSpec,
+    ModelSpec,
+    Workload,
+    _bytes,
+    _count,
+)
+
+
+class MemoryPlanError(RuntimeError):
+    """The predicted peak does not fit the budget; the message says what to change."""
+
+    def __init__(self, message: str, plan: MemoryPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+@dataclass(frozen=True)
+class Line:
+    """One row of the plan: bytes per rank on the device and in CPU memory."""
+
+    name: str
+    device: int
+    cpu: int = 0
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """The predicted memory of one GRPO step, per rank: rows, phase peaks, advice."""
+
+    spec: ModelSpec
+    work: Workload
+    lines: list[Line]
+    phases: dict[str, int]
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return sum(line.cpu for line in self.lines)
+
+    @property
+    def budget(self) -> int | None:
+        return self.work.usable
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the budget (None: no budget known)."""
+        return None if self.budget is None else self.peak <= self.budget
+
+    def line(self, name: str) -> Line:
+        return next(line for line in self.lines if line.name == name)
+
+
+def plan_memory(spec: ModelSpec, work: Workload, advise: bool = True) -> MemoryPlan:
+    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec``."""
+    _check_workload(work)
+    parts = _Parts(spec, work)
+    plan = MemoryPlan(spec, work, parts.lines(), parts.phases())
+    if advise:
+        from longstraw_core.plan.advice import _advice  # advice plans the fixes it tries
+
+        plan.advice = _advice(plan)
+    return plan
+
+
+def _check_workload(work: Workload) -> None:
+    if work.prompt_tokens < 2:
+        raise ValueError(f"prompt_tokens={work.prompt_tokens}: a prompt has at least 2 tokens")
+    for name in ("group", "response_tokens", "chunk_size", "gpus"):
+        if getattr(work, name) < 1:
+            raise ValueError(f"{name}={getattr(work, name)}: must be at least 1")
+    if work.gradient not in ("detached", "exact"):
+        raise ValueError(f"gradient={work.gradient!r}: 'detached' or 'exact'")
+    if work.device not in ("cuda", "cpu"):
+        raise ValueError(f"device={work.device!r}: 'cuda' or 'cpu' (which kernels to model)")
+
+
+class _Parts:
+    """The pieces of the step's memory on one rank, and the phases that add them up."""
+
+    def __init__(self, spec: ModelSpec, work: Workload) -> None:
+        self.spec, self.work = spec, work
+        self.act = _Activations(spec, work)
+        self.cb = _bytes(work.compute_dtype)
+        self.pb = _bytes(work.param_dtype)
+        self.exact = work.gradient == "exact"
+
+    # --- parameters, gradients, optimizer ----------------------------------------------------
+
+    def lora_params(self, layer: LayerSpec | None = None) -> int:
+        """Adapter parameters (all layers, or one): ``r x (in + out)`` per adapted linear."""
+        work = self.work
+        if not work.lora_rank:
+            return 0
+        layers = self.spec.layers if layer is None else (layer,)
+        return sum(
+            work.lora_rank * (inp + out)
+            for item in layers
+            for name, (inp, out) in item.linear_shapes.items()
+            if name in work.lora_targets
+        )
+
+    @property
+    def trainable(self) -> int:
+        return self.lora_params() if self.work.lora_rank else self.spec.params
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of gradients and AdamW moments: the trainable parameters'
+        dtype (PEFT keeps adapters in float32 over a 16-bit base)."""
+        return _FP32 if self.work.lora_rank else self.pb
+
+    def parameters(self) -> int:
+        total = self.spec.params * self.pb + self.lora_params() * _FP32
+        return total // self.work.shards
+
+    def gradients(self) -> int:
+        return self.trainable * self.state_bytes // self.work.shards
+
+    def optimizer(self) -> int:
+        return 2 * self.trainable * self.state_bytes // self.work.shards
+
+    # --- state, dS, checkpoints ---------------------------------------------------------------
+
+    def state_split(self, kind: str, per_token: str, fixed: str) -> tuple[int, int]:
+        """(device, cpu) bytes of ``kind`` records' ``fixed + per_token x stored`` field."""
+        device = cpu = 0
+        for layer in self.spec.layers:
+            if layer.record != kind:
+                continue
+            size = getattr(layer, fixed) + getattr(layer, per_token) * self.work.stored
+            if self.work.offloads(kind):
+                cpu += size
+            else:
+                device += size
+        return device, cpu
+
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(layer.record for layer in self.spec.layers))
+
+    def checkpoints(self) -> tuple[int, int]:
+        if not self.exact:
+            return 0, 0
+        chunks = math.ceil(self.work.stored / self.work.chunk_size)
+        size = chunks * sum(layer.checkpoint for layer in self.spec.layers)
+        on_cpu = self.work.checkpoints == "cpu" or self.work.offloads("linear_attention")
+        return (0, size) if on_cpu else (size, 0)
+
+    def streamed(self, position: int) -> int:
+        """Offloaded layers copied to the device during a pass reading ``position`` rows:
+        at most ``offload.resident_layers`` of them at once."""
+        offloaded = [
+            layer.state_fixed + layer.state_per_token * position
+            for layer in self.spec.layers
+            if self.work.offloads(layer.record)
+        ]
+        if not offloaded:
+            return 0
+        keep = min(self.work.offload.resident_layers, len(offloaded))
+        return sum(sorted(offloaded)[-keep:])
+
+    # --- FSDP ---------------------------------------------------------------------------------
+
+    def gathered(self) -> int:
+        """Parameters FSDP holds unsharded during a pass: the root (embeddings, head), the
+        last layer (kept gathered), the layer computing and the one prefetched."""
+        if not self.work.fsdp:
+            return 0
+        if not self.work.reshard_after_forward:
+            return self.spec.params * self.cb
+        biggest = max(layer.params for layer in self.spec.layers)
+        return (self.spec.root_params + self.spec.layers[-1].params + 2 * biggest) * self.cb
+
+    def unsharded_grads(self) -> int:
+        """Backward of a sharded layer: its unsharded gradients in the compute dtype and
+        their copy in the reduce dtype (float32), until reduce-scatter; the root's are held
+        to the end of backward."""
+        if not self.work.fsdp:
+            return 0
+        reduce = self.cb + (_FP32 if self.cb < _FP32 else 0)
+        if self.work.lora_rank:
+            per_layer = [self.lora_params(layer) for layer in self.spec.layers]
+            root = 0
+        else:
+            per_layer = [layer.params for layer in self.spec.layers]
+            root = self.spec.root_params * self.cb
+        return max(per_layer) * reduce + root
+
+    # --- transients ---------------------------------------------------------------------------
+
+    def prefill_transient(self) -> int:
+        """One chunk through the layers without autograd: the residual stream and the widest
+        layer's working set, at the last chunk (the longest prefix)."""
+        work = self.work
+        tokens = min(work.chunk_size, work.stored)
+        prefix = max(work.stored - tokens, 0)
+        *layers, last = self.spec.layers
+        working = max(
+            (self.act.forward_working(layer, tokens, prefix) for layer in layers),
+            default=0,
+        )
+        working = max(working, self.act.state_only_working(last, tokens, prefix))
+        return tokens * self.cb * self.spec.hidden + working
+
+    def branch_transient(self) -> int:
+        """One replayed branch: its graph, then the head's logits or a layer's backward."""
+        tokens, prefix = self.work.response_tokens, self.work.stored
+        if self.work.activation_checkpointing:
+            return self.act.checkpointed_branch_peak(tokens)
+        graph = self.act.branch_graph(tokens)
+        working = max(
+            max(
+                self.act.backward_working(layer, tokens, prefix),
+                self.act.kernel_forward_scratch(layer, tokens, prefix),
+            )
+            for layer in self.spec.layers
+        )
+        return graph + max(self.act.head_peak(tokens), working)
+
+    def sweep_transient(self) -> int:
+        """Exact mode's recompute of the last chunk (the longest prefix) with autograd: its
+        graph, the dS slices handed to backward with it, and a layer's backward."""
+        if not self.exact:
+            return 0
+        work = self.work
+        tokens = min(work.chunk_size, work.stored)
+        start = work.stored - tokens
+        produced = sum(
+            layer.grad_per_token * tokens * self.cb // _FP32 + layer.grad_fixed * self.cb // _FP32
+            for layer in self.spec.layers
+        )
+        if work.activation_checkpointing:
+            return produced + self.act.checkpointed_chunk_peak(tokens, start)
+        graph = self.act.chunk_graph(tokens, start)
+        *layers, last = self.spec.layers
+        working = max(
+            (
+                max(
+                    self.act.backward_working(layer, tokens, start),
+                    self.act.kernel_forward_scratch(layer, tokens, start),
+                )
+                for layer in layers
+            ),
+            default=0,
+        )
+        last_working = self.act.state_only_working(last, tokens, start)
+        if last.mixer != "deltanet":  # its backward: the key/value projections only
+            last_working = max(last_working, self.act.weight_grad_scratch(last))
+        return graph + produced + max(working, last_working)
+
+    def rollout_transient(self) -> int:
+        """Rollout: the G branches' own caches and one decoding step's logits."""
+        work = self.work
+        group, new = work.group, work.response_tokens
+        caches = sum(
+            group * (layer.state_per_token * new + layer.state_fixed * (not layer.state_per_token))
+            for layer in self.spec.layers
+        )
+        logits = 3 * group * self.spec.vocab * _FP32
+        step = max(self.act.decode_scratch(layer, group, work.stored) for layer in self.spec.layers)
+        tokens = 2 * group * new * _INT64  # sampled tokens, behaviour log-probs
+        return caches + logits + step + tokens
+
+    def optimizer_transient(self) -> int:
+        """AdamW's step: foreach on CUDA (one temporary per moment, the whole shard);
+        one tensor at a time on CPU (sqrt and quotient of the largest parameter)."""
+        if self.work.device == "cuda":
+            return self.trainable * self.state_bytes // self.work.shards
+        largest = self.spec.largest_param if not self.work.lora_rank else self.lora_largest()
+        return 2 * largest * self.state_bytes // self.work.shards
+
+    def lora_largest(self) -> int:
+        shapes = [
+            self.work.lora_rank * max(inp, out)
+            for layer in self.spec.layers
+            for name, (inp, out) in layer.linear_shapes.items()
+            if name in self.work.lora_targets
+        ]
+        return max(shapes, default=0)
+
+    # --- the table and the phases ---------------------------------------------------------
+
+    def lines(self) -> list[Line]:
+        work = self.work
+        lines = [
+            Line("parameters", self.parameters(), note=self._param_note()),
+            Line("gradients", self.gradients(), note=f"{_dtype_name(self.state_bytes)}"),
+            Line("optimizer (AdamW)", self.optimizer(), note="2 moments"),
+        ]
+        for kind in self.kinds():
+            device, cpu = self.state_split(kind, "state_per_token", "state_fixed")
+            count = sum(layer.record == kind for layer in self.spec.layers)
+            lines.append(Line(f"prefix state: {kind}", device, cpu, f"{count} layers"))
+        if self.exact:
+            grad_device = grad_cpu = 0
+            for kind in self.kinds():
+                device, cpu = self.state_split(kind, "grad_per_token", "grad_fixed")
+                grad_device, grad_cpu = grad_device + device, grad_cpu + cpu
+            lines.append(Line("dS (exact)", grad_device, grad_cpu, "float32, like the state"))
+            device, cpu = self.checkpoints()
+            if device or cpu:
+                lines.append(Line("recurrent checkpoints", device, cpu, "one per chunk start"))
+        lines.append(Line("prompt ids", 2 * _INT64 * work.prompt_tokens))
+        if work.offload is not None and work.offload.active:
+            lines.append(
+                Line(
+                    "streamed offloaded layers",
+                    self.streamed(work.stored),
+                    note=f"resident_layers={work.offload.resident_layers}",
+                )
+            )
+        if work.fsdp:
+            lines.append(Line("FSDP gathered parameters", self.gathered(), note="during passes"))
+            lines.append(Line("FSDP unsharded gradients", self.unsharded_grads(), note="backward"))
+        lines += [
+            Line("prefill chunk (transient)", self.prefill_transient(), note="no autograd"),
+            Line("one branch graph (transient)", self.branch_transient(), note=self._branch_note()),
+        ]
+        if self.exact:
+            note = "layers checkpointed" if work.activation_checkpointing else ""
+            lines.append(Line("sweep chunk graph (transient)", self.sweep_transient(), note=note))
+        if work.rollout:
+            lines.append(Line("rollout caches + step (transient)", self.rollout_transient()))
+        lines.append(Line("optimizer step (transient)", self.optimizer_transient()))
+        return lines
+
+    def phases(self) -> dict[str, int]:
+        """Peak device bytes of each phase of the step (recipe order)."""
+        work = self.work
+        state_device = sum(
+            self.state_split(kind, "state_per_token", "state_fixed")[0] for kind in self.kinds()
+        )
+        grad_device = 0
+        if self.exact:
+            grad_device = sum(
+                self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
+            )
+        base = self.parameters() + self.optimizer() + 2 * _INT64 * work.prompt_tokens
+        base += state_device + self.checkpoints()[0]
+        chunk = min(work.chunk_size, work.stored)
+        backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
+        phases = {
+            "prefill": base
+            + self.gathered()
+            + self.streamed(work.stored - chunk)
+            + self.prefill_transient(),
+            "replay": base + backward + self.streamed(work.stored) + self.branch_transient(),
+        }
+        if work.rollout:
+            phases["rollout"] = (
+                base + self.gathered() + self.streamed(work.stored) + self.rollout_transient()
+            )
+        if self.exact:
+            phases["sweep"] = (
+                base + backward + self.streamed(work.stored - chunk) + self.sweep_transient()
+            )
+        phases["optimizer"] = base + self.gradients() + self.optimizer_transient()
+        return {name: phases[name] for name in PHASES if name in phases}
+
+    def _param_note(self) -> str:
+        work = self.work
+        note = f"{_count(self.spec.params)} x {_dtype_name(self.pb)}"
+        if work.lora_rank:
+            note += f" + LoRA {_count(self.lora_params())} x fp32"
+        if work.shards > 1:
+            note += f", sharded /{work.shards}"
+        return note
+
+    def _branch_note(self) -> str:
+        tokens = self.work.response_tokens
+        rows = self.act.head_rows(tokens)
+        if rows < tokens:
+            note = f"{tokens} tokens, logits [{rows}, {self.spec.vocab}] fp32 per chunk"
+        else:
+            note = f"{tokens} tokens, logits [T, {self.spec.vocab}] fp32"
+        return note + (", layers checkpointed" if self.work.activation_checkpointing else "")
+
+
+def _dtype_name(size: int) -> str:
+    return {2: "bf16", 4: "fp32", 8: "fp64"}.get(size, f"{size} B")

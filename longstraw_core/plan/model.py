@@ -1,0 +1,340 @@
+"""The model and the workload the planner reasons about: presets, layer specs read from the
+adapter's own state records, and the step's settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.offload import OffloadPolicy
+
+GIB = 2**30
+_FP32 = 4
+_INT64 = 8
+_DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
+PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")
+CHUNK_CHOICES = tuple(2**k for k in range(8, 17))  # 256 .. 65536
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A paper-scale model no one can download here: its transformers config, documented."""
+
+    model_type: str
+    config: dict[str, Any]
+    source: str
+
+
+# Qwen3.6-27B is the text decoder of the ``qwen3_5`` checkpoint (Qwen/Qwen3.6-27B): the
+# numbers are the published model card's (hidden 5120, 64 layers as 16 x (3 Gated DeltaNet +
+# 1 gated attention), DeltaNet 48 value / 16 key heads of 128, attention 24 q / 4 kv heads of
+# 256 with 64 rotary dims, MLP 17408, vocabulary 248320, untied head). Not modelled: the
+# vision encoder (~0.4B parameters, unused by text-only GRPO) and the MTP layer. The planner
+# does not check positions (the card says 262144 native, ~1M with YaRN): memory does not
+# depend on the RoPE limit.
+_QWEN36_27B = Preset(
+    "qwen3_5_text",
+    {
+        "vocab_size": 248320,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "full_attention_interval": 4,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    },
+    "Qwen/Qwen3.6-27B model card (text decoder; vision encoder and MTP layer left out)",
+)
+# GLM-5.2 is assumed to keep GLM-5's architecture (``glm_moe_dsa``, zai-org/GLM-5): 78
+# layers (3 dense-MLP, 75 MoE with 256 routed experts, top-8, 1 shared), hidden 6144, MLA
+# with q_lora 2048 / kv_lora 512 / rope 64 / 64 heads, a DSA indexer (32 heads of 128,
+# top-2048) on every layer, vocabulary 154880: transformers' GlmMoeDsaConfig defaults,
+# which document that checkpoint. Not modelled: the MTP layer.
+_GLM52 = Preset(
+    "glm_moe_dsa",
+    {},
+    "transformers GlmMoeDsaConfig defaults (zai-org/GLM-5; GLM-5.2 assumed identical)",
+)
+PRESETS: dict[str, Preset] = {"Qwen3.6-27B": _QWEN36_27B, "GLM-5.2": _GLM52}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its mixer, MLP and state record, with the shapes the planner uses."""
+
+    mixer: str  # "attention" | "gated_attention" | "deltanet" | "mla"
+    record: str  # the record's kind: "full_attention" | "linear_attention" | "mla_dsa"
+    dims: dict[str, int]
+    mlp: str  # "dense" | "moe"
+    mlp_dims: dict[str, int]
+    params: int
+    state_fixed: int  # bytes at capacity 0
+    state_per_token: int  # bytes per stored position
+    grad_fixed: int  # dS bytes at length 0
+    grad_per_token: int
+    checkpoint: int  # bytes of one chunk-start checkpoint (recurrent records)
+    linear_shapes: dict[str, tuple[int, int]]  # linear name -> (in, out), for LoRA
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner knows of a model: layers, parameters, dtypes. Built on ``meta``."""
+
+    name: str
+    model_type: str
+    hidden: int
+    vocab: int
+    layers: tuple[LayerSpec, ...]
+    params: int
+    root_params: int  # outside the decoder layers: embeddings, final norm, head
+    largest_param: int  # numel of the largest parameter tensor (CPU optimizer scratch)
+    rotary_dim: int
+    llama_norm: bool  # x.to(fp32) ... weight * x.to(dtype) (Qwen3, GLM); else Qwen3.5's
+    state_dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: Any, name: str, state_dtype: torch.dtype) -> ModelSpec:
+        """Build ``config``'s causal LM on ``meta`` (no memory) and read it."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=state_dtype)
+        return cls.from_model(model, name)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, name: str) -> ModelSpec:
+        """Read a (meta or real) model through its LongStraw adapter (pass the model before
+        any PEFT wrapping: LoRA is the workload's, not the spec's)."""
+        from model_adapters.registry import adapt
+
+        adapter = adapt(model)
+        with torch.device("meta"):
+            empty = adapter.new_layer_states(0)
+            one = adapter.new_layer_states(1)
+        layers = tuple(
+            _layer_spec(layer, empty_record, one_record)
+            for layer, empty_record, one_record in zip(
+                adapter.decoder.layers, empty, one, strict=True
+            )
+        )
+        params = _numel(model.parameters())
+        text = getattr(adapter, "text_config", adapter.config)
+        return cls(
+            name=name,
+            model_type=adapter.config.model_type,
+            hidden=text.hidden_size,
+            vocab=adapter.vocab_size,
+            layers=layers,
+            params=params,
+            root_params=params - sum(layer.params for layer in layers),
+            largest_param=max(p.numel() for p in model.parameters()),
+            rotary_dim=_rotary_dim(adapter),
+            llama_norm=type(adapter).__name__ != "Qwen36Adapter",
+            state_dtype=adapter.dtype,
+        )
+
+
+def _numel(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _record_bytes(record: Any) -> int:
+    """Bytes of every tensor a record holds (preallocated capacity, not just valid rows)."""
+    return sum(
+        value.numel() * value.element_size()
+        for value in vars(record).values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def _grad_bytes(record: Any, length: int) -> int:
+    """Bytes of ``exact.GRAD_FACTORIES``' buffer for ``record`` holding ``length`` rows."""
+    from longstraw_core.exact import GRAD_FACTORIES
+
+    factory = GRAD_FACTORIES.get(type(record))
+    if factory is None:
+        return 0
+    if record.grows_with_prompt:
+        record = dataclasses.replace(record, length=length)
+    dtype = torch.promote_types(_record_dtype(record), torch.float32)
+    with torch.device("meta"):
+        grad = factory(record, dtype)
+    return _record_bytes(grad)
+
+
+def _record_dtype(record: Any) -> torch.dtype:
+    for value in vars(record).values():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype
+    return torch.float32
+
+
+def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
+    """A decoder layer's shapes, read from its modules, and its record's bytes."""
+    mixer, dims = _mixer_dims(layer)
+    mlp, mlp_dims = _mlp_dims(layer.mlp)
+    fixed = _record_bytes(empty)
+    linears = {
+        name.rsplit(".", 1)[-1]: (module.in_features, module.out_features)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+    return LayerSpec(
+        mixer=mixer,
+        record=empty.kind,
+        dims=dims,
+        mlp=mlp,
+        mlp_dims=mlp_dims,
+        params=_numel(layer.parameters()),
+        state_fixed=fixed,
+        state_per_token=_record_bytes(one) - fixed,
+        grad_fixed=_grad_bytes(empty, 0),
+        grad_per_token=_grad_bytes(one, 1) - _grad_bytes(empty, 0),
+        checkpoint=fixed if hasattr(empty, "checkpoints") else 0,
+        linear_shapes=linears,
+    )
+
+
+def _mixer_dims(layer: nn.Module) -> tuple[str, dict[str, int]]:
+    """The token mixer of a decoder layer and the widths its activations have."""
+    if hasattr(layer, "linear_attn"):
+        net = layer.linear_attn
+        return "deltanet", {
+            "conv_dim": net.conv_dim,
+            "kernel": net.conv_kernel_size,
+            "key_heads": net.num_k_heads,
+            "value_heads": net.num_v_heads,
+            "key_dim": net.head_k_dim,
+            "value_dim": net.head_v_dim,
+        }
+    attention = layer.self_attn
+    if hasattr(attention, "kv_lora_rank"):
+        indexer = attention.indexer
+        return "mla", {
+            "heads": attention.num_heads,
+            "q_rank": attention.q_a_proj.out_features,
+            "qk_dim": attention.qk_head_dim,
+            "rope_dim": attention.qk_rope_head_dim,
+            "kv_rank": attention.kv_lora_rank,
+            "v_dim": attention.v_head_dim,
+            "indexer": int(indexer is not None),
+            "index_heads": indexer.n_heads if indexer is not None else 0,
+            "index_dim": indexer.head_dim if indexer is not None else 0,
+            "index_topk": attention.config.index_topk,  # shared layers reuse a selection
+        }
+    head_dim = attention.head_dim
+    q_out = attention.q_proj.out_features
+    gated = q_out == 2 * attention.config.num_attention_heads * head_dim
+    q_width = q_out // 2 if gated else q_out
+    return ("gated_attention" if gated else "attention"), {
+        "heads": q_width // head_dim,
+        "kv_heads": attention.k_proj.out_features // head_dim,
+        "head_dim": head_dim,
+        "qk_norm": int(hasattr(attention, "q_norm")),
+    }
+
+
+def _mlp_dims(mlp: nn.Module) -> tuple[str, dict[str, int]]:
+    if hasattr(mlp, "experts"):
+        experts = mlp.experts
+        shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
+        top_k = getattr(mlp.gate, "top_k", None) or mlp.config.num_experts_per_tok
+        return "moe", {
+            "experts": experts.num_experts,
+            "top_k": top_k,
+            "expert_dim": experts.intermediate_dim,
+            "shared_dim": shared.down_proj.in_features if shared is not None else 0,
+        }
+    return "dense", {"intermediate": mlp.down_proj.in_features}
+
+
+def _rotary_dim(adapter: Any) -> int:
+    """Width of the cos/sin tables a pass builds once and every layer reads."""
+    rotary = adapter.decoder.rotary_emb
+    inv_freq = getattr(rotary, "inv_freq", None)
+    return 2 * inv_freq.numel() if inv_freq is not None else 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GRPO step as the planner sees it (from a ``RunConfig`` or the CLI).
+
+    ``device``: which kernels to model: ``"cuda"`` (flash-attn, flash-linear-attention) or
+    ``"cpu"`` (the pure-torch paths the CPU runs). ``param_dtype``: the parameters' dtype
+    (``model.dtype``); the layers compute, and keep their state, in ``compute_dtype``.
+    """
+
+    prompt_tokens: int
+    group: int
+    response_tokens: int
+    chunk_size: int
+    gradient: str = "detached"
+    checkpoints: str = "device"
+    gpus: int = 1
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: tuple[str, ...] = ()
+    offload: OffloadPolicy | None = None
+    device: str = "cuda"
+    budget: int | None = None
+    headroom: float = 0.0
+    rollout: bool = True
+    activation_checkpointing: bool = False  # ModelAdapter.activation_checkpointing
+
+    @property
+    def stored(self) -> int:
+        """Prompt positions the state stores: all but the last (replayed with each branch)."""
+        return max(self.prompt_tokens - 1, 0)
+
+    @property
+    def shards(self) -> int:
+        return self.gpus if self.fsdp else 1
+
+    @property
+    def usable(self) -> int | None:
+        """The budget after headroom, or None when no budget is known."""
+        return None if self.budget is None else int(self.budget * (1 - self.headroom))
+
+    def offloads(self, record_kind: str) -> bool:
+        return self.offload is not None and self.offload.offloads(record_kind)
+
+
+def _gib(value: int | None) -> str:
+    """Human-readable bytes (``format_bytes``), ``-`` for an unknown budget."""
+    from longstraw_core.state import format_bytes
+
+    return "-" if value is None else format_bytes(value)
+
+
+def _count(value: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f}{unit}"
+    return str(value)

@@ -1,0 +1,124 @@
+"""Where a plan's model and workload come from: presets, checkpoints' config.json, run configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
+from longstraw_core.offload import OffloadPolicy
+from longstraw_core.plan.model import PRESETS, ModelSpec, Workload
+
+
+def preset_config(name: str) -> Any:
+    """The transformers config of a named preset (``PRESETS``)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    return AutoConfig.for_model(preset.model_type, **preset.config)
+
+
+def spec_for_preset(name: str, compute_dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
+    return ModelSpec.from_config(preset_config(name), name, compute_dtype)
+
+
+def spec_for_config(cfg: Any, compute_dtype: torch.dtype) -> ModelSpec:
+    """The model of a ``RunConfig``: its tiny config, or ``model.path/config.json`` (read
+    through ``AutoConfig``: no weights), built on ``meta``."""
+    from transformers import AutoConfig
+
+    from longstraw_core.tiny_models import TINY_CONFIGS
+
+    model = cfg.model
+    if model.tiny is not None:
+        config = AutoConfig.for_model(
+            model.tiny, **{**TINY_CONFIGS[model.tiny], **model.tiny_overrides}
+        )
+        return ModelSpec.from_config(config, f"tiny {model.tiny}", compute_dtype)
+    if model.path in PRESETS:
+        return spec_for_preset(model.path, compute_dtype)
+    config = AutoConfig.from_pretrained(
+        model.path, trust_remote_code=model.trust_remote_code, local_files_only=True
+    )
+    return ModelSpec.from_config(config, Path(model.path).name, compute_dtype)
+
+
+def workload_from_config(
+    cfg: Any,
+    prompt_tokens: int | None = None,
+    *,
+    group: int | None = None,
+    gpus: int | None = None,
+    gpu_mem: str | int | None = None,
+    offload: OffloadPolicy | str | dict | None = None,
+    device: str | None = None,
+    model_type: str | None = None,
+) -> Workload:
+    """The step a ``RunConfig`` runs, with the CLI's overrides (``None``: from the config).
+
+    The budget is ``gpu_mem`` or ``memory.gpu_mem``; ``gpus`` (or ``memory.gpus``) ranks
+    shard the parameters when ``distributed.fsdp`` is on. Kernels are CUDA's when a budget
+    is known, the CPU's otherwise (``device`` overrides). Without ``gpus`` or
+    ``memory.gpus``, a launched run counts its ranks (``WORLD_SIZE``).
+    """
+    from longstraw_core.config import lora_targets
+    from longstraw_core.memory import parse_bytes
+
+    memory = getattr(cfg, "memory", None)
+    gpu_mem = gpu_mem if gpu_mem is not None else getattr(memory, "gpu_mem", None)
+    # torchrun and accelerate launch export WORLD_SIZE: a launched recipe shards over it.
+    gpus = gpus or getattr(memory, "gpus", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    budget = None if gpu_mem is None else parse_bytes(gpu_mem)
+    param_dtype = getattr(torch, cfg.model.dtype)
+    bf16 = cfg.distributed.fsdp and cfg.distributed.mixed_precision == "bf16"
+    lora = cfg.lora
+    targets: tuple[str, ...] = ()
+    if lora.enabled:
+        targets = tuple(lora_targets(lora, model_type or _model_type(cfg)))
+    return Workload(
+        prompt_tokens=prompt_tokens or cfg.data.prompt_tokens,
+        group=group or cfg.rollout.num_generations,
+        response_tokens=cfg.rollout.max_new_tokens,
+        chunk_size=cfg.train.chunk_size,
+        gradient=cfg.grpo.gradient,
+        checkpoints=cfg.grpo.recurrent_checkpoints,
+        gpus=gpus,
+        fsdp=cfg.distributed.fsdp,
+        reshard_after_forward=cfg.distributed.reshard_after_forward,
+        param_dtype=param_dtype,
+        compute_dtype=torch.bfloat16 if bf16 else param_dtype,
+        lora_rank=lora.r if lora.enabled else 0,
+        lora_targets=targets,
+        offload=_offload_of(cfg, offload),
+        device=device or ("cuda" if budget is not None else "cpu"),
+        budget=budget,
+        headroom=getattr(memory, "headroom", 0.0) if budget is not None else 0.0,
+        activation_checkpointing=_activation_checkpointing(cfg),
+    )
+
+
+def _activation_checkpointing(cfg: Any) -> bool:
+    """The config's ``train.activation_checkpointing`` (False when the key is absent)."""
+    return bool(getattr(getattr(cfg, "train", None), "activation_checkpointing", False))
+
+
+def _model_type(cfg: Any) -> str | None:
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny
+    if cfg.model.path in PRESETS:
+        return PRESETS[cfg.model.path].model_type
+    from longstraw_core.config import model_facts
+
+    return model_facts(cfg.model, check_paths=True).model_type
+
+
+def _offload_of(cfg: Any, override: OffloadPolicy | str | dict | None) -> OffloadPolicy | None:
+    """The offload policy: the CLI's, else the config's ``offload`` section."""
+    from longstraw_core.config import offload_policy
+
+    return OffloadPolicy.parse(override) if override is not None else offload_policy(cfg)
