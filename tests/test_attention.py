@@ -401,11 +401,11 @@ def test_prefix_grads_shape_mismatch_is_refused():
 
 
 @pytest.mark.parametrize(("batch", "tq", "tk"), [(1, 7, 7), (3, 5, 5), (2, 1, 4), (1, 3, 6)])
-def test_cpu_fused_kernels_equal_the_blocked_loop(monkeypatch, batch, tq, tk):
+def test_cpu_fused_kernels_match_plain_softmax_attention(monkeypatch, batch, tq, tk):
     """float32 on CPU takes PyTorch's fused flash kernels (forward and backward) for prefix
-    segments and a branch attending to itself; the blocked loop (forced by block_size) is the
-    reference. The fused backward visits a prefix segment a few keys per call (shrunk here
-    so the 300-key segment takes several) and adds into sinks like the blocked one."""
+    segments and a branch attending to itself; the reference is plain softmax attention in
+    float64. The fused backward visits a prefix segment a few keys per call (shrunk here so
+    the 300-key segment takes several) and adds into sinks like the blocked one."""
     monkeypatch.setattr(attention, "_FUSED_BWD_CHUNK", 64)
     torch.manual_seed(11)
     q = torch.randn(batch, 4, tq, 8, requires_grad=True)
@@ -416,16 +416,17 @@ def test_cpu_fused_kernels_equal_the_blocked_loop(monkeypatch, batch, tq, tk):
     sinks = [(torch.ones_like(pk), torch.zeros_like(pv)) for pk, pv in prefix]
     fused = segmented_attention(q, k, v, leaves[:1] + prefix[1:], scale=0.4,
                                 prefix_grads=[(None, None), sinks[1]])  # fmt: skip
-    blocked = segmented_attention(q, k, v, leaves, scale=0.4, block_size=64)
-    assert torch.allclose(fused, blocked, atol=2e-6)
+    as64 = [t.detach().double().requires_grad_() for t in (q, k, v, *leaves[0], *leaves[1])]
+    segments64 = [(as64[3], as64[4]), (as64[5], as64[6])]
+    expected_out = reference_attention(*as64[:3], segments64, 0.4)
+    assert torch.allclose(fused.double(), expected_out, atol=2e-6)
     weights = torch.randn_like(fused)
-    inputs = (q, k, v, *leaves[0])
-    grads = torch.autograd.grad((fused * weights).sum(), inputs)
-    expected = torch.autograd.grad((blocked * weights).sum(), (*inputs, *leaves[1]))
+    grads = torch.autograd.grad((fused * weights).sum(), (q, k, v, *leaves[0]))
+    expected = torch.autograd.grad((expected_out * weights.double()).sum(), as64)
     for got, want in zip(grads, expected, strict=False):
-        assert torch.allclose(got, want, atol=2e-5)
-    assert torch.allclose(sinks[1][0], 1 + expected[-2], atol=2e-5)
-    assert torch.allclose(sinks[1][1], expected[-1], atol=2e-5)
+        assert torch.allclose(got.double(), want, atol=2e-5)
+    assert torch.allclose(sinks[1][0].double(), 1 + expected[-2], atol=2e-5)
+    assert torch.allclose(sinks[1][1].double(), expected[-1], atol=2e-5)
 
 
 def test_cpu_fused_backward_is_used_for_float32(monkeypatch):
