@@ -132,3 +132,29 @@ def test_grad_sink_adds_the_gradient_into_its_buffer():
     (attach_grad_sink(x, sink) * weight).sum().backward()
     assert torch.allclose(sink, 1 + weight.detach())
     assert torch.allclose(weight.grad, x)
+
+
+@pytest.mark.parametrize(
+    ("offload", "checkpointing", "head_rows"),
+    [(True, False, 0), (False, True, 0), (False, False, 3), (True, True, 3)],
+    ids=["offload", "checkpointing", "head-chunks", "all"],
+)
+def test_memory_savers_keep_the_full_graph_gradient(monkeypatch, offload, checkpointing, head_rows):
+    """CPU offload of the state (one layer resident), per-layer activation checkpointing and
+    the LM head in row chunks change where memory goes, not the gradient: still the full
+    graph's, from the transformers model itself."""
+    import model_adapters.base as base
+    from longstraw_core.offload import OffloadPolicy
+
+    if head_rows:
+        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", head_rows * VOCAB)
+    model = tiny_model("qwen3", dtype=torch.float64, seed=5, num_hidden_layers=3)
+    adapter = ls.adapt(model)
+    adapter.activation_checkpointing = checkpointing
+    prompt = _ids(29, 1)
+    responses = [_ids(n, 20 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(loss_type="dapo", gradient="exact")
+    policy = OffloadPolicy.cpu(resident_layers=1) if offload else None
+    _, grads = _step_grads(model, adapter, prompt, responses, cfg, chunk_size=7, offload=policy)
+    _, expected = _full_graph_grads(model, prompt, responses, None, None, cfg)
+    assert_grads_close(grads, expected, rtol=1e-6)
