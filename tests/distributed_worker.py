@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
+from reference import with_lora
 
 import longstraw_core as ls
 from longstraw_core.distributed import (
@@ -95,14 +95,7 @@ def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
     """The tiny model of ``case`` (float32, same weights in every process) and its adapter."""
     model = tiny_model(case.model_type, seed=0).train()
     if case.lora:
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-        model = get_peft_model(model, lora)
-        # B starts at zero, so A would get no gradient in the first step.
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0.0, 0.05, generator=generator)
+        model = with_lora(model, ["q_proj", "v_proj", "down_proj"], std=0.05, seed=1)
     return model, ls.adapt(model)
 
 

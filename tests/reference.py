@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
 
@@ -183,3 +184,25 @@ def step_grads(model, adapter, prompt, responses, rewards, config, **kwargs):
     }
     model.zero_grad(set_to_none=True)
     return metrics, grads
+
+
+def with_lora(
+    model: torch.nn.Module,
+    targets: list[str],
+    *,
+    std: float = 0.1,
+    seed: int | None = None,
+    **config,
+) -> torch.nn.Module:
+    """``model`` with peft LoRA (``r=4`` unless given) on ``targets``, B drawn off zero.
+
+    peft starts B at zero, so LoRA would change no output and A would get no gradient.
+    ``seed``: draw B from its own generator instead of the global one.
+    """
+    peft_model = get_peft_model(model, LoraConfig(**{"r": 4, **config}, target_modules=targets))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, std, generator=generator)
+    return peft_model

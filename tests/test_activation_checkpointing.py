@@ -23,7 +23,7 @@ import pytest
 import torch
 from launch import torchrun_ok
 from peft import LoraConfig, get_peft_model
-from reference import assert_grads_close, step_grads
+from reference import assert_grads_close, step_grads, with_lora
 
 import longstraw_core as ls
 import longstraw_core.exact as exact
@@ -53,15 +53,7 @@ def _ids(length: int, seed: int) -> torch.Tensor:
 
 def _model(model_type: str, lora: bool, dtype: torch.dtype = torch.float64, **overrides):
     model = tiny_model(model_type, dtype=dtype, seed=3, **overrides)
-    if not lora:
-        return model
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS[model_type]))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # B starts at zero: A would get no gradient
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.1, generator=generator)
-    return model
+    return with_lora(model, LORA_TARGETS[model_type], seed=1) if lora else model
 
 
 @contextlib.contextmanager

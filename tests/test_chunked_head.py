@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from reference import detached_reference_logps
+from reference import detached_reference_logps, with_lora
 
 import longstraw_core as ls
 import model_adapters.base as base
@@ -36,15 +35,7 @@ def _ids(length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
 
 def _model(model_type: str, lora: bool = False, **overrides) -> torch.nn.Module:
     model = tiny_model(model_type, dtype=torch.float64, seed=3, **overrides)
-    if not lora:
-        return model
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS[model_type]))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # B starts at zero: A would get no gradient
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.1, generator=generator)
-    return model
+    return with_lora(model, LORA_TARGETS[model_type], seed=1) if lora else model
 
 
 def _score_and_grads(model, adapter, state, response, weights):

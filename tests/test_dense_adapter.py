@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from reference import (
     assert_grads_close,
     detached_reference_logps,
     full_sequence_logps,
     parameter_grads,
+    with_lora,
 )
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -105,11 +105,7 @@ def test_state_accounting_and_device_move() -> None:
 
 def test_lora_wrapped_model_scores_and_trains_only_adapters() -> None:
     model = tiny_model("qwen3", dtype=torch.float64)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    peft_model = get_peft_model(model, lora)
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero; move off it so LoRA changes the output
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], lora_alpha=8)
     adapter = ls.adapt(peft_model)
     prompt, response = _ids(33, 512, 12), _ids(7, 512, 13)
     ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)

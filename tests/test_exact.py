@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from reference import assert_grads_close, full_sequence_logps, group_reference, step_grads
+from reference import (
+    assert_grads_close,
+    full_sequence_logps,
+    group_reference,
+    step_grads,
+    with_lora,
+)
 
 import longstraw_core as ls
 from longstraw_core.exact import attach_grad_sink, new_state_grad
@@ -95,12 +100,7 @@ def test_exact_differs_from_detached(models):
 
 def test_exact_with_lora_trains_only_adapters():
     model = tiny_model("qwen3", dtype=torch.float64, seed=6)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
-    )
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, ["q_proj", "k_proj", "v_proj", "down_proj"])
     adapter = ls.adapt(peft_model)
     prompt, responses = _ids(23, 3), [_ids(n, 40 + i) for i, n in enumerate(LENGTHS)]
     cfg = ls.GRPOConfig(loss_type="dapo", beta=0.05, gradient="exact")

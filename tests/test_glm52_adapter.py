@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -18,6 +17,7 @@ from reference import (
     parameter_grads,
     step_grads,
     trl_group_loss,
+    with_lora,
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -156,11 +156,7 @@ def test_grpo_step_gradients_equal_detached_reference(topk: int) -> None:
 
 def test_lora_on_kv_b_proj_uses_the_effective_weight() -> None:
     model = _float64_model(SPARSE_TOPK, seed=1)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"])
-    peft_model = get_peft_model(model, lora)
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero; move off it so LoRA changes the output
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, ["q_b_proj", "kv_b_proj", "o_proj"], lora_alpha=8)
     adapter = ls.adapt(peft_model)
     prompt, response = _ids(33, 12), _ids(7, 13)
     state = adapter.prefill(prompt, chunk_size=10)
@@ -476,11 +472,7 @@ def test_exact_with_the_models_float32_internals(model_type: str) -> None:
 def test_exact_with_lora_trains_only_adapters() -> None:
     prompt, responses = _ids(33, 12), [_ids(n, 70 + n) for n in LENGTHS]
     model = _exact_model("glm_moe_dsa", SPARSE_TOPK, seed=5)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"])
-    peft_model = get_peft_model(model, lora)
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:  # off zero, so LoRA changes the output
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, ["q_b_proj", "kv_b_proj", "o_proj"], lora_alpha=8)
     adapter = ls.adapt(peft_model)
     with Float64Internals():
         grads = _check_exact(

@@ -19,7 +19,6 @@ from unittest import mock
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -28,6 +27,7 @@ from reference import (
     parameter_grads,
     step_grads,
     trl_group_loss,
+    with_lora,
 )
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.cache_utils import LinearAttentionLayer
@@ -230,10 +230,7 @@ def test_one_chunk_prefill_equals_the_cache_to_float64_precision() -> None:
 def test_lora_on_deltanet_and_attention_projections() -> None:
     model = tiny_model("qwen3_5_text", dtype=torch.float64, seed=1)
     targets = ["in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj", "q_proj", "v_proj"]
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero; move off it so LoRA changes the output
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, targets, lora_alpha=8)
     adapter = ls.adapt(peft_model)
     prompt, response = _ids(33, 10), _ids(7, 11)
     ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
@@ -504,10 +501,7 @@ def test_exact_mode_needs_checkpoints_for_a_given_state():
 def test_exact_with_lora_on_deltanet_and_attention():
     model = tiny_model("qwen3_5_text", dtype=torch.float64, seed=3)
     targets = ["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "k_proj", "v_proj"]
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.1)
+    peft_model = with_lora(model, targets, lora_alpha=8)
     adapter = ls.adapt(peft_model)
     prompt = _ids(26, 80)
     responses = [_ids(n, 81 + i) for i, n in enumerate([4, 6, 3])]

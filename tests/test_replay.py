@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from reference import (
     assert_grads_close,
     detached_reference_logps,
     group_reference,
     hand_advantages,
     step_grads,
+    with_lora,
 )
 
 import longstraw_core as ls
@@ -116,10 +116,7 @@ def test_on_policy_state_reuse_and_truncation_mask(models):
 
 def test_lora_reference_uses_the_same_weights_with_adapters_disabled():
     model = tiny_model("qwen3", dtype=torch.float64, seed=2)
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    for name, parameter in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.2)
+    peft_model = with_lora(model, ["q_proj", "v_proj"], std=0.2)
     adapter = ls.adapt(peft_model)
     prompt, responses = _group(seed=20)
     cfg = ls.GRPOConfig(loss_type="grpo", beta=0.1)
