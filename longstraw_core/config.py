@@ -66,7 +66,8 @@ BUILTIN_TOKENIZER_SIZE = 256 + len(BUILTIN_SPECIAL_TOKENS)
 # - MLA (GLM-5.x, DeepSeek-V3.2): both low-rank halves of q and kv and ``o_proj``; never the
 #   DSA indexer (``wq_b``, ``wk``, ``weights_proj``: frozen during RL, as transformers runs it
 #   under no_grad). Routed experts are fused 3-D parameters, not ``nn.Linear``, so LoRA reaches
-#   only the dense MLP layers and the shared experts through ``gate/up/down_proj``.
+#   only the dense MLP layers and the shared experts through ``gate/up/down_proj`` (plain peft
+#   would move those names onto the routed experts: ``models.add_lora`` keeps them as written).
 _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _MLP = ["gate_proj", "up_proj", "down_proj"]
 _DELTANET = ["in_proj_qkv", "in_proj_z", "out_proj"]

@@ -5,6 +5,11 @@ Recipes call these so they stay short; each function does one thing the config d
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import peft.utils.transformers_weight_conversion as peft_conversion
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
@@ -55,7 +60,36 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
         lora_dropout=lora.dropout,
         target_modules=lora_targets(lora, model.config.model_type),
     )
-    return get_peft_model(model, config)
+    with _targets_as_written():
+        return get_peft_model(model, config)
+
+
+def load_lora(model: PreTrainedModel, directory: str | Path) -> PeftModel:
+    """``PeftModel.from_pretrained`` for adapters this package saved: the modules they were
+    trained on get them back (see ``_targets_as_written``)."""
+    with _targets_as_written():
+        return PeftModel.from_pretrained(model, directory)
+
+
+@contextlib.contextmanager
+def _targets_as_written() -> Iterator[None]:
+    """While peft injects adapters, adapt exactly the modules ``target_modules`` names.
+
+    NOTE: on transformers v5, peft (0.19 to at least 0.21) rewrites ``gate_proj``,
+    ``up_proj`` and ``down_proj`` targets of MoE models (glm_moe_dsa, qwen3_next, ...) into
+    the routed experts' fused 3-D parameters, so that adapters trained on transformers v4
+    still load. That leaves the dense MLP layers and shared experts, which those names also
+    match, without LoRA, and puts LoRA on every routed expert instead, whose per-expert
+    delta weights peft materializes in each forward (huggingface/peft#3711). Our targets are
+    written for the v5 modules, so the conversion is switched off while they are injected;
+    it is a no-op for dense models either way.
+    """
+    convert = peft_conversion.convert_peft_config_for_transformers
+    peft_conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        peft_conversion.convert_peft_config_for_transformers = convert
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSection) -> torch.optim.AdamW:

@@ -16,7 +16,6 @@ from pathlib import Path
 import launch
 import pytest
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file
 
 from longstraw_core import checkpoint, config, models
@@ -143,9 +142,7 @@ def test_resumed_sharded_run_equals_uninterrupted_run(tmp_path, case):
     if lora:
         assert (saved / "model" / "adapter_config.json").is_file()
         assert not (saved / "model" / "model.safetensors").exists()
-        loaded = PeftModel.from_pretrained(
-            models.build_model(cfg.model, cfg.train.seed), saved / "model"
-        )
+        loaded = models.load_lora(models.build_model(cfg.model, cfg.train.seed), saved / "model")
         adapters = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
         assert len(adapters) == len(first)
         for key, value in adapters.items():
