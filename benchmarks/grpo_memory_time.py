@@ -1,12 +1,19 @@
 """GRPO step: LongStraw detached and exact modes vs the naive TRL-style step, one run.
 
 Measures, on a tiny random-init Qwen3 on CPU, for LongStraw's ``gradient="detached"`` (the
-paper's behaviour), ``gradient="exact"`` (the full-graph gradient, through the prompt) and
-the naive step:
+paper's behaviour), ``gradient="exact"`` (the full-graph gradient, through the prompt),
+``exact_kept`` (exact mode with ``keep_attention_outputs=True``: prefill keeps every
+full-attention layer's output and log-sum-exp, so the sweep skips recomputing the attention
+forward, for more memory) and the naive step:
 
 1. peak memory and step time against the group size G at a fixed prompt length;
 2. the longest prompt whose step fits a memory budget, for each method;
-3. the step time of each at a 16K prompt with G=8, with the ratios the targets name.
+3. the step time of each at a 16K prompt with G=8, with the ratios the targets name;
+4. beside exact mode, the work its sweep does, timed as transformers does it
+   (``prompt_graph``: the model's own forward with autograd over the prompt, through every
+   layer but the last, and its backward): one forward and one backward over the prompt,
+   which any exact step that does not keep the prompt's activations must pay on top of a
+   detached step. ``sweep / prompt_graph`` says how efficiently the sweep does that work.
 
 Every measurement is one GRPO step (``loss_type="dapo"``, on-policy, no KL) in a fresh
 subprocess that reports its peak RSS (``ru_maxrss``). A worker that builds the model and runs
@@ -21,14 +28,16 @@ every ``prompt + response`` with autograd and gradient checkpointing, one sequen
 time, with ``logits_to_keep = |response| + 1``.
 
 First, a gradient check at a short float32 prompt: LongStraw's detached mode against the
-naive step with the prompt detached, and exact mode against the full-graph naive step.
+naive step with the prompt detached, and exact mode (outputs kept or not) against the
+full-graph naive step. ``exact_kept`` is measured and judged wherever ``exact`` is, against
+the same exact-mode targets.
 
 Output: a summary table, ``grpo_benchmark.json`` (every raw measurement, model config,
 budget, targets and verdicts) and PNG plots under ``benchmarks/results/``.
 
     python benchmarks/grpo_memory_time.py             # defaults, about 40-60 minutes
     python benchmarks/grpo_memory_time.py --quick     # smoke run, a few minutes
-    python benchmarks/grpo_memory_time.py --methods detached naive   # skip exact mode
+    python benchmarks/grpo_memory_time.py --methods detached naive   # skip both exact modes
     python benchmarks/grpo_memory_time.py --budget-gib 1 --max-longstraw-tokens 131072
 
 Defaults: G in {2, 4, 8} at a 16384-token prompt, 256-token responses, prefill chunks of
@@ -73,8 +82,13 @@ TARGETS = {
     "exact_time_vs_detached_max": 2.5,  # issue #6
     "exact_speedup_min": 3.0,  # exact vs naive (issue #6)
 }
-METHODS = ("detached", "exact", "naive")
-LONGSTRAW = ("detached", "exact")
+METHODS = ("detached", "exact", "exact_kept", "naive")
+LONGSTRAW = ("detached", "exact", "exact_kept")
+# Exact-gradient modes: each is judged against the exact-mode targets. ``exact_kept`` is exact
+# mode with ``keep_attention_outputs=True`` (see longstraw_config).
+EXACT_MODES = ("exact", "exact_kept")
+# Timed at the speed-up configuration beside exact mode; not a GRPO step (see run_step).
+PROMPT_GRAPH = "prompt_graph"
 GIB = 2**30
 MIB = 2**20
 
@@ -104,12 +118,28 @@ def build_model(positions: int) -> Any:
     return tiny_model("qwen3", max_position_embeddings=positions, **MODEL)
 
 
+def longstraw_config(method: str, group_size: int) -> Any:
+    """LongStraw's config for ``method``: a gradient mode, or ``"exact_kept"`` (exact mode
+    with every full-attention layer's output and log-sum-exp kept from prefill)."""
+    import longstraw_core as ls
+
+    if method == "exact_kept":
+        return ls.GRPOConfig(
+            loss_type="dapo",
+            num_generations=group_size,
+            gradient="exact",
+            keep_attention_outputs=True,
+        )
+    return ls.GRPOConfig(loss_type="dapo", num_generations=group_size, gradient=method)
+
+
 def run_step(
     method: str, model: Any, group: tuple[Any, list[Any], list[float]], chunk_size: int
 ) -> dict[str, float]:
     """One GRPO step of ``method``; returns its timings (gradients are left in ``.grad``).
 
-    ``method`` is LongStraw's gradient mode or ``"naive"`` (always the full graph).
+    ``method`` is LongStraw's gradient mode, ``"exact_kept"`` (exact mode keeping the
+    attention outputs, see longstraw_config) or ``"naive"`` (always the full graph).
     """
     from naive_grpo import naive_grpo_step, prepare_naive
 
@@ -117,13 +147,15 @@ def run_step(
 
     prompt, responses, rewards = group
     group_size = max(len(responses), 2)
+    if method == PROMPT_GRAPH:
+        return prompt_graph_step(model, prompt)
     if method == "naive":
         config = ls.GRPOConfig(loss_type="dapo", num_generations=group_size)
         prepare_naive(model)
         started = time.perf_counter()
         metrics = naive_grpo_step(model, prompt, responses, rewards, config)
         return {"seconds": time.perf_counter() - started, **metrics}
-    config = ls.GRPOConfig(loss_type="dapo", num_generations=group_size, gradient=method)
+    config = longstraw_config(method, group_size)
     adapter = ls.adapt(model)
     started = time.perf_counter()
     metrics = ls.grpo_step(
@@ -137,6 +169,31 @@ def run_step(
         "replay_seconds": metrics["replay_seconds"],
         "sweep_seconds": metrics.get("sweep_seconds", 0.0),
         "state_bytes": metrics["state_bytes"],
+        "attention_output_bytes": metrics["attention_output_bytes"],  # 0 unless exact_kept
+    }
+
+
+def prompt_graph_step(model: Any, prompt: Any) -> dict[str, float]:
+    """One forward with autograd over the prompt and its backward, through transformers' own
+    decoder: the work exact mode's sweep does (it recomputes every prompt chunk and
+    backpropagates it), as the model itself does it, in one piece.
+
+    The last decoder layer is left out: the sweep needs only its keys and values (two small
+    projections), so this slightly under-counts the sweep's work. The loss is a sum of squares of the output, so the backward runs
+    through every remaining layer with a dense gradient, as the sweep's ``dS`` does.
+    """
+    decoder = model.model
+    decoder.layers = decoder.layers[:-1]
+    decoder.config.num_hidden_layers -= 1
+    started = time.perf_counter()
+    hidden = decoder(input_ids=prompt[None], use_cache=False).last_hidden_state
+    forward_seconds = time.perf_counter() - started
+    hidden.float().square().mean().backward()
+    seconds = time.perf_counter() - started
+    return {
+        "seconds": seconds,
+        "forward_seconds": forward_seconds,
+        "backward_seconds": seconds - forward_seconds,
     }
 
 
@@ -214,7 +271,7 @@ class Runner:
             runs.append(run)
             above = (run["peak_rss_bytes"] - self.fixed_cost(method)) / MIB
             print(
-                f"  {method:>9} | prompt {prompt_tokens:>7} | G {group_size} | peak "
+                f"  {method:>12} | prompt {prompt_tokens:>7} | G {group_size} | peak "
                 f"{run['peak_rss_bytes'] / MIB:7.1f} MiB ({above:7.1f} above fixed) | "
                 f"{run['seconds']:6.1f} s | load {run['load_average'][0]:.1f}",
                 flush=True,
@@ -272,7 +329,7 @@ def run_python(*flags: str, threads: int) -> dict[str, Any]:
 
 
 def sweep_group_sizes(runner: Runner) -> list[dict[str, Any]]:
-    """Both methods at the fixed prompt length, for every G."""
+    """Every method at the fixed prompt length, for every G."""
     args = runner.args
     print(f"memory and time vs G at a {args.prompt_tokens}-token prompt:", flush=True)
     # The flatness target is LongStraw's: only its runs are repeated (a few MiB of noise).
@@ -332,8 +389,10 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
     LongStraw's default ``gradient="detached"`` treats the prompt's keys/values as constants,
     so it must equal the naive step with the prompt detached (same loss, same weights), not
     the full-graph naive step: their gap is the gradient through the prompt that detached
-    mode drops. ``gradient="exact"`` must equal the full-graph step. One model serves every step; the full-graph naive step runs last, in train mode
-    with checkpointing, which does not change its math (every dropout is 0).
+    mode drops. ``gradient="exact"`` must equal the full-graph step, with or without the
+    attention outputs kept (``exact_kept``). One model serves every step; the full-graph
+    naive step runs last, in train mode with checkpointing, which does not change its math
+    (every dropout is 0).
     """
     import torch
     from naive_grpo import naive_grpo_step, prepare_naive
@@ -346,8 +405,8 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(2)
     responses = [torch.randint(0, MODEL["vocab_size"], (n,), generator=generator) for n in lengths]
 
-    def longstraw_step(gradient: str) -> Any:
-        config = ls.GRPOConfig(loss_type="dapo", num_generations=3, gradient=gradient)
+    def longstraw_step(method: str) -> Any:
+        config = longstraw_config(method, group_size=3)
         adapter = ls.adapt(model)
         return lambda: ls.grpo_step(
             adapter, prompt, responses, rewards, config=config, chunk_size=chunk_size
@@ -361,6 +420,7 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
 
     detached = _gradients(model, longstraw_step("detached"))
     exact = _gradients(model, longstraw_step("exact"))
+    exact_kept = _gradients(model, longstraw_step("exact_kept"))
     # Before prepare_naive: with checkpointing in train mode transformers refuses the cache.
     naive_detached = _gradients(model, naive_step(detach_prompt=True))
     prepare_naive(model)
@@ -372,6 +432,7 @@ def check_gradients(prompt_tokens: int, chunk_size: int) -> dict[str, Any]:
         "detached_vs_naive_detached_prompt": _relative_errors(detached, naive_detached),
         "detached_vs_naive_full_graph": _relative_errors(detached, naive_full),
         "exact_vs_naive_full_graph": _relative_errors(exact, naive_full),
+        "exact_kept_vs_naive_full_graph": _relative_errors(exact_kept, naive_full),
     }
 
 
@@ -466,35 +527,42 @@ def summarise(
                 ratio is not None and ratio >= TARGETS["longest_prompt_ratio_min"]
             )
             verdicts["detached_speedup"] = detached["speedup"] >= TARGETS["speedup_min"]
-    if "exact" in summary["by_mode"]:
-        exact = summary["by_mode"]["exact"]
+    # Every exact mode against the same exact-mode targets; verdicts are "<mode>_<name>".
+    for mode in (m for m in EXACT_MODES if m in summary["by_mode"]):
+        exact = summary["by_mode"][mode]
         if "detached" in summary["by_mode"]:
-            exact["peak_vs_detached"] = _peak_ratios(by_g, by_length)
-            exact["time_vs_detached"] = speed["exact"]["seconds"] / speed["detached"]["seconds"]
+            exact["peak_vs_detached"] = _peak_ratios(mode, by_g, by_length)
+            exact["time_vs_detached"] = speed[mode]["seconds"] / speed["detached"]["seconds"]
             worst = max(exact["peak_vs_detached"].values())
-            verdicts["exact_peak_vs_detached"] = worst <= TARGETS["exact_peak_vs_detached_max"]
-            verdicts["exact_time_vs_detached"] = (
+            verdicts[f"{mode}_peak_vs_detached"] = worst <= TARGETS["exact_peak_vs_detached_max"]
+            verdicts[f"{mode}_time_vs_detached"] = (
                 exact["time_vs_detached"] <= TARGETS["exact_time_vs_detached_max"]
+            )
+            prompt_graph = speed[PROMPT_GRAPH]["seconds"]
+            exact["sweep_vs_prompt_graph"] = speed[mode]["sweep_seconds"] / prompt_graph
+            exact["time_vs_detached_with_prompt_graph"] = (
+                1 + prompt_graph / speed["detached"]["seconds"]
             )
         if "naive" in by_length:
             ratio = exact["longest_prompt_ratio"]
-            verdicts["exact_longest_prompt_ratio"] = (
+            verdicts[f"{mode}_longest_prompt_ratio"] = (
                 ratio is not None and ratio >= TARGETS["exact_longest_prompt_ratio_min"]
             )
-            verdicts["exact_speedup"] = exact["speedup"] >= TARGETS["exact_speedup_min"]
+            verdicts[f"{mode}_speedup"] = exact["speedup"] >= TARGETS["exact_speedup_min"]
     return summary
 
 
 def _peak_ratios(
-    by_g: list[dict[str, Any]], by_length: dict[str, list[dict[str, Any]]]
+    mode: str, by_g: list[dict[str, Any]], by_length: dict[str, list[dict[str, Any]]]
 ) -> dict[str, float]:
-    """Exact / detached peak above the fixed cost, for every configuration both measured."""
+    """``mode`` (an exact mode) / detached peak above the fixed cost, for every configuration
+    both measured."""
     rows = [*by_g, *(row for method_rows in by_length.values() for row in method_rows)]
     peaks = {(r["method"], r["prompt_tokens"], r["group_size"]): r for r in rows}
     ratios = {}
     for (method, tokens, group_size), row in sorted(peaks.items()):
         detached = peaks.get(("detached", tokens, group_size))
-        if method == "exact" and detached is not None:
+        if method == mode and detached is not None:
             ratio = row["peak_above_fixed_bytes"] / detached["peak_above_fixed_bytes"]
             ratios[f"prompt {tokens}, G={group_size}"] = ratio
     return ratios
@@ -514,11 +582,11 @@ def print_summary(
         return "MET" if verdicts[key] else "NOT MET"
 
     print(f"\nmemory vs G (prompt {args.prompt_tokens}, responses {args.response_tokens}):")
-    header = f"{'G':>3} | {'method':>9} | {'peak MiB':>9} | {'above fixed MiB':>15} | "
+    header = f"{'G':>3} | {'method':>10} | {'peak MiB':>9} | {'above fixed MiB':>15} | "
     print(f"  {header}{'spread MiB':>10} | {'runs':>4} | {'step s':>7}")
     for row in sorted(by_g, key=lambda r: (r["group_size"], METHODS.index(r["method"]))):
         print(
-            f"  {row['group_size']:>3} | {row['method']:>9} | {row['peak_rss_bytes'] / MIB:9.1f} "
+            f"  {row['group_size']:>3} | {row['method']:>10} | {row['peak_rss_bytes'] / MIB:9.1f} "
             f"| {row['peak_above_fixed_bytes'] / MIB:15.1f} | "
             f"{row['peak_rss_spread_bytes'] / MIB:10.1f} | {len(row['runs']):>4} | "
             f"{row['seconds']:7.1f}"
@@ -541,19 +609,21 @@ def print_summary(
             f"{summary['naive_growth_absolute']:+.1%} absolute (one sequence per micro-batch "
             "keeps the naive step flat in G too)"
         )
-    exact = summary["by_mode"].get("exact", {})
-    if "peak_vs_detached" in exact:
-        print("exact / detached peak above fixed cost, same configuration:")
+    exact_modes = {m: summary["by_mode"][m] for m in EXACT_MODES if m in summary["by_mode"]}
+    for mode, exact in exact_modes.items():
+        if "peak_vs_detached" not in exact:
+            continue
+        print(f"{mode} / detached peak above fixed cost, same configuration:")
         for where, ratio in exact["peak_vs_detached"].items():
             print(f"  {where}: {ratio:.2f}x")
         limit = TARGETS["exact_peak_vs_detached_max"]
         print(f"  worst {max(exact['peak_vs_detached'].values()):.2f}x "
-              f"[{verdict('exact_peak_vs_detached')}, target <= {limit}x]")  # fmt: skip
+              f"[{verdict(f'{mode}_peak_vs_detached')}, target <= {limit}x]")  # fmt: skip
 
     print(f"\nlongest prompt within {args.budget_gib} GiB above the fixed cost:")
     for method, info in summary["longest"].items():
         note = "" if info["crossed_budget"] else " (never crossed the budget: a lower bound)"
-        print(f"  {method:>9}: {info['longest_prompt_tokens']} tokens{note}")
+        print(f"  {method:>10}: {info['longest_prompt_tokens']} tokens{note}")
     for mode, mine in summary["by_mode"].items():
         if "longest_prompt_ratio" not in mine:
             continue
@@ -561,7 +631,7 @@ def print_summary(
         key, minimum = (
             ("detached_longest_prompt_ratio", TARGETS["longest_prompt_ratio_min"])
             if mode == "detached"
-            else ("exact_longest_prompt_ratio", TARGETS["exact_longest_prompt_ratio_min"])
+            else (f"{mode}_longest_prompt_ratio", TARGETS["exact_longest_prompt_ratio_min"])
         )
         ratio_text = "n/a" if ratio is None else f"{ratio:.0f}x"
         print(
@@ -581,15 +651,22 @@ def print_summary(
     print(f"\nstep time at prompt {any_row['prompt_tokens']}, G={any_row['group_size']}:")
     for method, row in speed.items():
         phases = ""
-        if method != "naive":
+        if method == PROMPT_GRAPH:
+            phases = (
+                f" (forward {row['forward_seconds']:.1f} s, backward "
+                f"{row['backward_seconds']:.1f} s; not a GRPO step)"
+            )
+        elif method != "naive":
             phases = (
                 f" (prefill {row['prefill_seconds']:.1f} s, replay {row['replay_seconds']:.1f} s"
             )
-            phases += f", sweep {row['sweep_seconds']:.1f} s)" if row["sweep_seconds"] else ")"
+            phases += f", sweep {row['sweep_seconds']:.1f} s" if row["sweep_seconds"] else ""
+            kept = row.get("attention_output_bytes")
+            phases += f", attention outputs kept {kept / MIB:.1f} MiB)" if kept else ")"
         times = ", ".join(f"{run['seconds']:.1f}" for run in row["runs"])
         loads = ", ".join(f"{run['load_average'][0]:.1f}" for run in row["runs"])
         print(
-            f"  {method:>9}: {row['seconds']:.1f} s{phases}; runs {times} s "
+            f"  {method:>12}: {row['seconds']:.1f} s{phases}; runs {times} s "
             f"(1-min load average {loads}); fastest kept"
         )
     if "detached" in summary["by_mode"] and "speedup" in summary["by_mode"]["detached"]:
@@ -597,17 +674,23 @@ def print_summary(
             f"  detached vs naive: {summary['by_mode']['detached']['speedup']:.1f}x faster "
             f"[{verdict('detached_speedup')}, target >= {TARGETS['speedup_min']:.0f}x]"
         )
-    if "time_vs_detached" in exact:
-        print(
-            f"  exact / detached: {exact['time_vs_detached']:.2f}x "
-            f"[{verdict('exact_time_vs_detached')}, target <= "
-            f"{TARGETS['exact_time_vs_detached_max']}x]"
-        )
-    if "speedup" in exact:
-        print(
-            f"  exact vs naive: {exact['speedup']:.1f}x faster [{verdict('exact_speedup')}, "
-            f"target >= {TARGETS['exact_speedup_min']:.0f}x]"
-        )
+    for mode, exact in exact_modes.items():
+        if "time_vs_detached" in exact:
+            print(
+                f"  {mode} / detached: {exact['time_vs_detached']:.2f}x "
+                f"[{verdict(f'{mode}_time_vs_detached')}, target <= "
+                f"{TARGETS['exact_time_vs_detached_max']}x]"
+            )
+            print(
+                f"  {mode}'s sweep / {PROMPT_GRAPH} (the same forward + backward in "
+                f"transformers): {exact['sweep_vs_prompt_graph']:.2f}x; a detached step plus "
+                f"{PROMPT_GRAPH}: {exact['time_vs_detached_with_prompt_graph']:.2f}x detached"
+            )
+        if "speedup" in exact:
+            print(
+                f"  {mode} vs naive: {exact['speedup']:.1f}x faster "
+                f"[{verdict(f'{mode}_speedup')}, target >= {TARGETS['exact_speedup_min']:.0f}x]"
+            )
     cold = {method: row["seconds"] for method, row in fixed.items()}
     print(
         "  (one cold step per process; a 2-token step takes "
@@ -623,6 +706,10 @@ def print_gradient_check(check: dict[str, Any]) -> None:
         ("LongStraw detached vs naive, prompt detached", "detached_vs_naive_detached_prompt"),
         ("LongStraw detached vs naive, full graph", "detached_vs_naive_full_graph"),
         ("LongStraw exact vs naive, full graph", "exact_vs_naive_full_graph"),
+        (
+            "LongStraw exact, attention outputs kept, vs naive, full graph",
+            "exact_kept_vs_naive_full_graph",
+        ),
     ]
     for label, key in rows:
         errors = check[key]
@@ -631,8 +718,9 @@ def print_gradient_check(check: dict[str, Any]) -> None:
             f"{errors['worst_parameter']:.1e})"
         )
     print(
-        "  (detached mode drops the gradient through the prompt's keys/values: the first and "
-        "third lines must be ~1e-6, the second is the gradient detached mode leaves out)",
+        "  (detached mode drops the gradient through the prompt's keys/values: the first, "
+        "third and fourth lines must be ~1e-6, the second is the gradient detached mode "
+        "leaves out)",
         flush=True,
     )
 
@@ -656,6 +744,7 @@ def plot(
     styles = {
         "detached": ("o-", "LongStraw detached"),
         "exact": ("^-", "LongStraw exact"),
+        "exact_kept": ("v--", "LongStraw exact, attention outputs kept"),
         "naive": ("s-", "naive (TRL-style)"),
     }
     styles = {method: style for method, style in styles.items() if method in args.methods}
@@ -698,10 +787,13 @@ def plot(
             axis.bar(offsets, [rows[method, g]["seconds"] for g in sizes], width, label="naive")
             continue
         bottom = [0.0] * len(sizes)
+        hatch = "//" if method == "exact_kept" else None  # told apart from exact's bars
         for phase in ("prefill", "replay", "sweep"):  # sweep: exact mode's pass over the prompt
             seconds = [rows[method, g][f"{phase}_seconds"] for g in sizes]
             if any(seconds):
-                axis.bar(offsets, seconds, width, bottom=bottom, label=f"{method} {phase}")
+                axis.bar(
+                    offsets, seconds, width, bottom=bottom, hatch=hatch, label=f"{method} {phase}"
+                )
                 bottom = [b + t for b, t in zip(bottom, seconds, strict=True)]
     axis.set_xticks(list(range(len(sizes))), [f"G={g}" for g in sizes])
     axis.set_ylabel("step wall time (s), one cold step")
@@ -744,7 +836,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--methods", nargs="+", choices=METHODS, default=list(METHODS), help="what to measure"
     )
-    parser.add_argument("--worker-method", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-method", choices=(*METHODS, PROMPT_GRAPH), help=argparse.SUPPRESS)
     parser.add_argument("--check-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", type=int, nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -779,12 +871,14 @@ def main() -> None:
     by_g = sweep_group_sizes(runner)
     by_length = sweep_prompt_lengths(runner)
     print("speed-up configuration (runs interleaved, fastest kept):", flush=True)
+    any_exact = any(mode in args.methods for mode in EXACT_MODES)
+    speed_methods = [*args.methods, *([PROMPT_GRAPH] if any_exact else [])]
     for repeat in range(1, args.repeats + 1):
-        for method in args.methods:
+        for method in speed_methods:
             runner.measure(method, args.speed_prompt_tokens, args.speed_group_size, repeat)
     speed = {
         method: runner.measure(method, args.speed_prompt_tokens, args.speed_group_size)
-        for method in args.methods
+        for method in speed_methods
     }
     # Re-aggregated: the speed-up configuration is in the G sweep and may have more runs now.
     by_g = [runner.measure(r["method"], r["prompt_tokens"], r["group_size"]) for r in by_g]
@@ -807,7 +901,8 @@ def main() -> None:
         ),
         "loss": (
             "GRPOConfig(loss_type='dapo'), on-policy, beta=0, LongStraw in detached and exact "
-            "mode; the naive step always differentiates the full graph"
+            "mode, and exact mode with keep_attention_outputs=True (exact_kept); the naive step "
+            "always differentiates the full graph"
         ),
         "targets": TARGETS,
         "gradient_check": gradients,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -46,7 +47,21 @@ _FLASH_BWD_CHUNK = 1 << 16
 # Keys per fused CPU backward call (bounds its dK/dV scratch for long prefix segments).
 _FUSED_BWD_CHUNK = 1 << 14
 # Number of non-tensor arguments before the flat prefix tensors in ``Function.apply``.
-_N_LEADING_ARGS = 6
+_N_LEADING_ARGS = 8
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    """What a span's attention computed and its backward needs besides the inputs.
+
+    ``out [B, H, T, Dv]`` (the returned attention output) and ``lse [B, H, T]`` (the merged
+    log-sum-exp, float32, or float64 for float64 inputs). Exact mode's sweep recomputes
+    prompt chunks the prefill already ran; with the prefill's ``AttentionOutput`` kept, the
+    recompute skips the attention forward, the most expensive part of a chunk's forward.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
 
 
 def segmented_attention(
@@ -59,6 +74,8 @@ def segmented_attention(
     backend: str = "auto",
     block_size: int | None = None,
     prefix_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+    reuse: AttentionOutput | None = None,
+    keep: list[AttentionOutput] | None = None,
 ) -> torch.Tensor:
     """Attention of branch queries over prefix segments (fully visible) and the branch (causal).
 
@@ -78,6 +95,10 @@ def segmented_attention(
             by block, instead of returning them: exact mode accumulates ``dL/dstate`` over many
             branches and chunks without a state-sized temporary per call. Backward runs only
             if some input requires grad.
+        reuse: the ``AttentionOutput`` an earlier call computed from these same inputs (the
+            same values, not just shapes: nothing checks that). The forward then computes
+            nothing and returns ``reuse.out`` as part of the graph; backward is unchanged.
+        keep: a list the forward appends this call's ``AttentionOutput`` to.
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -89,7 +110,22 @@ def segmented_attention(
     function = _FlashSegmentedAttention if use_flash else _TorchSegmentedAttention
     flat = [t for segment in segments for t in segment]
     sinks = _check_sinks(prefix_grads, segments)
-    return function.apply(q, k, v, float(scale), block_size, sinks, *flat)
+    if reuse is not None:
+        _check_reuse(reuse, q, v)
+    return function.apply(q, k, v, float(scale), block_size, sinks, reuse, keep, *flat)
+
+
+def _check_reuse(reuse: AttentionOutput, q: torch.Tensor, v: torch.Tensor) -> None:
+    batch, heads, length, _ = q.shape
+    if reuse.out.shape != (batch, heads, length, v.shape[-1]) or reuse.lse.shape != (
+        batch,
+        heads,
+        length,
+    ):
+        raise ValueError(
+            f"reuse holds out {tuple(reuse.out.shape)} / lse {tuple(reuse.lse.shape)} for "
+            f"queries {tuple(q.shape)}: it must come from the same span's attention"
+        )
 
 
 def _check_sinks(
@@ -437,22 +473,30 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         scale: float,
         block_size: int | None,
         sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+        reuse: AttentionOutput | None,
+        keep: list[AttentionOutput] | None,
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         batch, heads, tq, _ = q.shape
         kv_heads = k.shape[1]
-        q_rows = _group_rows(q, kv_heads).to(_accumulation_dtype(q.dtype))
-        positions = _branch_query_positions(q, k)
-        out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
-        q_folded = _fold_batch(q_rows)
-        for k_seg, v_seg in _unflatten_segments(flat_prefix):
-            if k_seg.shape[1] == 0:
-                continue
-            seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
-            out, lse = _merge(
-                out, lse, _unfold_batch(seg_out, batch), _unfold_batch(seg_lse, batch)
-            )
-        result = out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1])
+        if reuse is not None:  # lse in grouped rows, as computed below
+            result = reuse.out.to(q.dtype, copy=True)
+            lse = _group_rows(reuse.lse[..., None], kv_heads)[..., 0]
+        else:
+            q_rows = _group_rows(q, kv_heads).to(_accumulation_dtype(q.dtype))
+            positions = _branch_query_positions(q, k)
+            out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+            q_folded = _fold_batch(q_rows)
+            for k_seg, v_seg in _unflatten_segments(flat_prefix):
+                if k_seg.shape[1] == 0:
+                    continue
+                seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
+                out, lse = _merge(
+                    out, lse, _unfold_batch(seg_out, batch), _unfold_batch(seg_lse, batch)
+                )
+            result = out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1])
+        if keep is not None:
+            keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
         ctx.save_for_backward(q, k, v, result, lse, *flat_prefix)
         ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
         return result
@@ -640,6 +684,30 @@ def _flash_segment_backward(
     return d_q, d_k, d_v
 
 
+def _flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    flat_prefix: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash backend's forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``."""
+    batch, heads, tq, dim = q.shape
+    q_flash = q.transpose(1, 2)
+    out, lse = _flash_forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
+    out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
+    q_folded = q_flash.reshape(1, batch * tq, heads, dim)
+    for k_seg, v_seg in _unflatten_segments(flat_prefix):
+        if k_seg.shape[1] == 0:
+            continue
+        seg_out, seg_lse = _flash_forward(
+            q_folded, _as_flash_segment(k_seg), _as_flash_segment(v_seg), scale, False
+        )
+        seg_lse = seg_lse.reshape(heads, batch, tq).permute(1, 2, 0)
+        out, lse = _merge(out, lse, seg_out.view(batch, tq, heads, dim).float(), seg_lse)
+    return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()  # flash-attn's [B, H, Tq]
+
+
 class _FlashSegmentedAttention(torch.autograd.Function):
     """flash-attn 2 segmented attention; same arguments as ``_TorchSegmentedAttention``."""
 
@@ -652,23 +720,19 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         scale: float,
         block_size: int | None,
         sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+        reuse: AttentionOutput | None,
+        keep: list[AttentionOutput] | None,
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
-        batch, heads, tq, dim = q.shape
-        q_flash = q.transpose(1, 2)
-        out, lse = _flash_forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
-        out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
-        q_folded = q_flash.reshape(1, batch * tq, heads, dim)
-        for k_seg, v_seg in _unflatten_segments(flat_prefix):
-            if k_seg.shape[1] == 0:
-                continue
-            seg_out, seg_lse = _flash_forward(
-                q_folded, _as_flash_segment(k_seg), _as_flash_segment(v_seg), scale, False
+        if reuse is not None:
+            out = reuse.out.transpose(1, 2).to(
+                q.dtype, memory_format=torch.contiguous_format, copy=True
             )
-            seg_lse = seg_lse.reshape(heads, batch, tq).permute(1, 2, 0)
-            out, lse = _merge(out, lse, seg_out.view(batch, tq, heads, dim).float(), seg_lse)
-        out = out.to(q.dtype)
-        lse = lse.permute(0, 2, 1).contiguous()  # flash-attn's [B, H, Tq]
+            lse = reuse.lse.to(torch.float32, memory_format=torch.contiguous_format)
+        else:
+            out, lse = _flash_attention(q, k, v, scale, flat_prefix)
+        if keep is not None:
+            keep.append(AttentionOutput(out.transpose(1, 2).detach(), lse))
         ctx.save_for_backward(q, k, v, out, lse, *flat_prefix)
         ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
         return out.transpose(1, 2)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from longstraw_core.attention import AttentionOutput
 from longstraw_core.state import AttentionKV, LatentKV, PrefixState, RecurrentState
 
 # (tensor produced by a recomputed chunk, gradient to backpropagate into it)
@@ -59,14 +60,25 @@ class AttentionKVGrad:
 
 
 class AttentionKVExactView:
-    """An ``AttentionKV`` as exact mode sees it: gradients of reads go into ``grad``."""
+    """An ``AttentionKV`` as exact mode sees it: gradients of reads go into ``grad``.
 
-    def __init__(self, record: AttentionKV, grad: AttentionKVGrad, produced: Produced | None):
+    ``home`` is the record itself, also when ``record`` is a streamed copy of it (CPU
+    offload): the attention outputs prefill kept are read from there, one chunk at a time.
+    """
+
+    def __init__(
+        self,
+        record: AttentionKV,
+        grad: AttentionKVGrad,
+        produced: Produced | None,
+        home: AttentionKV | None = None,
+    ):
         self.record, self.grad, self.produced = record, grad, produced
+        self.home = record if home is None else home
 
     def with_record(self, record: AttentionKV) -> AttentionKVExactView:
         """The same view reading ``record`` (a streamed copy of this one's)."""
-        return AttentionKVExactView(record, self.grad, self.produced)
+        return AttentionKVExactView(record, self.grad, self.produced, self.home)
 
     @property
     def length(self) -> int:
@@ -74,6 +86,17 @@ class AttentionKVExactView:
 
     def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.record.segments(end)
+
+    @property
+    def keeps_outputs(self) -> bool:
+        return False  # a view never stores; the record kept what prefill computed
+
+    def output_for(self, start: int, length: int) -> AttentionOutput | None:
+        """During recompute: the prefill's attention output for this chunk, if kept, on the
+        device the chunk computes on."""
+        if self.produced is None:
+            return None
+        return self.home.output_for(start, length, device=self.record.keys.device)
 
     def grad_segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         end = self.record.length if end is None else end

@@ -68,6 +68,11 @@ class GRPOConfig:
       also flow through the prompt state, section 3 of DESIGN.md).
     - ``recurrent_checkpoints``: where exact mode keeps recurrent layers' state at each
       prefill chunk start (``"device"``, or ``"cpu"`` to save accelerator memory).
+    - ``keep_attention_outputs``: exact mode only. Prefill keeps every full-attention
+      layer's output and log-sum-exp, so the sweep's recompute skips the attention forward:
+      a faster sweep for ``heads x value_dim`` (plus ``heads`` fp32) per prompt token per
+      full-attention layer, e.g. 1x the K/V for the benchmark's model and 3x for
+      Qwen3.6-27B's. Latent (MLA) and linear-attention layers are unaffected.
     """
 
     num_generations: int = 8
@@ -84,6 +89,7 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0
     gradient: str = "detached"
     recurrent_checkpoints: str = "device"
+    keep_attention_outputs: bool = False
 
     def __post_init__(self) -> None:
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)
@@ -113,7 +119,11 @@ class GRPOConfig:
             raise _invalid("gradient", self.gradient, f"one of {GRADIENT_MODES}")
         if self.recurrent_checkpoints not in ("device", "cpu"):
             raise _invalid("recurrent_checkpoints", self.recurrent_checkpoints, "'device' or 'cpu'")
-        for name in ("mask_truncated_completions", "use_bias_correction_kl"):
+        for name in (
+            "mask_truncated_completions",
+            "use_bias_correction_kl",
+            "keep_attention_outputs",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name), "True or False")
 
@@ -146,6 +156,12 @@ class GRPOConfig:
             )
 
     def _check_combinations(self) -> None:
+        if self.keep_attention_outputs and self.gradient != "exact":
+            raise _invalid(
+                "keep_attention_outputs",
+                True,
+                "False with gradient='detached' (it only speeds up exact mode's sweep)",
+            )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise _invalid(
                 "max_completion_length", None, "an int >= 1 with loss_type='dr_grpo' (normaliser)"

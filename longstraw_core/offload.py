@@ -290,6 +290,9 @@ class StreamedRecord:
     def update(self, *args: Any) -> None:
         self._home.update(*args)
 
+    def write_output(self, *args: Any) -> None:
+        self._home.write_output(*args)
+
     def release(self) -> None:
         self._local = None
 

@@ -114,7 +114,11 @@ def grpo_step(
         started = time.perf_counter()
         checkpoints = config.recurrent_checkpoints if config.gradient == "exact" else None
         state = adapter.prefill(
-            prompt_ids, chunk_size=chunk_size, checkpoints=checkpoints, offload=offload
+            prompt_ids,
+            chunk_size=chunk_size,
+            checkpoints=checkpoints,
+            offload=offload,
+            keep_attention_outputs=config.keep_attention_outputs,
         )
         timings["prefill_seconds"] = time.perf_counter() - started
 
@@ -163,6 +167,7 @@ def grpo_step(
         "branches_replayed": replayed,
         "state_bytes": state.nbytes(),
         "state_grad_bytes": state_grad.nbytes() if state_grad is not None else 0,
+        "attention_output_bytes": state.output_nbytes(),
         "peak_memory_bytes": _peak_memory(adapter.device),
         **timings,
         **reduce_branch_stats(branch_stats),

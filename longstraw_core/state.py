@@ -21,6 +21,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from longstraw_core.attention import AttentionOutput
 from longstraw_core.offload import OffloadPolicy, Residency, copy_rows
 
 
@@ -42,6 +43,11 @@ class AttentionKV:
     """Keys (after any q/k norm and RoPE) and values of one full-attention layer.
 
     Shapes are ``[kv_heads, capacity, head_dim]``; the first ``length`` positions are valid.
+
+    With ``keeps_outputs`` (exact mode's ``keep_attention_outputs``), prefill also keeps each
+    chunk's attention output ``[heads, capacity, value_dim]`` and log-sum-exp
+    ``[heads, capacity]``, so the sweep's recompute of that chunk skips the attention
+    forward (``output_for``).
     """
 
     kind: ClassVar[str] = "full_attention"
@@ -50,6 +56,10 @@ class AttentionKV:
     keys: torch.Tensor
     values: torch.Tensor
     length: int = 0
+    keeps_outputs: bool = False
+    outputs: torch.Tensor | None = None
+    output_lse: torch.Tensor | None = None
+    outputs_length: int = 0
 
     @classmethod
     def empty(
@@ -91,11 +101,49 @@ class AttentionKV:
             return []
         return [(self.keys[:, :end], self.values[:, :end])]
 
+    def write_output(self, start: int, output: AttentionOutput) -> None:
+        """Keep one prefill chunk's attention output (``B = 1``) at ``start``, beside the
+        keys and values (in CPU memory for an offloaded record)."""
+        out, lse = output.out[0], output.lse[0]  # [heads, T, value_dim], [heads, T]
+        if self.outputs is None:
+            home = {"device": self.keys.device, "pin_memory": self.keys.is_pinned()}
+            heads, capacity = out.shape[0], self.capacity
+            self.outputs = torch.empty(heads, capacity, out.shape[-1], dtype=out.dtype, **home)
+            self.output_lse = torch.empty(heads, capacity, dtype=lse.dtype, **home)
+        end = start + out.shape[1]
+        if start != self.outputs_length:
+            raise RuntimeError(f"attention outputs written at {start}, after {self.outputs_length}")
+        _store(self.outputs[:, start:end], out)
+        _store(self.output_lse[:, start:end], lse)
+        self.outputs_length = end
+
+    def output_for(
+        self, start: int, length: int, device: torch.device | None = None
+    ) -> AttentionOutput | None:
+        """The kept attention output of positions ``[start, start + length)``, as a batch of
+        one, copied to ``device`` (default: the record's); None when prefill kept none."""
+        if self.outputs is None or start + length > self.outputs_length:
+            return None
+        end = start + length
+        return AttentionOutput(
+            *(
+                t[None, :, start:end].to(device or t.device, copy=True)
+                for t in (self.outputs, self.output_lse)
+            )
+        )
+
+    def output_nbytes(self) -> int:
+        """Bytes of the kept attention outputs (0 unless ``keeps_outputs``)."""
+        if self.outputs is None:
+            return 0
+        end = self.outputs_length
+        return _nbytes(self.outputs[:, :end]) + _nbytes(self.output_lse[:, :end])
+
     def window(self, position: int | None) -> AttentionKV:
         """What a pass starting at ``position`` (``None``: after the prompt) reads: views of
         the valid keys/values before it (``longstraw_core.offload`` copies them)."""
         end = self.length if position is None else position
-        return AttentionKV(self.keys[:, :end], self.values[:, :end], end)
+        return AttentionKV(self.keys[:, :end], self.values[:, :end], end, self.keeps_outputs)
 
     def grad_segments(self, end: int | None = None) -> None:
         """Gradient buffers for the segments: none here (exact mode's views provide them)."""
@@ -116,10 +164,12 @@ class AttentionKV:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionKV:
+        moved = [
+            None if t is None else t.to(device, non_blocking=non_blocking)
+            for t in (self.keys, self.values, self.outputs, self.output_lse)
+        ]
         return AttentionKV(
-            self.keys.to(device, non_blocking=non_blocking),
-            self.values.to(device, non_blocking=non_blocking),
-            self.length,
+            moved[0], moved[1], self.length, self.keeps_outputs, *moved[2:], self.outputs_length
         )
 
 
@@ -177,6 +227,18 @@ class PrefixState:
     def checkpoint_nbytes(self) -> int:
         """Bytes of recurrent-state checkpoints at chunk boundaries (exact mode)."""
         return sum(getattr(layer, "checkpoint_nbytes", lambda: 0)() for layer in self.layers)
+
+    def output_nbytes(self) -> int:
+        """Bytes of attention outputs kept for exact mode's sweep (``keep_attention_outputs``)."""
+        return sum(getattr(layer, "output_nbytes", lambda: 0)() for layer in self.layers)
+
+    def keep_attention_outputs(self) -> None:
+        """Make full-attention records keep each prefill chunk's attention output, which
+        exact mode's sweep then reuses instead of recomputing it. An offloaded record keeps
+        them beside its keys and values, in CPU memory."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionKV):
+                layer.keeps_outputs = True
 
     def offloaded(self, layer: LayerState) -> bool:
         """Whether ``layer``'s record lives in CPU memory and is streamed to the device."""

@@ -357,6 +357,7 @@ class ModelAdapter(ABC):
         progress: bool | None = None,
         checkpoints: str | None = None,
         offload: OffloadPolicy | str | dict | None = None,
+        keep_attention_outputs: bool = False,
     ) -> PrefixState:
         """Run the prompt once under ``no_grad``, in chunks, keeping only the prefix state.
 
@@ -368,6 +369,8 @@ class ModelAdapter(ABC):
         ``OffloadPolicy.parse`` takes) keeps chosen layer types in CPU memory: each chunk's
         state is copied there, and every later pass streams it in layer by layer (offloaded
         recurrent layers keep their checkpoints in CPU memory too).
+        ``keep_attention_outputs`` also keeps each full-attention layer's output, which exact
+        mode's sweep reuses (``PrefixState.keep_attention_outputs``).
         """
         prompt_ids = as_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -387,6 +390,8 @@ class ModelAdapter(ABC):
         )
         if checkpoints is not None:
             state.keep_checkpoints(self.device if checkpoints == "device" else "cpu")
+        if keep_attention_outputs:
+            state.keep_attention_outputs()
         bar = token_progress(len(stored), "prefill", progress)
         with torch.no_grad(), bar:
             for start in self.in_step(range(0, len(stored), chunk_size)):

@@ -89,24 +89,34 @@ def attend_with_state(
     keys and values; a branch reads the whole prefix. With ``branch`` (decoding), the span
     is appended to the ``B`` branches' own keys/values and attends to all they hold; without
     it the branch is the span alone. In exact mode ``record`` is a view whose
-    ``grad_segments`` receive the gradient of every prefix read.
+    ``grad_segments`` receive the gradient of every prefix read. A record that keeps
+    attention outputs stores a prefill chunk's, and exact mode's recompute of that chunk
+    reuses it instead of attending again (``AttentionKV.keeps_outputs``).
     """
     prefix_end = span.start if span.write else None
     prefix = record.segments(end=prefix_end)
+    reuse = keep = None
     if span.write:
         record.write(span.start, keys[0], values[0])
         if state_only:
             return None
+        reuse = record.output_for(span.start, span.length)
+        keep = [] if reuse is None and record.keeps_outputs else None
     if branch is not None:
         keys, values = branch.append(keys, values)
-    return segmented_attention(
+    output = segmented_attention(
         queries,
         keys,
         values,
         prefix,
         scale=scale,
         prefix_grads=record.grad_segments(end=prefix_end),
+        reuse=reuse,
+        keep=keep,
     )
+    if keep:
+        record.write_output(span.start, keep[0])
+    return output
 
 
 @register_adapter

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw_core import attention
-from longstraw_core.attention import segmented_attention
+from longstraw_core.attention import AttentionOutput, segmented_attention
 
 SCALE = 0.37
 TOL = 1e-10
@@ -324,8 +324,9 @@ def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
     for t in prefix[2]:
         t.requires_grad_(False)
     out = attention._FlashSegmentedAttention.apply(
-        q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), *flat(prefix)
-    )
+        q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), None, None,
+        *flat(prefix),
+    )  # fmt: skip
     want = reference_attention(q, k, v, prefix, SCALE)
     assert_close(out, want, "out", tol=1e-6)  # the wrapper merges in float32, like flash-attn
     grad_out = torch.randn_like(want)
@@ -442,3 +443,73 @@ def test_cpu_fused_backward_is_used_for_float32(monkeypatch):
     prefix = [(torch.randn(2, 30, 8), torch.randn(2, 30, 8))]
     segmented_attention(q, k, v, prefix, scale=0.4).sum().backward()
     assert len(calls) == 2  # the branch and the prefix segment
+
+
+def _attention_and_grads(q, k, v, prefix, grad_out, backend, **options):
+    """Output and every input's gradient (sinks included) of one segmented_attention call."""
+    sinks = [(torch.zeros_like(ks), torch.zeros_like(vs)) for ks, vs in prefix]
+    segments = [(ks.detach(), vs.detach()) for ks, vs in prefix]
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = segmented_attention(
+        *inputs, segments, scale=SCALE, backend=backend, prefix_grads=sinks, **options
+    )
+    out.backward(grad_out)
+    return out.detach(), [x.grad for x in inputs] + [g for pair in sinks for g in pair]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["blocked", "fused-cpu"])
+# Reuse serves prompt chunks, which attend to themselves: one query per key.
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES.values() if c.tq == c.tk],
+    ids=[n for n, c in CASES.items() if c.tq == c.tk],
+)
+def test_reusing_a_kept_output_gives_the_same_output_and_gradients(case, dtype):
+    """``keep`` then ``reuse`` (what exact mode's sweep does with the prefill's attention):
+    the same output and gradients as computing the attention again, bit for bit."""
+    q, k, v, prefix = make_inputs(case, dtype=dtype)
+    grad_out = torch.randn(case.batch, case.heads, case.tq, case.dv, dtype=dtype)
+    kept: list[AttentionOutput] = []
+    with torch.no_grad():
+        segmented_attention(q, k, v, prefix, scale=SCALE, backend="torch", keep=kept)
+    assert len(kept) == 1 and kept[0].lse.shape == (case.batch, case.heads, case.tq)
+    want_out, want_grads = _attention_and_grads(q, k, v, prefix, grad_out, "torch")
+    got_out, got_grads = _attention_and_grads(q, k, v, prefix, grad_out, "torch", reuse=kept[0])
+    assert torch.equal(got_out, want_out) and torch.equal(kept[0].out, want_out)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_reuse_through_the_flash_wrapper_with_fake_kernel(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    case = Case(1, 4, 2, 5, 5, 8, 8, (7, 0, 3), None)
+    q, k, v, prefix = make_inputs(case)
+    grad_out = torch.randn(1, 4, 5, 8, dtype=torch.float64)
+    kept: list[AttentionOutput] = []
+    with torch.no_grad():
+        attention._FlashSegmentedAttention.apply(
+            q, k, v, SCALE, None, ((None, None),) * 3, None, kept, *flat(prefix)
+        )
+    assert kept[0].out.shape == (1, 4, 5, 8) and kept[0].lse.shape == (1, 4, 5)
+
+    def run(reuse):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        sinks = tuple((torch.zeros_like(ks), torch.zeros_like(vs)) for ks, vs in prefix)
+        segments = [t.detach() for t in flat(prefix)]
+        out = attention._FlashSegmentedAttention.apply(
+            *inputs, SCALE, None, sinks, reuse, None, *segments
+        )
+        out.backward(grad_out)
+        return out.detach(), [x.grad for x in inputs] + [g for pair in sinks for g in pair]
+
+    (want_out, want_grads), (got_out, got_grads) = run(None), run(kept[0])
+    assert torch.equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_reuse_from_another_span_is_refused():
+    q, k, v, prefix = make_inputs(CASES["mha-one-segment"])
+    wrong = AttentionOutput(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="same span"):
+        segmented_attention(q, k, v, prefix, scale=SCALE, reuse=wrong)

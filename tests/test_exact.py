@@ -15,6 +15,7 @@ from reference import (
 
 import longstraw_core as ls
 from longstraw_core.exact import attach_grad_sink, new_state_grad
+from longstraw_core.state import AttentionKV
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
@@ -158,3 +159,81 @@ def test_memory_savers_keep_the_full_graph_gradient(monkeypatch, offload, checkp
     _, grads = _step_grads(model, adapter, prompt, responses, cfg, chunk_size=7, offload=policy)
     _, expected = _full_graph_grads(model, prompt, responses, None, None, cfg)
     assert_grads_close(grads, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "chunk_size", "checkpointing", "offload"),
+    [("qwen3", 7, False, False), ("qwen3", 1000, False, False), ("qwen3", 5, True, False),
+     ("qwen3", 7, True, True), ("qwen3_5_text", 6, False, False),
+     ("qwen3_5_text", 6, False, True), ("glm_moe_dsa", 7, False, False)],
+    ids=["dense", "dense-one-chunk", "dense-checkpointed", "dense-offloaded-checkpointed",
+         "qwen36-hybrid", "qwen36-offloaded", "glm52-latent"],
+)  # fmt: skip
+def test_kept_attention_outputs_keep_the_full_graph_gradient(
+    model_type, chunk_size, checkpointing, offload
+):
+    """``keep_attention_outputs``: the sweep reuses the prefill's attention outputs instead
+    of recomputing them. The gradient is still the transformers full graph's, and bit for bit
+    the gradient without the option, also with the state offloaded to the CPU (one layer
+    resident); the kept bytes are heads x (value_dim + 1) per stored token per
+    full-attention layer but the last (none for the latent MLA layers)."""
+    from longstraw_core.offload import OffloadPolicy
+
+    # Eight hybrid layers, so a full-attention layer (every 4th) is not the state-only last.
+    layers = {"num_hidden_layers": 8} if model_type == "qwen3_5_text" else {}
+    model = tiny_model(model_type, dtype=torch.float64, seed=6, **layers)
+    adapter = ls.adapt(model)
+    adapter.activation_checkpointing = checkpointing
+    prompt = _ids(29, 2)
+    responses = [_ids(n, 30 + i) for i, n in enumerate(LENGTHS)]
+    plain = ls.GRPOConfig(loss_type="dapo", gradient="exact")
+    keeping = ls.GRPOConfig(loss_type="dapo", gradient="exact", keep_attention_outputs=True)
+    options = {"chunk_size": chunk_size, "offload": OffloadPolicy.cpu(1) if offload else None}
+    metrics, grads = _step_grads(model, adapter, prompt, responses, keeping, **options)
+    _, without = _step_grads(model, adapter, prompt, responses, plain, **options)
+    _, expected = _full_graph_grads(model, prompt, responses, None, None, plain)
+    # transformers' delta rule runs in float32 inside (see tests/test_qwen36_adapter.py)
+    assert_grads_close(grads, expected, rtol=5e-5 if model_type == "qwen3_5_text" else 1e-6)
+    for name, grad in grads.items():
+        assert torch.equal(grad, without[name]), name
+
+    state = adapter.prefill(prompt, keep_attention_outputs=True, **options)
+    # The last layer of a prefill chunk only writes its state: it attends to nothing.
+    attention = [layer for layer in state.layers[:-1] if isinstance(layer, AttentionKV)]
+    assert bool(attention) == (model_type != "glm_moe_dsa")
+    heads = model.config.num_attention_heads
+    per_token = sum(heads * (layer.values.shape[-1] + 1) * 8 for layer in attention)
+    assert metrics["attention_output_bytes"] == state.output_nbytes() == per_token * state.length
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
+def test_the_sweep_reads_the_kept_attention_outputs(offload):
+    """The kept outputs are what the sweep's recompute uses: shift them and the gradient moves
+    (so the bit-identical gradient above comes from reusing them, not from recomputing)."""
+    from longstraw_core.offload import OffloadPolicy
+
+    policy = OffloadPolicy.cpu(1) if offload else None
+    model = tiny_model("qwen3", dtype=torch.float64, seed=6)
+    adapter = ls.adapt(model)
+    prompt = _ids(29, 2)
+    responses = [_ids(n, 30 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(loss_type="dapo", gradient="exact", keep_attention_outputs=True)
+
+    def grads(shift: float) -> dict[str, torch.Tensor]:
+        state = adapter.prefill(prompt, chunk_size=7, keep_attention_outputs=True, offload=policy)
+        for layer in state.layers:
+            if layer.outputs is not None:
+                layer.outputs += shift
+        options = {"state": state, "chunk_size": 7, "offload": policy}
+        return _step_grads(model, adapter, prompt, responses, cfg, **options)[1]
+
+    same, shifted = grads(0.0), grads(0.5)
+    _, expected = _full_graph_grads(model, prompt, responses, None, None, cfg)
+    assert_grads_close(same, expected, rtol=1e-6)
+    moved = [n for n in same if not torch.allclose(same[n], shifted[n], rtol=1e-3)]
+    assert "model.layers.0.self_attn.o_proj.weight" in moved
+
+
+def test_keep_attention_outputs_is_refused_in_detached_mode():
+    with pytest.raises(ValueError, match="keep_attention_outputs"):
+        ls.GRPOConfig(gradient="detached", keep_attention_outputs=True)

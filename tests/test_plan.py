@@ -45,6 +45,7 @@ class Case:
     checkpointing: bool = False  # adapter.activation_checkpointing
     vocab: int = 512  # the tiny models' own
     head_chunk: int = 0  # model_adapters.base.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
+    keep_outputs: bool = False  # GRPOConfig.keep_attention_outputs
 
 
 CASES = [
@@ -54,6 +55,7 @@ CASES = [
     Case("qwen3_5_text", "exact", 3072, 2, 48, 512),
     Case("glm_moe_dsa", "detached", 2048, 2, 32, 512),
     Case("glm_moe_dsa", "exact", 2048, 2, 32, 256),
+    Case("qwen3", "exact", 4096, 2, 64, 512, keep_outputs=True),
     # Activation checkpointing, with responses and chunks long enough for the step to be the
     # peak: the head's logits (qwen3), a layer recomputed in the sweep (qwen3_5_text).
     Case("qwen3", "detached", 1024, 2, 512, 256, checkpointing=True),
@@ -78,12 +80,17 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
     optimizer.zero_grad(set_to_none=True)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, adapter.vocab_size, (case.prompt,), generator=generator)
-    config = ls.GRPOConfig(num_generations=case.group, gradient=case.gradient)
+    config = ls.GRPOConfig(
+        num_generations=case.group, gradient=case.gradient, keep_attention_outputs=case.keep_outputs
+    )
     checkpoints = "device" if case.gradient == "exact" else None
     tracked = [*model.parameters(), *model.buffers(), optimizer.state_dict()["state"], prompt]
     with LiveTensorMemory(tracked) as memory:
         with memory.phase("prefill"):
-            state = adapter.prefill(prompt, chunk_size=case.chunk, checkpoints=checkpoints)
+            state = adapter.prefill(
+                prompt, chunk_size=case.chunk, checkpoints=checkpoints,
+                keep_attention_outputs=case.keep_outputs,
+            )  # fmt: skip
         with memory.phase("rollout"):
             out = ls.rollout(adapter, state, case.group, case.response, seed=0)
         with memory.phase("step"):
@@ -102,6 +109,7 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
 
 def _case_id(case: Case) -> str:
     name = f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
+    name += "-kept-outputs" if case.keep_outputs else ""
     return name + ("-head-chunks" if case.head_chunk else "")
 
 
@@ -123,6 +131,7 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) 
         gradient=case.gradient,
         device="cpu",
         activation_checkpointing=case.checkpointing,
+        keep_attention_outputs=case.keep_outputs,
     )
     plan = plan_memory(spec, work)
     error = (plan.peak - memory.peak) / memory.peak
@@ -141,6 +150,9 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) 
         assert plan.line("dS (exact)").device == metrics["state_grad_bytes"]
         checkpoints = next((x for x in plan.lines if x.name == "recurrent checkpoints"), None)
         assert (checkpoints.device if checkpoints else 0) == metrics["checkpoint_bytes"]
+        kept = next((x for x in plan.lines if x.name == "kept attention outputs"), None)
+        assert (kept.device if kept else 0) == metrics["attention_output_bytes"]
+        assert bool(kept) == case.keep_outputs
 
 
 def test_checkpointing_shrinks_the_branch_and_sweep_at_paper_scale() -> None:
@@ -331,3 +343,24 @@ def test_paper_tables_render(tmp_path: Path) -> None:
     text = path.read_text()
     assert "Qwen3.6-27B, LoRA r=32, 2.10M positions" in text and "GLM-5.2" in text
     assert "### Assumptions" in text
+
+
+def test_kept_attention_outputs_at_paper_scale_and_the_fix_that_drops_them() -> None:
+    """Qwen3.6-27B at 256K tokens: the kept outputs are heads x (head_dim + fp32 lse) per
+    token for 15 of its 16 full-attention layers (the last only writes its state), about 3x
+    their K/V; when they are what does not fit, the first fix is to stop keeping them."""
+    from longstraw_core.plan import SCENARIOS, fixes_for, scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = dataclasses.replace(
+        work, prompt_tokens=262144, activation_checkpointing=True, keep_attention_outputs=True
+    )
+    plan = plan_memory(spec, work)
+    kept = plan.line("kept attention outputs").device
+    assert kept == 15 * 24 * (256 * 2 + 4) * (262144 - 1)
+    assert 2.5 < kept / plan.line("prefix state: full_attention").device < 3.2
+    without = plan_memory(spec, dataclasses.replace(work, keep_attention_outputs=False))
+    assert plan.peak - without.peak == kept
+    assert not plan.fits and without.fits
+    assert fixes_for(plan)[0].keys == "grpo.keep_attention_outputs=false"

@@ -94,9 +94,17 @@ def _offloads_more(option: tuple[OffloadPolicy, str], work: Workload) -> bool:
 
 
 def fixes_for(plan: MemoryPlan) -> list[Fix]:
-    """Changes that make ``plan`` fit: a smaller chunk, offload, or both (best first)."""
+    """Changes that make ``plan`` fit: dropping the kept attention outputs, a smaller chunk,
+    offload, or both (best first)."""
     spec, work = plan.spec, plan.work
     fixes = []
+    if work.keep_attention_outputs and work.gradient == "exact":
+        trial = dataclasses.replace(work, keep_attention_outputs=False)
+        fixed = plan_memory(spec, trial, advise=False)
+        if fixed.fits:
+            saves = _gib(plan.peak - fixed.peak)
+            label = f"do not keep attention outputs (saves {saves}; a slower sweep)"
+            fixes.append(Fix(label, "grpo.keep_attention_outputs=false", fixed))
     chunk = largest_chunk(spec, work)
     if chunk is not None and chunk < work.chunk_size:
         fixed = plan_memory(spec, dataclasses.replace(work, chunk_size=chunk), advise=False)

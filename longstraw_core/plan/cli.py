@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         help="recompute each decoder layer in backward (default: train.activation_checkpointing"
         ", off for a preset)",
     )
+    parser.add_argument(
+        "--keep-attention-outputs",
+        action=argparse.BooleanOptionalAction,
+        help="exact mode keeps the prefill's attention outputs for its sweep (default: "
+        "grpo.keep_attention_outputs, off for a preset)",
+    )
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
     parser.add_argument("--paper-tables", metavar="PATH", help="write the paper-scale tables")
     return parser
@@ -123,6 +129,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         changes["device"] = args.device
     if args.activation_checkpointing is not None:
         changes["activation_checkpointing"] = args.activation_checkpointing
+    if args.keep_attention_outputs is not None:
+        changes["keep_attention_outputs"] = args.keep_attention_outputs
     return plan_memory(spec, dataclasses.replace(work, **changes))
 
 

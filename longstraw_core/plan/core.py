@@ -167,6 +167,20 @@ class _Parts:
         on_cpu = self.work.checkpoints == "cpu" or self.work.offloads("linear_attention")
         return (0, size) if on_cpu else (size, 0)
 
+    def kept_outputs(self) -> tuple[int, int]:
+        """(device, cpu) bytes of the attention outputs and log-sum-exps prefill keeps for
+        the sweep (``keep_attention_outputs``): every full-attention layer but the last,
+        which only writes its state. They live where the layer's state lives."""
+        if not (self.exact and self.work.keep_attention_outputs):
+            return 0, 0
+        lse = max(self.cb, _FP32)  # the kernels' accumulation dtype
+        size = sum(
+            layer.dims["heads"] * (layer.dims["head_dim"] * self.cb + lse) * self.work.stored
+            for layer in self.spec.layers[:-1]
+            if layer.record == "full_attention"
+        )
+        return (0, size) if self.work.offloads("full_attention") else (size, 0)
+
     def streamed(self, position: int) -> int:
         """Offloaded layers copied to the device during a pass reading ``position`` rows:
         at most ``offload.resident_layers`` of them at once."""
@@ -321,6 +335,10 @@ class _Parts:
             device, cpu = self.checkpoints()
             if device or cpu:
                 lines.append(Line("recurrent checkpoints", device, cpu, "one per chunk start"))
+            device, cpu = self.kept_outputs()
+            if device or cpu:
+                note = "keep_attention_outputs: the sweep skips the attention forward"
+                lines.append(Line("kept attention outputs", device, cpu, note))
         lines.append(Line("prompt ids", 2 * _INT64 * work.prompt_tokens))
         if work.offload is not None and work.offload.active:
             lines.append(
@@ -357,7 +375,7 @@ class _Parts:
                 self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
             )
         base = self.parameters() + self.optimizer() + 2 * _INT64 * work.prompt_tokens
-        base += state_device + self.checkpoints()[0]
+        base += state_device + self.checkpoints()[0] + self.kept_outputs()[0]
         chunk = min(work.chunk_size, work.stored)
         backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
         phases = {

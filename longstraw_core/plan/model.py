@@ -307,6 +307,7 @@ class Workload:
     headroom: float = 0.0
     rollout: bool = True
     activation_checkpointing: bool = False  # ModelAdapter.activation_checkpointing
+    keep_attention_outputs: bool = False  # GRPOConfig.keep_attention_outputs (exact mode)
 
     @property
     def stored(self) -> int:

@@ -87,6 +87,7 @@ def workload_from_config(
         chunk_size=cfg.train.chunk_size,
         gradient=cfg.grpo.gradient,
         checkpoints=cfg.grpo.recurrent_checkpoints,
+        keep_attention_outputs=cfg.grpo.keep_attention_outputs,
         gpus=gpus,
         fsdp=cfg.distributed.fsdp,
         reshard_after_forward=cfg.distributed.reshard_after_forward,
