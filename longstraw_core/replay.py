@@ -94,6 +94,11 @@ def grpo_step(
         adapter.check_state(state)
         if not state.holds_prompt(prompt_ids):
             raise ValueError("state was prefilled from a different prompt than prompt_ids")
+        if config.keep_attention_outputs and not state.keeps_attention_outputs():
+            raise ValueError(
+                "config.keep_attention_outputs=True, but state was prefilled without them: "
+                "pass keep_attention_outputs=True to adapter.prefill"
+            )
 
     _reset_peak_memory(adapter.device)
     advantages = group_advantages(reward_tensor, config.scale_rewards)

@@ -232,6 +232,13 @@ class PrefixState:
         """Bytes of attention outputs kept for exact mode's sweep (``keep_attention_outputs``)."""
         return sum(getattr(layer, "output_nbytes", lambda: 0)() for layer in self.layers)
 
+    def keeps_attention_outputs(self) -> bool:
+        """Whether every full-attention layer that attends during prefill (all but the last
+        layer, which only writes its state) keeps its outputs."""
+        return all(
+            layer.keeps_outputs for layer in self.layers[:-1] if isinstance(layer, AttentionKV)
+        )
+
     def keep_attention_outputs(self) -> None:
         """Make full-attention records keep each prefill chunk's attention output, which
         exact mode's sweep then reuses instead of recomputing it. An offloaded record keeps

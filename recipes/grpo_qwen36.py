@@ -135,6 +135,7 @@ class Recipe:
                 progress=self.bars,
                 checkpoints=cfg.grpo.recurrent_checkpoints if exact else None,
                 offload=self.offload,
+                keep_attention_outputs=cfg.grpo.keep_attention_outputs,
             )
         with progress.phase("rollout"):
             out = ls.rollout(

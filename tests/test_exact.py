@@ -237,3 +237,12 @@ def test_the_sweep_reads_the_kept_attention_outputs(offload):
 def test_keep_attention_outputs_is_refused_in_detached_mode():
     with pytest.raises(ValueError, match="keep_attention_outputs"):
         ls.GRPOConfig(gradient="detached", keep_attention_outputs=True)
+
+
+def test_a_state_without_kept_outputs_is_refused_when_the_config_asks_for_them():
+    adapter = ls.adapt(tiny_model("qwen3", seed=6))
+    prompt, responses = _ids(20, 1), [_ids(4, 2), _ids(5, 3)]
+    cfg = ls.GRPOConfig(num_generations=2, gradient="exact", keep_attention_outputs=True)
+    with pytest.raises(ValueError, match="prefilled without them"):
+        ls.grpo_step(adapter, prompt, responses, [0.0, 1.0], config=cfg,
+                     state=adapter.prefill(prompt))  # fmt: skip

@@ -51,6 +51,10 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
           "offload.resident_layers=1"]),
         ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml",
          ["grpo.gradient=exact", "offload.latent=cpu"]),
+        # Eight hybrid layers: a full-attention layer that is not the (state-only) last.
+        ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml",
+         ["grpo.gradient=exact", "grpo.keep_attention_outputs=true",
+          "model.tiny_overrides.num_hidden_layers=8"]),
     ],
 )  # fmt: skip
 def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
@@ -63,6 +67,8 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
     if "lora" in config or "lora.enabled=true" in extra:
         assert list((out / "step-000002").rglob("adapter_config.json")), "adapters not saved"
+    kept = [metrics["attention_output_bytes"] for _, metrics in state["extra"]["logger"]["history"]]
+    assert all(kept) if "grpo.keep_attention_outputs=true" in extra else not any(kept)
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
