@@ -49,6 +49,7 @@ class Case:
     lora: bool = False
     beta: float = 0.0  # > 0: the KL term, against the LoRA model with its adapters off
     reshard_after_forward: bool = True
+    keep_attention_outputs: bool = False
 
 
 CASES = {
@@ -61,6 +62,7 @@ CASES = {
     "qwen3_5_text-exact": Case("qwen3_5_text", "exact"),
     "qwen3_5_text-exact-gathered": Case("qwen3_5_text", "exact", reshard_after_forward=False),
     "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact"),
+    "qwen3-exact-kept-outputs": Case("qwen3", "exact", keep_attention_outputs=True),
 }
 
 
@@ -101,7 +103,11 @@ def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
 
 def grpo_config(case: Case) -> ls.GRPOConfig:
     return ls.GRPOConfig(
-        loss_type=case.loss_type, gradient=case.gradient, beta=case.beta, epsilon=0.2
+        loss_type=case.loss_type,
+        gradient=case.gradient,
+        beta=case.beta,
+        epsilon=0.2,
+        keep_attention_outputs=case.keep_attention_outputs,
     )
 
 
