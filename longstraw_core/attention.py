@@ -461,6 +461,29 @@ def _store(
         target += value.to(device=sink.device, dtype=sink.dtype)
 
 
+def _torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block_size: int | None,
+    flat_prefix: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend's forward: ``out [B, H, Tq, Dv]`` in the dtype of ``q`` and the
+    merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype)."""
+    batch, heads, tq, _ = q.shape
+    q_rows = _group_rows(q, k.shape[1]).to(_accumulation_dtype(q.dtype))
+    positions = _branch_query_positions(q, k)
+    out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+    q_folded = _fold_batch(q_rows)
+    for k_seg, v_seg in _unflatten_segments(flat_prefix):
+        if k_seg.shape[1] == 0:
+            continue
+        seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
+        out, lse = _merge(out, lse, _unfold_batch(seg_out, batch), _unfold_batch(seg_lse, batch))
+    return out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1]), lse
+
+
 class _TorchSegmentedAttention(torch.autograd.Function):
     """Pure-torch segmented attention; see ``segmented_attention`` for the arguments."""
 
@@ -478,23 +501,11 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         batch, heads, tq, _ = q.shape
-        kv_heads = k.shape[1]
-        if reuse is not None:  # lse in grouped rows, as computed below
+        if reuse is not None:  # lse in grouped rows, as _torch_attention returns it
             result = reuse.out.to(q.dtype, copy=True)
-            lse = _group_rows(reuse.lse[..., None], kv_heads)[..., 0]
+            lse = _group_rows(reuse.lse[..., None], k.shape[1])[..., 0]
         else:
-            q_rows = _group_rows(q, kv_heads).to(_accumulation_dtype(q.dtype))
-            positions = _branch_query_positions(q, k)
-            out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
-            q_folded = _fold_batch(q_rows)
-            for k_seg, v_seg in _unflatten_segments(flat_prefix):
-                if k_seg.shape[1] == 0:
-                    continue
-                seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
-                out, lse = _merge(
-                    out, lse, _unfold_batch(seg_out, batch), _unfold_batch(seg_lse, batch)
-                )
-            result = out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1])
+            result, lse = _torch_attention(q, k, v, scale, block_size, flat_prefix)
         if keep is not None:
             keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
         ctx.save_for_backward(q, k, v, result, lse, *flat_prefix)
