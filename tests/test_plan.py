@@ -364,3 +364,18 @@ def test_kept_attention_outputs_at_paper_scale_and_the_fix_that_drops_them() -> 
     assert plan.peak - without.peak == kept
     assert not plan.fits and without.fits
     assert fixes_for(plan)[0].keys == "grpo.keep_attention_outputs=false"
+
+
+def test_exact_mode_with_room_to_spare_hears_that_kept_outputs_fit() -> None:
+    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = dataclasses.replace(work, prompt_tokens=131072, activation_checkpointing=True)
+    plan = plan_memory(spec, work)
+    kept = plan_memory(spec, dataclasses.replace(work, keep_attention_outputs=True))
+    assert plan.fits and kept.fits
+    assert any("grpo.keep_attention_outputs=true also fits" in line for line in plan.advice)
+    assert not any("keep_attention_outputs" in line for line in kept.advice)
+    detached = plan_memory(spec, dataclasses.replace(work, gradient="detached"))
+    assert not any("keep_attention_outputs" in line for line in detached.advice)

@@ -41,6 +41,7 @@ def _advice(plan: MemoryPlan) -> list[str]:
                 f"train.chunk_size={chunk} is the largest chunk that fits (configured: "
                 f"{work.chunk_size}; larger chunks mean fewer prefill passes)"
             )
+        advice += _keep_outputs_advice(plan)
         return advice
     fixes = fixes_for(plan)
     if fixes:
@@ -48,6 +49,26 @@ def _advice(plan: MemoryPlan) -> list[str]:
     else:
         advice.append(_no_fix(plan))
     return advice
+
+
+def _keep_outputs_advice(plan: MemoryPlan) -> list[str]:
+    """Exact mode with room to spare: say that keeping the attention outputs fits too (the
+    sweep then skips its attention forward), and what it costs."""
+    work = plan.work
+    if work.gradient != "exact" or work.keep_attention_outputs:
+        return []
+    trial = plan_memory(
+        plan.spec, dataclasses.replace(work, keep_attention_outputs=True), advise=False
+    )
+    kept = sum(
+        line.device + line.cpu for line in trial.lines if line.name == "kept attention outputs"
+    )
+    if not kept or not trial.fits:
+        return []
+    return [
+        f"grpo.keep_attention_outputs=true also fits (peak {_gib(trial.peak)}; "
+        f"{_gib(kept)} kept): the sweep skips its attention forward"
+    ]
 
 
 def largest_chunk(spec: ModelSpec, work: Workload) -> int | None:
