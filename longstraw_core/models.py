@@ -100,6 +100,20 @@ def build_optimizer(model: torch.nn.Module, optim: OptimSection) -> torch.optim.
     )
 
 
+def schedule_change(optim: OptimSection, steps: int, saved_steps: int | None) -> str | None:
+    """What changes when a run resumes with ``train.steps`` other than the checkpoint's:
+    a schedule built over the run's length (cosine, linear) continues on the new curve, so
+    the learning rate jumps. None when nothing changes (same length, constant schedule, or
+    a checkpoint that did not record its length)."""
+    if saved_steps is None or saved_steps == steps or optim.scheduler == "constant":
+        return None
+    return (
+        f"train.steps={steps}, but the checkpoint's {optim.scheduler} learning-rate schedule "
+        f"was built for {saved_steps} steps: the learning rate now follows a {steps}-step "
+        f"schedule from the resumed step (set train.steps={saved_steps} to keep the old one)"
+    )
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, optim: OptimSection, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:

@@ -103,6 +103,10 @@ class Recipe:
             return None
         info = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step, self.data_position = info.step, info.data_position
+        saved_steps = info.extra.get("schedule_steps")
+        note = models.schedule_change(self.cfg.optim, self.cfg.train.steps, saved_steps)
+        if note and self.accelerator.is_main_process:
+            print(f"warning: {note}", file=sys.stderr)
         return info
 
     def train(self) -> None:
@@ -204,7 +208,11 @@ class Recipe:
 
     def save_checkpoint(self) -> None:
         """Every rank calls it (a sharded model is gathered); rank 0 writes."""
-        extra = {"logger": self.logger.state_dict(), "wandb_run_id": self.logger.run_id}
+        extra = {
+            "logger": self.logger.state_dict(),
+            "wandb_run_id": self.logger.run_id,
+            "schedule_steps": self.cfg.train.steps,  # the length the LR schedule was built for
+        }
         path = checkpoint.save_checkpoint(
             self.cfg.train.output_dir,
             self.step,

@@ -96,6 +96,23 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert history[0] == history[1] or _same_metrics(history[0], history[1])
 
 
+def test_resuming_with_another_length_says_the_schedule_changes(tmp_path):
+    """A cosine schedule is built over train.steps: resuming with more steps moves the
+    learning rate onto another curve, which the run says (a constant one changes nothing)."""
+    out = tmp_path / "run"
+    common = ["train.save_every=1", "optim.scheduler=cosine", "grpo.gradient=detached"]
+    config = "configs/qwen36/tiny_grpo_cpu.yaml"
+    run_recipe("grpo_qwen36.py", config, out, "train.steps=1", *common)
+    longer = run_recipe(
+        "grpo_qwen36.py", config, out, "train.steps=2", "train.resume_from=latest", *common
+    )
+    assert "was built for 1 steps" in longer.stderr and "set train.steps=1" in longer.stderr
+    same = run_recipe(
+        "grpo_qwen36.py", config, out, "train.steps=2", "train.resume_from=latest", *common
+    )  # resumes step 2 of 2: nothing left to run, and the same length
+    assert "learning-rate schedule" not in same.stderr
+
+
 def _same_metrics(a: dict, b: dict) -> bool:
     """Histories equal except wall-clock timings."""
 
