@@ -280,7 +280,8 @@ class PrefixState:
         ``expanded_bytes`` and ``expanded_bytes_per_token``: the same figures for the
         per-head K/V a naive cache would hold. ``device_bytes`` + ``cpu_bytes`` ==
         ``bytes``, split by where the offload policy keeps the records: on the compute
-        device, or in CPU memory, streamed in layer by layer.
+        device, or in CPU memory, streamed in layer by layer. Records that keep attention
+        outputs for exact mode's sweep add ``kept_output_bytes`` (not part of ``bytes``).
         """
         table: dict[str, dict[str, float | int | bool]] = {}
         for layer in self.layers:
@@ -299,6 +300,8 @@ class PrefixState:
             row["cpu_bytes" if self.offloaded(layer) else "device_bytes"] += layer.nbytes()
             if hasattr(layer, "checkpoint_nbytes"):
                 row["checkpoint_bytes"] = row.get("checkpoint_bytes", 0) + layer.checkpoint_nbytes()
+            if getattr(layer, "keeps_outputs", False):
+                row["kept_output_bytes"] = row.get("kept_output_bytes", 0) + layer.output_nbytes()
             # Compressed records (latent attention) also report what a naive cache would hold.
             expanded_nbytes = getattr(layer, "expanded_nbytes", None)
             if expanded_nbytes is not None:

@@ -204,6 +204,8 @@ def test_kept_attention_outputs_keep_the_full_graph_gradient(
     heads = model.config.num_attention_heads
     per_token = sum(heads * (layer.values.shape[-1] + 1) * 8 for layer in attention)
     assert metrics["attention_output_bytes"] == state.output_nbytes() == per_token * state.length
+    kept_rows = [row.get("kept_output_bytes", 0) for row in state.summary().values()]
+    assert sum(kept_rows) == state.output_nbytes()
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
