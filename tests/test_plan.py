@@ -28,6 +28,7 @@ from longstraw_core.plan import (
     plan_for_config,
     plan_memory,
 )
+from longstraw_core.state import format_bytes
 from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,3 +380,23 @@ def test_exact_mode_with_room_to_spare_hears_that_kept_outputs_fit() -> None:
     assert not any("keep_attention_outputs" in line for line in kept.advice)
     detached = plan_memory(spec, dataclasses.replace(work, gradient="detached"))
     assert not any("keep_attention_outputs" in line for line in detached.advice)
+
+
+def test_offloaded_state_says_what_each_decode_step_streams() -> None:
+    """Rollout reads the whole prefix every new token: offloaded, that is the whole
+    offloaded state copied to the GPU per step, which the advice spells out."""
+    from longstraw_core.offload import OffloadPolicy
+    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = scenario_workload(SCENARIOS[0], 8, "detached")
+    work = dataclasses.replace(
+        work, prompt_tokens=131072, offload=OffloadPolicy(attention="cpu"), rollout=True
+    )
+    plan = plan_memory(spec, work)
+    offloaded = plan.line("prefix state: full_attention").cpu
+    (line,) = [text for text in plan.advice if text.startswith("rollout: every decode step")]
+    assert f"{format_bytes(offloaded)} a step" in line
+    assert f"{format_bytes(offloaded * work.response_tokens)} for" in line
+    resident = plan_memory(spec, dataclasses.replace(work, offload=None))
+    assert not any(text.startswith("rollout:") for text in resident.advice)

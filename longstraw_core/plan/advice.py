@@ -34,6 +34,7 @@ def _advice(plan: MemoryPlan) -> list[str]:
             f"CPU memory for the offloaded state: {_gib(plan.cpu_bytes)} per rank, "
             f"{_gib(plan.cpu_bytes * ranks)} for {ranks} ranks on a node"
         )
+    advice += _rollout_streaming_advice(plan)
     if plan.fits:
         chunk = largest_chunk(plan.spec, work)
         if chunk is not None:
@@ -60,14 +61,34 @@ def _keep_outputs_advice(plan: MemoryPlan) -> list[str]:
     trial = plan_memory(
         plan.spec, dataclasses.replace(work, keep_attention_outputs=True), advise=False
     )
-    kept = sum(
-        line.device + line.cpu for line in trial.lines if line.name == "kept attention outputs"
+    lines = [line for line in trial.lines if line.name == "kept attention outputs"]
+    if not lines or not trial.fits:
+        return []
+    (kept,) = lines
+    where = f"{_gib(kept.cpu)} kept in CPU memory" if kept.cpu else f"{_gib(kept.device)} kept"
+    return [
+        f"grpo.keep_attention_outputs=true also fits (peak {_gib(trial.peak)}; {where}): "
+        "the sweep skips its attention forward"
+    ]
+
+
+def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
+    """With offloaded state, every decode step streams it to the GPU: say how much, since
+    that traffic, not compute, then sets the rollout's pace."""
+    work = plan.work
+    if not (work.rollout and work.offload is not None and work.offload.active):
+        return []
+    per_step = sum(
+        layer.state_fixed + layer.state_per_token * work.stored
+        for layer in plan.spec.layers
+        if work.offloads(layer.record)
     )
-    if not kept or not trial.fits:
+    if not per_step:
         return []
     return [
-        f"grpo.keep_attention_outputs=true also fits (peak {_gib(trial.peak)}; "
-        f"{_gib(kept)} kept): the sweep skips its attention forward"
+        f"rollout: every decode step streams the offloaded state to the GPU, {_gib(per_step)} "
+        f"a step, {_gib(per_step * work.response_tokens)} for {work.response_tokens} new "
+        "tokens (host-to-device bandwidth sets the rollout's pace)"
     ]
 
 
