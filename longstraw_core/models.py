@@ -9,7 +9,6 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import peft.utils.transformers_weight_conversion as peft_conversion
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
@@ -84,6 +83,11 @@ def _targets_as_written() -> Iterator[None]:
     written for the v5 modules, so the conversion is switched off while they are injected;
     it is a no-op for dense models either way.
     """
+    try:  # peft before 0.19 has no such conversion, and nothing to switch off
+        import peft.utils.transformers_weight_conversion as peft_conversion
+    except ImportError:
+        yield
+        return
     convert = peft_conversion.convert_peft_config_for_transformers
     peft_conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
     try:
