@@ -208,6 +208,9 @@ class TrainSection:
     save_every: int = 0  # checkpoint every N steps and at the last step; 0: never
     output_dir: str = "outputs/longstraw"
     resume_from: str | None = None  # null, "latest" (newest in output_dir if any) or a path
+    keep_last: int = 0  # keep the newest N complete checkpoints; 0: keep every one
+    max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (guard.py)
+    raise_reward_errors: bool = False  # a failing reward function stops the run (else NaN)
 
 
 @dataclass
@@ -767,8 +770,17 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
     for name in ("completions_every", "save_every"):
         value = getattr(train, name)
         _check_range(f"train.{name}", value, value >= 0, "an int >= 0 (0: never)")
+    _check_range("train.keep_last", train.keep_last, train.keep_last >= 0, "an int >= 0 (0: all)")
+    skips = train.max_skipped_steps
+    _check_range("train.max_skipped_steps", skips, skips >= 0, "an int >= 0 (0: stop at the first)")
     if not train.output_dir:
         raise ConfigError("train.output_dir", "empty; a directory for checkpoints and logs")
+    if check_paths and Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
+        raise ConfigError(
+            "train.output_dir",
+            f"{train.output_dir!r} is a file, not a directory; name a directory for "
+            "checkpoints and logs",
+        )
     if check_paths and train.resume_from not in (None, "latest"):
         _check_exists("train.resume_from", train.resume_from, directory=True)
 

@@ -286,6 +286,21 @@ def require_sharding(world_size: int, fsdp: bool) -> None:
         )
 
 
+def max_over_ranks(value: int, *, group: dist.ProcessGroup | None = None) -> int:
+    """The largest of every rank's ``value`` (a collective when distributed): how ranks agree
+    on a decision one of them made alone (a signal received, a step to skip)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
+
+
+def any_rank(flag: bool, *, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` holds on at least one rank (a collective when distributed)."""
+    return max_over_ranks(int(flag), group=group) > 0
+
+
 def gather_rows(rows: Sequence[Row]) -> list[Row]:
     """Every rank's ``rows`` (picklable) on every rank, in rank order: e.g. a completions
     table of every rank's group rather than rank 0's alone. Collective: every rank calls it.

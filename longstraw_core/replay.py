@@ -79,6 +79,13 @@ def grpo_step(
     replay and the sweep are padded with idle passes so that their collectives pair up.
     """
     config = config or GRPOConfig()
+    if isinstance(loss_scale, bool) or not (
+        isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale) and loss_scale >= 0
+    ):
+        raise ValueError(
+            f"loss_scale must be a finite number >= 0 (the group's share of the step's loss), "
+            f"got {loss_scale!r}"
+        )
     prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
     responses = _check_responses(responses, adapter.vocab_size)
     reward_tensor = _check_rewards(rewards, len(responses))

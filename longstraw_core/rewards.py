@@ -18,6 +18,9 @@ Where LongStraw differs from TRL, on purpose:
   with the ids of the samples in that batch, and its column becomes NaN, so one bad custom
   reward does not kill a long run; ``raise_errors=True`` re-raises instead. An infinite
   value is treated as invalid (NaN), logged with the sample id.
+- A finite value larger in magnitude than ``MAX_ABS_REWARD`` counts as a failure of that
+  function: the group's mean and std of such values overflow, and every advantage would
+  silently become 0.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[list[str], list[Sample]], list[float | None]]
 Completion = str | Sequence[dict[str, Any]]
+
+
+# Squared deviations overflow float32 past ~1e19 (float64 past ~1e154), and well before that
+# float32 advantages lose the differences: a reward this large is a bug, not a scale.
+MAX_ABS_REWARD = 1e12
 
 
 class RewardError(RuntimeError):
@@ -245,6 +253,11 @@ class RewardResult:
     unscorable: list[int] = field(default_factory=list)
     failed: dict[str, list[str]] = field(default_factory=dict)
 
+    @property
+    def all_failed(self) -> bool:
+        """Every reward function failed on this batch: the rewards carry no signal."""
+        return bool(self.names) and len(self.failed) == len(self.names)
+
     def columns(self) -> dict[str, list[float]]:
         """Per-function columns, e.g. for a completions table."""
         return {n: [row[i] for row in self.rewards_per_func] for i, n in enumerate(self.names)}
@@ -342,6 +355,12 @@ class RewardSet:
             column = [_as_float(v) for v in raw]
             if len(column) != len(samples):
                 raise ValueError(f"returned {len(column)} rewards for {len(samples)} completions")
+            huge = [v for v in column if math.isfinite(v) and abs(v) > MAX_ABS_REWARD]
+            if huge:
+                raise ValueError(
+                    f"returned {huge[0]:g}, beyond |reward| <= {MAX_ABS_REWARD:g}: such values "
+                    "overflow the group's statistics; scale the reward down"
+                )
         except Exception as exc:
             ids = [s.id for s in samples]
             if self.raise_errors:

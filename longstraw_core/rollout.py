@@ -45,6 +45,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from longstraw_core.guard import NonFiniteError
 from longstraw_core.state import PrefixState
 from model_adapters.base import ModelAdapter
 
@@ -131,6 +132,12 @@ def rollout(
         for step in range(max_new_tokens):
             logits = adapter.decode(state, cache, inputs)[:, -1]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            # Sampling would fail on them (or worse); sharded, every rank stops together.
+            if not adapter.everywhere(bool(torch.isfinite(logits).all())):
+                raise NonFiniteError(
+                    f"rollout: non-finite logits at decode step {step}: the weights or the "
+                    "prompt's state hold inf/NaN (diverged training?)"
+                )
             next_tokens, next_logps = _sample(logits, temperature, warpers, generator)
             if logps is None:
                 logps = torch.zeros(group, max_new_tokens, dtype=logits.dtype, device=device)

@@ -159,11 +159,18 @@ class RunLogger:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint's ``extra`` keeps so a resumed run reports the whole run:
         the metrics history (for the final table) and the W&B run id (to continue it)."""
-        return {"history": [[step, flat] for step, flat in self.history], "run_id": self.run_id}
+        # Strict JSON (no bare NaN tokens): a non-finite metric is stored as null.
+        history = [
+            [step, {k: _json_number(v) for k, v in flat.items()}] for step, flat in self.history
+        ]
+        return {"history": history, "run_id": self.run_id}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the history; pass ``state["run_id"]`` as ``run_id`` when building."""
-        self.history = [(int(step), dict(flat)) for step, flat in state.get("history", [])]
+        self.history = [
+            (int(step), {k: math.nan if v is None else v for k, v in flat.items()})
+            for step, flat in state.get("history", [])
+        ]
 
     # ----------------------------------------------------------------------- logging
 
@@ -269,6 +276,11 @@ def peak_memory_bytes(device: torch.device | str | None = None) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def _json_number(value: float) -> float | None:
+    """``value``, or None where strict JSON has no number for it (NaN, inf)."""
+    return value if math.isfinite(value) else None
 
 
 def render(text: Text) -> str:

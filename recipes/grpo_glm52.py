@@ -18,6 +18,11 @@ Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own group 
 step's loss is TRL's over every rank's responses as one batch, metrics are averaged over the
 ranks, and rank 0 logs and writes the checkpoints.
 
+Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the step, saves a checkpoint and
+exits 128+signal; a step with a non-finite loss, gradient or logits is skipped (the guard
+stops the run after ``train.max_skipped_steps`` in a row); ``train.resume_from=latest``
+continues from the newest complete checkpoint, applying changed optimizer settings.
+
 Run it:
     python recipes/grpo_glm52.py                                   # tiny CPU default
     python recipes/grpo_glm52.py train.steps=2 grpo.gradient=detached
@@ -31,6 +36,7 @@ Copy this file and edit it: every mechanism is a ``longstraw_core`` call.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -39,9 +45,21 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import longstraw_core as ls
-from longstraw_core import checkpoint, config, data, distributed, models, plan, tokenizer, tracking
+from longstraw_core import (
+    checkpoint,
+    config,
+    data,
+    distributed,
+    guard,
+    models,
+    plan,
+    resume,
+    tokenizer,
+    tracking,
+)
 from longstraw_core.progress import StepProgress
 from longstraw_core.rewards import RewardSet
+from longstraw_core.stop import GracefulStop, exit_after_stop
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/glm52/tiny_grpo_cpu.yaml"
 
@@ -63,6 +81,9 @@ class Recipe:
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
+        # Before any weight loads: every record checked, a changed model/lora refused.
+        self.sample_at = data.sample_source(cfg.data, self.tokenizer)
+        self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
         self.adapter = ls.adapt(self.model)
@@ -76,15 +97,22 @@ class Recipe:
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)
         self.offload = config.offload_policy(cfg)  # prefix state on CPU, streamed per layer
-        self.rewards = RewardSet([r.name for r in cfg.rewards], [r.weight for r in cfg.rewards])
-        self.sample_at = data.sample_source(cfg.data, self.tokenizer)
+        self.rewards = RewardSet(
+            [r.name for r in cfg.rewards],
+            [r.weight for r in cfg.rewards],
+            raise_errors=cfg.train.raise_reward_errors,
+        )
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
         self.step, self.data_position, resumed = 0, 0, None
-        if cfg.train.resume_from is not None:
+        if self.resume_path is not None:
             resumed = self._resume()
         self.logger = tracking.RunLogger.from_config(
-            self.accelerator, cfg, run_id=resumed.extra.get("wandb_run_id") if resumed else None
+            self.accelerator,
+            cfg,
+            run_id=resumed.extra.get("wandb_run_id") if resumed else None,
+            config=config.to_dict(cfg) | self._resume_record(),  # what actually runs
         )
         if resumed:
             self.logger.load_state_dict(resumed.extra.get("logger", {}))
@@ -99,32 +127,54 @@ class Recipe:
         frozen = models.build_model(self.cfg.model, seed=self.cfg.train.seed)
         return ls.adapt(frozen.to(self.accelerator.device).eval().requires_grad_(False))
 
-    def _resume(self) -> checkpoint.ResumeInfo | None:
-        path = checkpoint.resolve_checkpoint(self.cfg.train.resume_from, self.cfg.train.output_dir)
-        if path is None:  # "latest" with nothing saved yet: a fresh run
-            return None
-        info = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+    def _resume(self) -> checkpoint.ResumeInfo:
+        """Restore the checkpoint; the config's optimizer settings win over the saved ones."""
+        info = checkpoint.load_checkpoint(
+            self.resume_path, self.model, self.optimizer, self.scheduler
+        )
         self.step, self.data_position = info.step, info.data_position
+        self.guard.load_state_dict(info.extra.get("guard", {}))
+        applied = resume.apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg.optim)
+        self.resume_changes = resume.merge_changes(applied, self.resume_changes)
         saved_steps = info.extra.get("schedule_steps")
-        note = models.schedule_change(self.cfg.optim, self.cfg.train.steps, saved_steps)
-        if note and self.accelerator.is_main_process:
-            print(f"warning: {note}", file=sys.stderr)
+        notes = [
+            resume.describe(self.resume_changes, info.path),
+            models.schedule_change(self.cfg.optim, self.cfg.train.steps, saved_steps),
+        ]
+        for note in filter(None, notes):
+            if self.accelerator.is_main_process:
+                print(f"warning: {note}", file=sys.stderr)
         return info
 
-    def train(self) -> None:
+    def _resume_record(self) -> dict:
+        """The W&B config's ``resume`` entry: where from, and each setting changed since."""
+        if self.resume_path is None:
+            return {}
+        changed = {c.key: {"checkpoint": c.saved, "now": c.now} for c in self.resume_changes}
+        return {"resume": {"from": str(self.resume_path), "step": self.step, "changed": changed}}
+
+    def train(self) -> signal.Signals | None:
+        """Train to ``train.steps``; on SIGTERM/SIGINT, stop after the step with a checkpoint
+        and return the signal."""
         cfg = self.cfg
-        while self.step < cfg.train.steps:
-            index = self.data_position + self.rank
-            metrics = distributed.reduce_metrics(self.train_step(self.sample_at(index), index))
-            self.step += 1
-            self.data_position += self.world_size
-            metrics |= self.progress.step_done()
-            self.logger.log(self.step, metrics)
-            if cfg.train.save_every and (
-                self.step % cfg.train.save_every == 0 or self.step == cfg.train.steps
-            ):
-                with self.progress.phase("checkpoint"):
-                    self.save_checkpoint()
+        with GracefulStop() as stop:
+            while self.step < cfg.train.steps:
+                index = self.data_position + self.rank
+                metrics = distributed.reduce_metrics(self.train_step(self.sample_at(index), index))
+                self.step += 1
+                self.data_position += self.world_size
+                metrics |= self.progress.step_done()
+                self.logger.log(self.step, metrics)
+                stopping = stop.requested()
+                if stopping or (
+                    cfg.train.save_every
+                    and (self.step % cfg.train.save_every == 0 or self.step == cfg.train.steps)
+                ):
+                    with self.progress.phase("checkpoint"):
+                        self.save_checkpoint()
+                if stopping:
+                    return stopping
+        return None
 
     def train_step(self, sample: data.Sample, index: int) -> dict[str, float]:
         """prefill -> rollout -> rewards -> grpo_step -> optimizer step; this rank's metrics.
@@ -140,19 +190,22 @@ class Recipe:
                 progress=self.bars,
                 offload=self.offload,
             )
-        with progress.phase("rollout"):
-            out = ls.rollout(
-                self.adapter,
-                state,
-                cfg.rollout.num_generations,
-                cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                eos_token_ids=[self.tokenizer.eos_token_id],
-                seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
-                progress=self.bars,
-            )
+        try:
+            with progress.phase("rollout"):
+                out = ls.rollout(
+                    self.adapter,
+                    state,
+                    cfg.rollout.num_generations,
+                    cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p,
+                    top_k=cfg.rollout.top_k,
+                    eos_token_ids=[self.tokenizer.eos_token_id],
+                    seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
+                    progress=self.bars,
+                )
+        except guard.NonFiniteError as error:  # raised on every rank at once
+            return self._skip(str(error))
         # This group's share of the step's loss over every rank's responses (TRL's one batch).
         (loss_scale,) = distributed.group_loss_scales(
             [[len(r) for r in out.responses]], self.grpo, [out.truncated]
@@ -160,6 +213,8 @@ class Recipe:
         completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
         with progress.phase("reward"):
             scored = self.rewards(completions, [sample] * len(completions))
+        if distributed.any_rank(scored.all_failed):
+            return self._skip("every reward function failed on every completion (errors above)")
         with progress.phase("replay"):
             step_metrics = ls.grpo_step(
                 self.adapter,
@@ -175,7 +230,7 @@ class Recipe:
                 offload=self.offload,
             )
         with progress.phase("optimizer"):
-            grad_norm = self._optimizer_step()
+            grad_norm, skip_reason = self._optimizer_step(step_metrics["loss"])
         if cfg.train.completions_every and (self.step + 1) % cfg.train.completions_every == 0:
             rows = [
                 {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
@@ -194,16 +249,34 @@ class Recipe:
             "lr": self.scheduler.get_last_lr()[0],
             "rollout_tokens_per_second": out.stats["tokens_per_second"],
             "truncated_fraction": sum(out.truncated) / len(out.truncated),
+            **(self._skip(skip_reason) if skip_reason else self._passed()),
         }
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss: float) -> tuple[float, str | None]:
+        """Clip and step; a non-finite loss or gradient norm (on any rank) skips the update.
+        Returns the gradient norm and why the update was skipped (None: it was not)."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+        norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf")))
+        reason = guard.non_finite_reason(loss, norm)
+        if distributed.any_rank(reason is not None):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, reason or "another rank's loss is not finite"
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        self.guard.passed()
+        return norm, None
+
+    def _passed(self) -> dict[str, float]:
+        return {"skipped": 0.0, "skipped_steps": float(self.guard.skipped)}
+
+    def _skip(self, reason: str) -> dict[str, float]:
+        """This step changes nothing (no update, no scheduler step): count it, say why."""
+        self.optimizer.zero_grad(set_to_none=True)
+        write = self.progress.write if self.accelerator.is_main_process else lambda line: None
+        self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
+        return {"skipped": 1.0, "skipped_steps": float(self.guard.skipped)}
 
     def save_checkpoint(self) -> None:
         """Every rank calls it (a sharded model is gathered); rank 0 writes."""
@@ -211,7 +284,17 @@ class Recipe:
             "logger": self.logger.state_dict(),
             "wandb_run_id": self.logger.run_id,
             "schedule_steps": self.cfg.train.steps,  # the length the LR schedule was built for
+            "config": config.to_dict(self.cfg),  # what a resume compares its settings with
+            "guard": self.guard.state_dict(),
         }
+        bad = guard.first_non_finite(
+            [*self.model.named_parameters(), *guard.optimizer_tensors(self.optimizer)]
+        )
+        if distributed.any_rank(bad is not None):  # never save a diverged run
+            raise guard.TrainingDiverged(
+                f"not saving step {self.step}: {bad or 'a tensor on another rank'} holds "
+                "inf/NaN; resume from the last checkpoint with a lower optim.lr"
+            )
         path = checkpoint.save_checkpoint(
             self.cfg.train.output_dir,
             self.step,
@@ -249,10 +332,24 @@ def main(argv: list[str] | None = None) -> None:
         recipe.setup()
     except config.ConfigError as error:
         sys.exit(f"config error: {error}")
+    except data.DataError as error:
+        sys.exit(f"data error: {error}")
+    stopped, failure = None, None
     try:
-        recipe.train()
+        stopped = recipe.train()
+    except guard.TrainingDiverged as error:
+        failure = f"training stopped: {error}"
     finally:
         recipe.cleanup()
+    if failure:
+        sys.exit(failure)
+    if stopped:  # SIGTERM/SIGINT: the step finished and was saved
+        exit_after_stop(
+            stopped,
+            f"stopped by {stopped.name} after step {recipe.step}/{cfg.train.steps}; "
+            f"resume: the same command with train.resume_from=latest "
+            f"(train.output_dir={cfg.train.output_dir})",
+        )
     if cfg.distributed.fsdp:  # a sharded run is done on every rank: skip gloo's teardown
         distributed.exit_ranks()
 

@@ -1,0 +1,163 @@
+"""Resume that tells the truth: what a checkpoint overrides is applied from the config or refused.
+
+Loading a checkpoint restores the optimizer's param groups (learning rate, betas, weight
+decay) and the scheduler's base learning rates, silently undoing an ``optim.lr=...`` given on
+the resume command while W&B records the new value. Here every setting that differs from the
+checkpoint's run config is either
+
+- **applied**: the optimizer and scheduler take the new ``optim`` values
+  (``apply_optimizer_settings``), and everything the recipe reads each step (grpo, rollout,
+  rewards, data, train...) applies by itself; the changes are printed and recorded in the
+  W&B config under ``resume``;
+- **refused** before any tensor is read (``RESUME_FIXED``): the model and its adapters
+  must be the ones the checkpoint was trained as.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longstraw_core import checkpoint
+from longstraw_core.config import ConfigError, OptimSection, RunConfig, to_dict
+
+# Settings a checkpoint fixes: other values would load other weights (or fail to load them).
+# ``model.path`` and ``tokenizer.path`` may move; the weight check catches another model.
+RESUME_FIXED = ("model.", "lora.", "tokenizer.")
+RESUME_MOVABLE = ("model.path", "tokenizer.path")
+# Settings that name the run rather than describe it: never reported as changes.
+RESUME_IGNORED = ("train.resume_from",)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One setting whose value differs from the checkpoint's run config."""
+
+    key: str
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.saved!r} -> {self.now!r}"
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; lists stay values."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat |= flatten(value, f"{name}.")
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[Change]:
+    """Every setting whose value differs between two run configs (nested dicts)."""
+    old, new = flatten(saved), flatten(now)
+    keys = [k for k in dict.fromkeys([*old, *new]) if not k.startswith(RESUME_IGNORED)]
+    return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def check_resumable(changes: list[Change], checkpoint: str) -> None:
+    """Refuse changes to what the checkpoint fixes, naming every key, before loading."""
+    fixed = [c for c in changes if c.key.startswith(RESUME_FIXED) and c.key not in RESUME_MOVABLE]
+    if fixed:
+        listed = "; ".join(map(str, fixed))
+        raise ConfigError(
+            fixed[0].key,
+            f"differs from the run that wrote {checkpoint} ({listed}). A checkpoint resumes "
+            "only the model it trained: restore these values, or start a new run in another "
+            "train.output_dir",
+        )
+
+
+def apply_optimizer_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    optim: OptimSection,
+) -> list[Change]:
+    """Give a restored optimizer (and scheduler) the config's lr, betas and weight decay.
+
+    The learning rate is rescaled, not replaced: a scheduler's current factor (warmup,
+    cosine) is kept and applied to the new base rate. Returns what changed.
+    """
+    changes: list[Change] = []
+    bases = list(scheduler.base_lrs) if scheduler is not None else None
+    for index, group in enumerate(optimizer.param_groups):
+        old_base = bases[index] if bases is not None else group["lr"]
+        if old_base != optim.lr:
+            factor = group["lr"] / old_base if old_base else 1.0
+            group["lr"] = optim.lr * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = optim.lr
+            if bases is not None:
+                bases[index] = optim.lr
+            if index == 0:
+                changes.append(Change("optim.lr", old_base, optim.lr))
+        betas = tuple(optim.betas)
+        if tuple(group["betas"]) != betas:
+            if index == 0:
+                changes.append(Change("optim.betas", list(group["betas"]), list(betas)))
+            group["betas"] = betas
+        if group["weight_decay"] != optim.weight_decay:
+            if index == 0:
+                changes.append(
+                    Change("optim.weight_decay", group["weight_decay"], optim.weight_decay)
+                )
+            group["weight_decay"] = optim.weight_decay
+    if scheduler is not None and bases is not None:
+        scheduler.base_lrs = bases
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # get_last_lr()
+    return changes
+
+
+def saved_config(checkpoint_dir: Path) -> dict[str, Any] | None:
+    """The run config a checkpoint's run recorded (None for checkpoints from before that)."""
+    try:
+        state = json.loads((checkpoint_dir / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # load_checkpoint reports an unreadable checkpoint properly
+    config = state.get("extra", {}).get("config")
+    return config if isinstance(config, dict) else None
+
+
+def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path | None, list[Change]]:
+    """The checkpoint ``train.resume_from`` names and the settings that changed since.
+
+    Runs before the model is built: a change the checkpoint cannot honour is refused here
+    (``ConfigError`` naming the key). ``(None, [])`` when there is nothing to resume
+    (``resume_from`` unset, or ``"latest"`` before the first checkpoint).
+    """
+    if cfg.train.resume_from is None:
+        return None, []
+    path = checkpoint.resolve_checkpoint(cfg.train.resume_from, cfg.train.output_dir)
+    if path is None:
+        return None, []
+    saved = saved_config(path)
+    changes = config_changes(saved, to_dict(cfg)) if saved is not None else []
+    check_resumable(changes, str(path))
+    return path, changes
+
+
+def describe(changes: list[Change], checkpoint_dir: Path) -> str | None:
+    """One line listing the settings a resumed run applies, or None when nothing changed."""
+    if not changes:
+        return None
+    listed = "; ".join(map(str, changes))
+    return f"resuming {checkpoint_dir} with settings that differ from its run (applied): {listed}"
+
+
+def merge_changes(*lists: list[Change]) -> list[Change]:
+    """The changes of several sources, one per key (the first source's wins)."""
+    merged: dict[str, Change] = {}
+    for changes in lists:
+        for change in changes:
+            merged.setdefault(change.key, change)
+    return list(merged.values())
