@@ -1,0 +1,253 @@
+"""Fault injection on the real recipe processes: kills, signals, NaNs, changed settings.
+
+Each fault is what a long run on preemptible machines meets: SIGKILL at every stage of a
+checkpoint save (through ``longstraw_core.failpoints``), SIGTERM mid-step, a NaN gradient,
+a learning rate that diverges, a resume with other optimizer settings. After each, the run
+either continues to the result an uninterrupted run reaches (``torch.equal`` on weights and
+optimizer state) or stops with a one-line message and a non-zero status.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from longstraw_core import checkpoint
+from longstraw_core.config import load_config
+from longstraw_core.failpoints import ENV as FAILPOINTS
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo_qwen36.py"
+CONFIG = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
+# The smallest run that still learns: rewards vary, every step updates every weight.
+SMALL = [
+    "data.prompt_tokens=400",
+    "rollout.num_generations=2",
+    "rollout.max_new_tokens=4",
+    "train.chunk_size=128",
+    "grpo.gradient=detached",
+    "tracking.wandb=false",
+    "train.completions_every=0",
+    "optim.scheduler=constant",
+    "rewards=[{name: answer_char_recall, weight: 1.0}]",
+    "optim.lr=1e-3",
+]
+STEPS = 3
+SAVE_STAGES = [
+    "checkpoint.start",
+    "checkpoint.model_written",
+    "checkpoint.files_written",
+    "checkpoint.manifest_written",
+    "checkpoint.renamed",
+    "checkpoint.latest_written",
+]
+
+
+def _command(output_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable, str(RECIPE), "--config", str(CONFIG), *SMALL,
+        f"train.steps={STEPS}", f"train.output_dir={output_dir}", *overrides,
+    ]  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != FAILPOINTS}
+    return env | {"PYTHONUNBUFFERED": "1"} | extra
+
+
+def _run(output_dir: Path, *overrides: str, env: dict[str, str] | None = None):
+    return subprocess.run(
+        _command(output_dir, *overrides), capture_output=True, text=True, cwd=ROOT,
+        env=env or _env(), timeout=600,
+    )  # fmt: skip
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted((step_dir / "model").rglob("*.safetensors"))
+    assert files, f"no weights under {step_dir}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _optimizer(step_dir: Path) -> dict:
+    return torch.load(step_dir / "optimizer.pt", weights_only=True)
+
+
+def _assert_same_state(a: Path, b: Path) -> None:
+    """Weights and optimizer state of two checkpoints are bit-identical."""
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    oa, ob = _optimizer(a), _optimizer(b)
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for index, state in oa["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, ob["state"][index][key]), (index, key)
+
+
+def _all_finite(step_dir: Path) -> bool:
+    tensors = list(_weights(step_dir).values())
+    for state in _optimizer(step_dir)["state"].values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """An uninterrupted run: every fault below must end where it ends."""
+    out = tmp_path_factory.mktemp("straight")
+    _ok(_run(out, "train.save_every=1"))
+    return out
+
+
+@pytest.mark.parametrize("stage", SAVE_STAGES)
+def test_kill_at_any_stage_of_a_save_then_resume_equals_uninterrupted(straight, tmp_path, stage):
+    out = tmp_path / "run"
+    killed = _run(out, "train.save_every=1", env=_env(**{FAILPOINTS: f"{stage}@2"}))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
+    assert f"step {STEPS}/{STEPS}" in resumed.stdout + resumed.stderr
+    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+    # Every checkpoint the directory offers is complete and loadable.
+    assert checkpoint.resolve_checkpoint("latest", out) == out / f"step-{STEPS:06d}"
+
+
+def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        _command(out, "train.save_every=0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=ROOT, env=_env(),
+    )  # fmt: skip
+    lines = []
+    for line in process.stdout:  # the first step's line: the second step is under way
+        lines.append(line)
+        if line.startswith("step 1/"):
+            process.send_signal(signal.SIGTERM)
+            break
+    lines += process.stdout.readlines()
+    assert process.wait(timeout=600) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
+    text = "".join(lines)
+    assert "SIGTERM: finishing this step" in text and "Traceback" not in text
+    assert "stopped by SIGTERM after step 2/3" in text and "train.resume_from=latest" in text
+    assert "Run summary" in text  # the logger (and W&B, when on) was finished
+    assert (out / "step-000002").is_dir(), text  # saved although train.save_every=0
+    _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
+    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+
+
+def test_second_sigterm_exits_at_once(tmp_path):
+    process = subprocess.Popen(
+        _command(tmp_path / "run", "train.save_every=1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
+    )  # fmt: skip
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step 1/"):
+            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)
+            break
+    lines += process.stdout.readlines()
+    assert process.wait(timeout=600) == 128 + signal.SIGTERM
+    assert "second SIGTERM: exiting now" in "".join(lines)
+    assert not (tmp_path / "run" / "step-000002").exists()
+
+
+def test_lr_that_diverges_stops_with_the_guard_and_saves_nothing_non_finite(tmp_path):
+    out = tmp_path / "run"
+    result = _run(out, "optim.lr=1e3", "train.max_skipped_steps=1", "train.steps=8",
+                  "train.save_every=1")  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "training stopped: 2 steps in a row skipped" in result.stderr
+    assert "Traceback" not in result.stderr
+    saved = sorted(out.glob("step-*"))
+    assert saved and all(_all_finite(step_dir) for step_dir in saved)
+
+
+def test_nan_gradient_skips_the_step_and_the_run_continues(tmp_path, capsys):
+    """One NaN entry in one gradient at step 2 (a real hook on the real recipe): no update,
+    no scheduler step, no non-finite checkpoint, and step 3 trains on."""
+    spec = importlib.util.spec_from_file_location("grpo_qwen36_under_test", RECIPE)
+    recipe_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe_module)
+    out = tmp_path / "run"
+    cfg = load_config(CONFIG, [*SMALL, f"train.steps={STEPS}", "train.save_every=1",
+                               f"train.output_dir={out}"])  # fmt: skip
+    recipe = recipe_module.Recipe(cfg)
+    recipe.setup()
+    param = next(p for p in recipe.model.parameters() if p.requires_grad)
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if recipe.step + 1 != 2:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    param.register_hook(poison)
+    try:
+        assert recipe.train() is None
+    finally:
+        recipe.cleanup()
+    printed = capsys.readouterr()
+    assert "step 2 skipped: gradient norm is nan" in printed.out + printed.err
+    assert recipe.guard.skipped == 1 and recipe.guard.in_a_row == 0
+    steps = [out / f"step-{s:06d}" for s in (1, 2, 3)]
+    assert all(_all_finite(step_dir) for step_dir in steps)
+    one, two, three = (_weights(step_dir) for step_dir in steps)
+    assert all(torch.equal(one[k], two[k]) for k in one), "a skipped step changed weights"
+    assert any(not torch.equal(two[k], three[k]) for k in two), "step 3 did not train"
+    state = json.loads((steps[1] / "trainer_state.json").read_text())
+    assert state["extra"]["guard"] == {"skipped": 1, "in_a_row": 1}
+    assert _optimizer(steps[0])["state"][0]["step"] == _optimizer(steps[1])["state"][0]["step"]
+
+
+def test_resume_applies_changed_optimizer_settings_and_wandb_records_them(tmp_path):
+    out = tmp_path / "run"
+    wandb_on = ["tracking.wandb=true", "tracking.mode=offline"]
+    _ok(_run(out, "train.steps=1", "train.save_every=1", *wandb_on))
+    changed = ["optim.lr=5e-3", "optim.weight_decay=0.5", "optim.betas=[0.5,0.6]"]
+    result = _ok(_run(out, "train.steps=2", "train.save_every=1", "train.resume_from=latest",
+                      *wandb_on, *changed))  # fmt: skip
+    assert "optim.lr: 0.001 -> 0.005" in result.stderr
+    group = _optimizer(out / "step-000002")["param_groups"][0]
+    assert group["lr"] == 5e-3 and group["weight_decay"] == 0.5
+    assert tuple(group["betas"]) == (0.5, 0.6)
+    configs = sorted(out.glob("wandb/offline-run-*/files/config.yaml"))
+    assert configs, "no W&B run config written"
+    text = configs[-1].read_text()
+    assert "0.005" in text and "0.5" in text and "resume" in text
+
+
+def test_resume_refuses_changed_model_settings_before_loading(tmp_path):
+    out = tmp_path / "run"
+    _ok(_run(out, "train.steps=1", "train.save_every=1"))
+    result = _run(out, "train.steps=2", "train.resume_from=latest", "lora.enabled=true")
+    assert result.returncode == 1
+    assert "config error: lora.enabled" in result.stderr and "Traceback" not in result.stderr
+    assert "start a new run in another train.output_dir" in result.stderr
+
+
+def test_output_dir_that_is_a_file_is_refused_up_front(tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("mine")
+    result = _run(target)
+    assert result.returncode == 1 and "config error: train.output_dir" in result.stderr
+    assert target.read_text() == "mine"
