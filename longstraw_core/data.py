@@ -18,9 +18,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
 
 from longstraw_core.tasks import Sample, sample_at
 
@@ -41,28 +43,65 @@ def load_samples(
 ) -> list[Sample]:
     """Samples from a JSONL file or a ``save_to_disk`` directory (``split`` picks one split
     of a saved ``DatasetDict``)."""
-    p = Path(path)
+    return [record_to_sample(r, where, chat=chat) for where, r in _records(path, split, False)]
+
+
+def _records(
+    path: str | os.PathLike, split: str | None, progress: bool | None
+) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` for every record, in order; ``where`` is ``<file>:<line>`` or
+    ``<dir>:row <i>``. ``progress``: a tqdm bar (None: only on a terminal, as tqdm decides)."""
+    p = Path(path).expanduser()  # as config's existence check reads data.path
     if p.is_dir():
-        return _load_dataset_dir(p, chat=chat, split=split)
+        name, rows = _open_dataset(p, split)
+        with _bar(progress, f"scanning {p.name}", total=len(rows), unit="row") as bar:
+            for i, row in enumerate(rows):
+                bar.update(1)
+                yield f"{name}:row {i}", row
+        return
     if not p.is_file():
         raise FileNotFoundError(f"no data file or dataset directory at {str(p)!r}")
-    return list(_load_jsonl(p, chat=chat))
+    size = p.stat().st_size
+    with _bar(progress, f"scanning {p.name}", total=size, unit="B", unit_scale=True) as bar:
+        yield from _jsonl_records(p, bar.update)
 
 
-def _load_jsonl(path: Path, *, chat: bool) -> Iterable[Sample]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+def _bar(progress: bool | None, desc: str, **kwargs: Any) -> tqdm:
+    disable = None if progress is None else not progress
+    return tqdm(desc=desc, disable=disable, leave=False, dynamic_ncols=True, **kwargs)
+
+
+def _jsonl_records(path: Path, advance: Callable[[int], object]) -> Iterator[tuple[str, Any]]:
+    """Read as bytes and decode line by line, so a bad byte is reported with its line."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            advance(len(raw))
+            where = f"{path}:{line_no}"
+            line = _decode(raw, where, first=line_no == 1)
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg})") from exc
-            yield record_to_sample(record, where, chat=chat)
+                raise DataError(
+                    f"{where}: invalid JSON ({exc.msg} at column {exc.colno})"
+                ) from None
+            yield where, record
 
 
-def _load_dataset_dir(path: Path, *, chat: bool, split: str | None) -> list[Sample]:
+def _decode(raw: bytes, where: str, *, first: bool) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        byte = raw[exc.start]
+        raise DataError(
+            f"{where}: not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})"
+        ) from None
+    return text.removeprefix("\ufeff") if first else text  # a BOM some editors write
+
+
+def _open_dataset(path: Path, split: str | None) -> tuple[str, Any]:
+    """The saved ``datasets.Dataset`` (one split of a ``DatasetDict``) and its name for errors."""
     import datasets  # optional at import time: only this loader needs it
 
     try:
@@ -79,8 +118,7 @@ def _load_dataset_dir(path: Path, *, chat: bool, split: str | None) -> list[Samp
         data = data[split]
     elif split is not None:
         raise DataError(f"{path}: a single dataset, not a DatasetDict; split={split!r} given")
-    name = f"{path}[{split}]" if split else str(path)
-    return [record_to_sample(row, f"{name}:row {i}", chat=chat) for i, row in enumerate(data)]
+    return (f"{path}[{split}]" if split else str(path)), data
 
 
 def record_to_sample(record: Any, where: str, *, chat: bool = True) -> Sample:
@@ -90,6 +128,8 @@ def record_to_sample(record: Any, where: str, *, chat: bool = True) -> Sample:
     # A dataset has every column in every row: a null there means the field is absent.
     record = {k: v for k, v in record.items() if not (k in RESERVED and v is None)}
     prompt, answer = _prompt_and_answer(record, where, chat)
+    field_name = "prompt" if "prompt" in record else "messages"
+    _require_text(record.get("prompt", prompt), where, field_name)  # as given, not wrapped
     sample_id = record.get("id")
     meta = {k: v for k, v in record.items() if k not in RESERVED}
     return Sample(
@@ -130,6 +170,18 @@ def _prompt_and_answer(record: Mapping[str, Any], where: str, chat: bool) -> tup
     if len(messages) < 2:
         raise DataError(f"{where}: 'messages' has only the assistant answer, no prompt")
     return messages[:-1], messages[-1]["content"]
+
+
+def _require_text(prompt: Any, where: str, field_name: str) -> None:
+    """An empty prompt gives the model nothing to answer: refuse it with its line."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: field {field_name!r} is empty (or only whitespace)")
+    elif not any(m["content"].strip() for m in prompt):
+        raise DataError(
+            f"{where}: field {field_name!r}: every prompt message's 'content' is empty "
+            "(or only whitespace)"
+        )
 
 
 def _messages(value: Any, where: str, field_name: str) -> list[dict[str, str]]:
