@@ -11,6 +11,16 @@ Each record (a JSONL line or a dataset row) is one of:
 
 ``id`` is taken from the record when present (else ``<file>:<line>`` / ``<dir>:<row>``); every
 other field goes to ``Sample.meta``. Errors name the file, the line or row and the field.
+
+``sample_source`` scans the whole of ``data.path`` once, before the model is built: every
+record is parsed, converted and its prompt tokenized exactly as the recipe will, so a bad
+line or a prompt longer than ``data.prompt_tokens`` fails in seconds, naming its line, not
+hours into a run (and again on every resume). Prompts over the limit are an error, or with
+``data.on_overlong=skip`` left out and reported::
+
+    source = sample_source(cfg.data, tok)      # raises DataError before any weight loads
+    source.size, source.longest, source.skipped
+    sample = source(index)                     # deterministic by index: runs resume exactly
 """
 
 from __future__ import annotations
@@ -18,13 +28,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from longstraw_core.tasks import Sample, sample_at
+from longstraw_core.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,6 +44,8 @@ if TYPE_CHECKING:
     from longstraw_core.config import DataSection
 
 RESERVED = ("id", "prompt", "messages", "answer")
+ON_OVERLONG = ("error", "skip")  # data.on_overlong: refuse the data, or leave those prompts out
+SHOWN = 5  # overlong prompts named in an error or a summary; the rest are counted
 
 
 class DataError(ValueError):
@@ -208,20 +222,164 @@ def _answer(record: Mapping[str, Any], where: str) -> str:
     return str(answer)
 
 
-def sample_source(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Callable[[int], Sample]:
+@dataclass(frozen=True)
+class Skipped:
+    """A record left out of the run: its prompt is longer than ``data.prompt_tokens``."""
+
+    where: str  # <file>:<line> or <dir>:row <i>
+    tokens: int  # the prompt's length as the recipe tokenizes it
+
+
+class SampleSource:
+    """``index -> Sample`` for a run, with what the scan of its data found.
+
+    Deterministic by index (a dataset cycles over its kept samples; a task generates sample
+    ``i`` from ``(data.seed, i)``), so a resumed run continues with the same samples.
+    ``size``, ``longest`` are None for a task: it generates as many prompts as asked, each of
+    ``data.prompt_tokens`` tokens within the task's tolerance, so there is nothing to scan.
+    """
+
+    def __init__(
+        self,
+        sample_at: Callable[[int], Sample],
+        *,
+        origin: str,
+        prompt_tokens: int,
+        size: int | None = None,
+        longest: int | None = None,
+        skipped: Sequence[Skipped] = (),
+    ) -> None:
+        self._sample_at = sample_at
+        self.origin = origin  # the data file or directory, or "task <name>"
+        self.prompt_tokens = prompt_tokens  # the limit the prompts were checked against
+        self.size = size  # samples kept, the cycle's length
+        self.longest = longest  # tokens of the longest kept prompt
+        self.skipped = tuple(skipped)  # overlong records left out (data.on_overlong=skip)
+
+    def __call__(self, index: int) -> Sample:
+        return self._sample_at(index)
+
+    def __repr__(self) -> str:
+        return f"SampleSource({self.summary()!r})"
+
+    def summary(self) -> str:
+        """One line for the run log; with skipped records, how many and where the first are."""
+        if self.size is None:
+            return f"{self.origin}: generated, {self.prompt_tokens} prompt tokens"
+        line = (
+            f"{self.origin}: {self.size} samples, longest prompt {self.longest} tokens "
+            f"(data.prompt_tokens={self.prompt_tokens})"
+        )
+        if not self.skipped:
+            return line
+        shown = ", ".join(f"{s.where} ({s.tokens} tokens)" for s in self.skipped[:SHOWN])
+        more = f" and {len(self.skipped) - SHOWN} more" if len(self.skipped) > SHOWN else ""
+        return (
+            f"{line}; skipped {len(self.skipped)} longer than data.prompt_tokens "
+            f"(data.on_overlong=skip): {shown}{more}"
+        )
+
+
+def sample_source(
+    data: DataSection, tokenizer: PreTrainedTokenizerBase, *, progress: bool | None = None
+) -> SampleSource:
     """Sample ``i`` of a run's data, the same whatever came before (so runs resume exactly).
 
-    A task generates sample ``i`` from ``(data.seed, i)``; a dataset cycles through its rows.
+    A task generates sample ``i`` from ``(data.seed, i)``; ``data.path`` is scanned whole
+    first (``scan_samples``), so call this before building the model: a bad record or an
+    overlong prompt then fails in seconds. ``progress``: the scan's tqdm bar (None: only on
+    a terminal; pass False on ranks other than the main one).
     """
     if data.task is not None:
-        return functools.partial(
+        generate = functools.partial(
             _task_sample, data.task, tokenizer, data.prompt_tokens, data.seed, data.depth,
             dict(data.task_kwargs),
         )  # fmt: skip
-    samples = load_samples(data.path)
-    if not samples:
-        raise DataError(f"{data.path}: no samples (data.path)")
-    return lambda index: samples[index % len(samples)]
+        return SampleSource(generate, origin=f"task {data.task}", prompt_tokens=data.prompt_tokens)
+    return scan_samples(
+        data.path,
+        tokenizer,
+        prompt_tokens=data.prompt_tokens,
+        on_overlong=data.on_overlong,
+        progress=progress,
+    )
+
+
+def scan_samples(
+    path: str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    prompt_tokens: int,
+    on_overlong: str = "error",
+    chat: bool = True,
+    split: str | None = None,
+    progress: bool | None = None,
+) -> SampleSource:
+    """Every record of ``path`` parsed, converted and its prompt measured as the recipe will
+    encode it (``encode_prompt``); the samples that fit ``prompt_tokens``, in file order.
+
+    Raises ``DataError`` naming the file and line (or row) of the first bad record, for no
+    records at all, and (``on_overlong="error"``, or when nothing fits) for prompts longer
+    than ``prompt_tokens``: one error that counts them all and names the first few.
+    """
+    if on_overlong not in ON_OVERLONG:
+        raise ValueError(f"on_overlong={on_overlong!r}; allowed: {', '.join(ON_OVERLONG)}")
+    kept: list[Sample] = []
+    overlong: list[Skipped] = []
+    longest = 0
+    for where, record in _records(path, split, progress):
+        sample = record_to_sample(record, where, chat=chat)
+        tokens = len(encode_prompt(tokenizer, sample.prompt))
+        if tokens == 0:
+            raise DataError(f"{where}: the prompt tokenizes to 0 tokens")
+        if tokens > prompt_tokens:
+            overlong.append(Skipped(where, tokens))
+        else:
+            kept.append(sample)
+            longest = max(longest, tokens)
+    origin = str(Path(path).expanduser())
+    if not kept and not overlong:
+        raise DataError(f"{origin}: no records (the file is empty or holds only blank lines)")
+    if overlong and (on_overlong == "error" or not kept):
+        raise DataError(_overlong_message(origin, overlong, len(kept), prompt_tokens))
+    return SampleSource(
+        functools.partial(_cycle, tuple(kept)),
+        origin=origin,
+        prompt_tokens=prompt_tokens,
+        size=len(kept),
+        longest=longest,
+        skipped=overlong,
+    )
+
+
+def _cycle(samples: tuple[Sample, ...], index: int) -> Sample:
+    return samples[index % len(samples)]
+
+
+def _overlong_message(origin: str, overlong: list[Skipped], kept: int, limit: int) -> str:
+    """One error for all overlong prompts: how many, the first few, the two fixes."""
+    total = len(overlong) + kept
+    most = max(s.tokens for s in overlong)
+    lines = [f"  {s.where}: {s.tokens} tokens" for s in overlong[:SHOWN]]
+    if len(overlong) > SHOWN:
+        lines.append(f"  ... and {len(overlong) - SHOWN} more")
+    if kept:
+        head = f"{len(overlong)} of {total} prompts are longer than data.prompt_tokens={limit}"
+        fix = (
+            f"raise data.prompt_tokens to at least {most}, or set data.on_overlong=skip "
+            "to leave these records out"
+        )
+    else:
+        head = f"all {total} prompts are longer than data.prompt_tokens={limit}"
+        least = min(s.tokens for s in overlong)
+        fix = f"raise data.prompt_tokens to at least {least} to keep any, {most} to keep all"
+    return "\n".join(
+        [
+            f"{origin}: {head} (the longest has {most} tokens):",
+            *lines,
+            f"Fix: {fix} (prompt + rollout.max_new_tokens must fit the model's positions).",
+        ]
+    )
 
 
 def _task_sample(
