@@ -14,9 +14,9 @@ other field goes to ``Sample.meta``. Errors name the file, the line or row and t
 
 ``sample_source`` scans the whole of ``data.path`` once, before the model is built: every
 record is parsed, converted and its prompt tokenized exactly as the recipe will, so a bad
-line or a prompt longer than ``data.prompt_tokens`` fails in seconds, naming its line, not
-hours into a run (and again on every resume). Prompts over the limit are an error, or with
-``data.on_overlong=skip`` left out and reported::
+line or a prompt longer than ``data.prompt_tokens`` fails before any weight loads, naming its
+line, not hours into a run (and again on every resume). Prompts over the limit are an error,
+or with ``data.on_overlong=skip`` left out and reported::
 
     source = sample_source(cfg.data, tok)      # raises DataError before any weight loads
     source.size, source.longest, source.skipped
@@ -287,8 +287,8 @@ def sample_source(
 
     A task generates sample ``i`` from ``(data.seed, i)``; ``data.path`` is scanned whole
     first (``scan_samples``), so call this before building the model: a bad record or an
-    overlong prompt then fails in seconds. ``progress``: the scan's tqdm bar (None: only on
-    a terminal; pass False on ranks other than the main one).
+    overlong prompt then fails before any weight loads. ``progress``: the scan's tqdm bar
+    (None: only on a terminal; pass False on ranks other than the main one).
     """
     if data.task is not None:
         generate = functools.partial(
