@@ -130,12 +130,16 @@ class DataSection:
     """Prompts: a synthetic long-context task generated on the fly, or a local dataset.
 
     ``prompt_tokens`` is the length a task generates (within its 1% tolerance); with ``path``
-    it is the longest prompt accepted, so the position-limit check below covers both.
+    it is the longest prompt accepted, so the position-limit check below covers both. The
+    whole of ``path`` is scanned and measured before the model loads (``data.sample_source``).
     """
 
     task: str | None = None  # a name of longstraw_core.tasks.TASKS
     path: str | None = None  # a JSONL file or a `datasets` directory saved to disk
     prompt_tokens: int = 16384
+    # With path: prompts longer than prompt_tokens are "error" (refuse the data before the
+    # model loads, naming them) or "skip" (leave them out of the run, counted and reported).
+    on_overlong: str = "error"
     depth: float | None = None  # needle depth in [0, 1]; null: uniform random per sample
     seed: int = 0
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # extra task arguments (hops=4)
@@ -671,6 +675,15 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
         _check_task_kwargs(data.task, data.task_kwargs)
     elif data.task_kwargs:
         raise ConfigError("data.task_kwargs", "only applies with data.task, not data.path")
+    from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
+
+    _check_choice("data.on_overlong", data.on_overlong, ON_OVERLONG)
+    if data.task is not None and data.on_overlong != "error":
+        raise ConfigError(
+            "data.on_overlong",
+            f"{data.on_overlong!r} only applies with data.path: a task generates every prompt "
+            "to data.prompt_tokens",
+        )
     _check_range("data.prompt_tokens", data.prompt_tokens, data.prompt_tokens >= 1, "an int >= 1")
     if data.depth is not None:
         _check_range("data.depth", data.depth, 0 <= data.depth <= 1, "null or a float in [0, 1]")

@@ -185,6 +185,8 @@ BAD_RECORDS = [
     ('{"messages": [{"content": "x"}], "answer": "a"}', "messages[0] needs a string 'role'"),
     ('{"messages": [{"role": "user", "content": "q"}]}', "missing field 'answer'"),
     ('{"messages": [{"role": "assistant", "content": "a"}]}', "no prompt"),
+    ('{"prompt": " ", "answer": "a"}', "field 'prompt' is empty"),
+    ('{"messages": [{"role": "user", "content": ""}], "answer": "a"}', "'content' is empty"),
     (
         '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],'
         ' "answer": "a"}',
