@@ -82,7 +82,9 @@ class Recipe:
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
         # Before any weight loads: every record checked, a changed model/lora refused.
-        self.sample_at = data.sample_source(cfg.data, self.tokenizer)
+        self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
+        if self.accelerator.is_main_process and self.sample_at.skipped:
+            print(f"warning: data: {self.sample_at.summary()}", file=sys.stderr)
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from wandb_records import wandb_config, wandb_records
 
 from longstraw_core import checkpoint
 from longstraw_core.config import load_config
@@ -230,10 +231,11 @@ def test_resume_applies_changed_optimizer_settings_and_wandb_records_them(tmp_pa
     group = _optimizer(out / "step-000002")["param_groups"][0]
     assert group["lr"] == 5e-3 and group["weight_decay"] == 0.5
     assert tuple(group["betas"]) == (0.5, 0.6)
-    configs = sorted(out.glob("wandb/offline-run-*/files/config.yaml"))
-    assert configs, "no W&B run config written"
-    text = configs[-1].read_text()
-    assert "0.005" in text and "0.5" in text and "resume" in text
+    run_file = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))[-1]  # the resumed run's
+    recorded = wandb_config(wandb_records(run_file))
+    assert recorded["optim"]["lr"] == 5e-3 and recorded["optim"]["betas"] == [0.5, 0.6]
+    assert recorded["optim"]["weight_decay"] == 0.5
+    assert recorded["resume"]["changed"]["optim.lr"] == {"checkpoint": 1e-3, "now": 5e-3}
 
 
 def test_resume_refuses_changed_model_settings_before_loading(tmp_path):

@@ -3,43 +3,19 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
 from wandb.proto import wandb_internal_pb2
+from wandb_records import wandb_config, wandb_records
 
 from longstraw_core.config import load_config, to_dict
 from longstraw_core.progress import StepProgress
 from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
-
-
-def _wandb_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
-    """The records of a ``run-*.wandb`` file: W&B's 7-byte header, then LevelDB-log blocks
-    of 32 KiB whose chunks (7-byte header: crc, length, type) hold protobuf Records."""
-    data, block, position = run_file.read_bytes(), 32768, 7
-    assert data[:4] == b":W&B"
-    records, pending = [], b""
-    while position + 7 <= len(data):
-        if block - position % block < 7:  # block trailer padding
-            position += block - position % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if kind == 0:  # zero padding up to the next block
-            position += block - position % block
-            continue
-        pending += data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # FULL or LAST chunk of a record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
 
 
 def _steps(records: list[wandb_internal_pb2.Record]) -> dict[int, dict[str, object]]:
@@ -83,16 +59,12 @@ def test_offline_wandb_run_records_metrics_config_and_completions(
     logger.finish(print_summary=False)
 
     assert len(lines) == 3 and lines[0].startswith("step 1/3") and "reward 0.250" in lines[0]
-    records = _wandb_records(next(run_dir.glob("run-*.wandb")))
+    records = wandb_records(next(run_dir.glob("run-*.wandb")))
     steps = _steps(records)
     assert steps[3]["loss"] == pytest.approx(1 / 3) and steps[1]["reward"] == 0.25
     assert steps[2]["time/prefill"] == 2.0 and steps[2]["state_bytes/full_attention"] == 4096
     assert steps[2]["completions/_type"] == "table-file"
-    config = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "config":
-            updates = record.config.update
-            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
+    config = wandb_config(records)
     assert config["rollout"]["num_generations"] == cfg.rollout.num_generations
     assert config["model"] == to_dict(cfg)["model"]
     (table,) = run_dir.glob("files/media/table/completions_2_*.table.json")

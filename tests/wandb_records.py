@@ -1,0 +1,44 @@
+"""Reading an offline W&B run file back: what the run really recorded (metrics, config)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from wandb.proto import wandb_internal_pb2
+
+
+def wandb_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
+    """The records of a ``run-*.wandb`` file: W&B's 7-byte header, then LevelDB-log blocks
+    of 32 KiB whose chunks (7-byte header: crc, length, type) hold protobuf Records."""
+    data, block, position = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    records, pending = [], b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # block trailer padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:  # zero padding up to the next block
+            position += block - position % block
+            continue
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk of a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_config(records: list[wandb_internal_pb2.Record]) -> dict[str, Any]:
+    """The run config the records hold (later updates win)."""
+    config: dict[str, Any] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "config":
+            updates = record.config.update
+            config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
+    return config
