@@ -30,18 +30,21 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_qwen36.py"
-CONFIG = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
-# The smallest run that still learns: rewards vary, every step updates every weight.
+CONFIG = ROOT / "configs" / "qwen36" / "tiny_learn_cpu.yaml"
+# The smallest run that still trains: a reward that varies in every group, and weight decay
+# that moves every weight at every update, so an update that should not happen (or one lost
+# to a kill) shows in every tensor.
 SMALL = [
+    "optim.weight_decay=0.01",
     "data.prompt_tokens=400",
-    "rollout.num_generations=2",
+    "rollout.num_generations=4",
     "rollout.max_new_tokens=4",
     "train.chunk_size=128",
     "grpo.gradient=detached",
     "tracking.wandb=false",
     "train.completions_every=0",
     "optim.scheduler=constant",
-    "rewards=[{name: answer_char_recall, weight: 1.0}]",
+    "rewards=[{name: 'varied_reward:even_characters'}]",
     "optim.lr=1e-3",
 ]
 STEPS = 3
@@ -64,7 +67,8 @@ def _command(output_dir: Path, *overrides: str) -> list[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != FAILPOINTS}
-    return env | {"PYTHONUNBUFFERED": "1"} | extra
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    return env | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path} | extra
 
 
 def _run(output_dir: Path, *overrides: str, env: dict[str, str] | None = None):
