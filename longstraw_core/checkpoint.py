@@ -93,6 +93,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from longstraw_core.failpoints import failpoint
+
 FORMAT_VERSION = 2
 LEGACY_FORMAT_VERSION = 1  # no manifest: loads, unverified
 LATEST = "latest"
@@ -307,23 +309,30 @@ def _write_checkpoint(
 ) -> None:
     """Rank 0's part: every file into a temporary directory, the manifest last, renamed into
     place when done; then ``latest`` and the pruning."""
+    # failpoint(...): where the fault-injection tests kill the process (a no-op otherwise).
+    failpoint("checkpoint.start", step)
     root.mkdir(parents=True, exist_ok=True)
     _set_aside_incomplete(root)  # includes an incomplete ``final`` and a stale ``.tmp-*``
     tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
     try:
         _save_state(tmp, model, model_state, optimizer_state, scheduler)
+        failpoint("checkpoint.model_written", step)
         for rank, state in enumerate(rng_states):
             torch.save(state, tmp / _rng_file(rank))
         _write_text(tmp / TRAINER_STATE, trainer_state)
+        failpoint("checkpoint.files_written", step)
         _write_manifest(tmp, step)
+        failpoint("checkpoint.manifest_written", step)
         _fsync_dir(tmp)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # this save's own files, never found ones
         raise
+    failpoint("checkpoint.renamed", step)
     _fsync_dir(root)
     _write_atomic(root / LATEST, final.name)
+    failpoint("checkpoint.latest_written", step)
     if keep_last:
         _prune(root, keep_last, final)
 

@@ -134,12 +134,15 @@ class Recipe:
         info = checkpoint.load_checkpoint(
             self.resume_path, self.model, self.optimizer, self.scheduler
         )
+        # Later checkpoints of this directory go to superseded-*/: this run saves those steps.
+        moved = checkpoint.prepare_resume(self.cfg.train.output_dir, info.path)
         self.step, self.data_position = info.step, info.data_position
         self.guard.load_state_dict(info.extra.get("guard", {}))
         applied = resume.apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg.optim)
         self.resume_changes = resume.merge_changes(applied, self.resume_changes)
         saved_steps = info.extra.get("schedule_steps")
         notes = [
+            f"moved later checkpoints aside: {', '.join(map(str, moved))}" if moved else None,
             resume.describe(self.resume_changes, info.path),
             models.schedule_change(self.cfg.optim, self.cfg.train.steps, saved_steps),
         ]
@@ -305,6 +308,7 @@ class Recipe:
             self.scheduler,
             data_position=self.data_position,
             extra=extra,
+            keep_last=self.cfg.train.keep_last,
         )
         if self.accelerator.is_main_process:
             self.progress.write(f"saved {path}")
@@ -336,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"config error: {error}")
     except data.DataError as error:
         sys.exit(f"data error: {error}")
+    except checkpoint.CheckpointError as error:
+        sys.exit(f"checkpoint error: {error}")
     stopped, failure = None, None
     try:
         stopped = recipe.train()
