@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-slow test-distributed lint format memory benchmark clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,14 @@ demo: $(STAMP)
 state-demo: $(STAMP)
 	$(PY) -m longstraw_core.demo
 
+# Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not multiprocess"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

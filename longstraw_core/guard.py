@@ -64,9 +64,9 @@ class NonFiniteGuard:
             raise TrainingDiverged(
                 f"{self.in_a_row} steps in a row skipped (last at step {step}: {reason}), more "
                 f"than train.max_skipped_steps={self.max_skipped_steps}: the weights or the "
-                "data give non-finite values every step. Lower optim.lr or set "
-                "optim.max_grad_norm, check the reward functions, then resume from a "
-                "checkpoint before the trouble (train.resume_from=<output_dir>/step-N)"
+                "data give non-finite values every step. Lower optim.lr (or "
+                "optim.max_grad_norm), check the reward functions and the data, then resume "
+                "from a checkpoint before the trouble (train.resume_from=<output_dir>/step-N)"
             )
 
     def state_dict(self) -> dict[str, int]:

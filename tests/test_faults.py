@@ -167,6 +167,7 @@ def test_second_sigterm_exits_at_once(tmp_path):
         lines.append(line)
         if line.startswith("step 1/"):
             process.send_signal(signal.SIGTERM)
+        if line.startswith("SIGTERM: finishing this step"):  # the first one was taken
             process.send_signal(signal.SIGTERM)
             break
     lines += process.stdout.readlines()
