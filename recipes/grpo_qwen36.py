@@ -56,7 +56,7 @@ from longstraw_core import (
     tracking,
 )
 from longstraw_core.progress import StepProgress
-from longstraw_core.rewards import RewardSet
+from longstraw_core.rewards import RewardError, RewardSet
 from longstraw_core.stop import GracefulStop, exit_after_stop
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/qwen36/tiny_grpo_cpu.yaml"
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     stopped, failure = None, None
     try:
         stopped = recipe.train()
-    except guard.TrainingDiverged as error:
+    except (guard.TrainingDiverged, RewardError) as error:
         failure = f"training stopped: {error}"
     finally:
         recipe.cleanup()

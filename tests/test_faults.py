@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,9 +151,12 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     assert process.wait(timeout=600) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
     text = "".join(lines)
     assert "SIGTERM: finishing this step" in text and "Traceback" not in text
-    assert "stopped by SIGTERM after step 2/3" in text and "train.resume_from=latest" in text
+    # Step 2 as a rule; step 1 if the signal came before the first step's stop check.
+    (step,) = map(int, re.findall(r"stopped by SIGTERM after step (\d)/3", text))
+    assert "train.resume_from=latest" in text
     assert "Run summary" in text  # the logger (and W&B, when on) was finished
-    assert (out / "step-000002").is_dir(), text  # saved although train.save_every=0
+    saved = sorted(p.name for p in out.glob("step-*"))  # although train.save_every=0
+    assert saved == [f"step-{step:06d}"], text
     _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
     _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
 
@@ -258,3 +262,37 @@ def test_output_dir_that_is_a_file_is_refused_up_front(tmp_path):
     result = _run(target)
     assert result.returncode == 1 and "config error: train.output_dir" in result.stderr
     assert target.read_text() == "mine"
+
+
+def test_reward_failing_on_every_call_stops_the_run_non_zero(tmp_path):
+    failing = "rewards=[{name: 'varied_reward:always_fails'}]"
+    result = _run(tmp_path / "run", failing, "train.max_skipped_steps=1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "every reward function failed on every completion" in result.stderr + result.stdout
+    assert "training stopped: 2 steps in a row skipped" in result.stderr
+    raised = _run(tmp_path / "raise", failing, "train.raise_reward_errors=true")
+    assert raised.returncode == 1 and "Traceback" not in raised.stderr
+    assert "training stopped: reward function 'always_fails' failed" in raised.stderr
+    assert "the reward server is down" in raised.stderr
+
+
+def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
+    out = tmp_path / "run"
+    _ok(_run(out, "train.steps=1", "train.save_every=1"))
+    (weights,) = (out / "step-000001" / "model").glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte inside the tensors: same size, other content
+    weights.write_bytes(bytes(data))
+    result = _run(out, "train.steps=2", "train.resume_from=latest")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"checkpoint error: {weights}: sha256 differs from the manifest" in result.stderr
+
+
+def test_bad_data_file_fails_before_the_model_loads(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "2+2?", "answer": "4"}\n{"prompt": "broken\n')
+    out = tmp_path / "run"
+    result = _run(out, "data.task=null", f"data.path={path}", "data.prompt_tokens=64")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"data error: {path}:2: invalid JSON" in result.stderr
+    assert not out.exists()  # nothing was built or written

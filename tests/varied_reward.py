@@ -12,3 +12,7 @@ from longstraw_core.tasks import Sample
 
 def even_characters(completions: list[str], samples: list[Sample]) -> list[float]:
     return [sum(ord(c) % 2 == 0 for c in text) / max(len(text), 1) for text in completions]
+
+
+def always_fails(completions: list[str], samples: list[Sample]) -> list[float]:
+    raise ConnectionError("the reward server is down")
