@@ -313,9 +313,13 @@ class Recipe:
         if self.accelerator.is_main_process:
             self.progress.write(f"saved {path}")
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, together: bool = False) -> None:
+        """``together``: every rank got here at the same step (done, stopped, diverged), so
+        they wait for rank 0 to finish W&B before any exits (torchrun ends the others then)."""
         self.progress.close()
         self.logger.finish()
+        if together:
+            self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # also destroys the process group
 
 
@@ -342,13 +346,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"data error: {error}")
     except checkpoint.CheckpointError as error:
         sys.exit(f"checkpoint error: {error}")
-    stopped, failure = None, None
+    stopped, failure, together = None, None, False
     try:
         stopped = recipe.train()
-    except (guard.TrainingDiverged, RewardError) as error:
+        together = True
+    except guard.TrainingDiverged as error:  # the ranks agree on every skip: all raise it
+        failure, together = f"training stopped: {error}", True
+    except RewardError as error:  # this rank's reward function alone
         failure = f"training stopped: {error}"
     finally:
-        recipe.cleanup()
+        recipe.cleanup(together=together)
     if failure:
         sys.exit(failure)
     if stopped:  # SIGTERM/SIGINT: the step finished and was saved
