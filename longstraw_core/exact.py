@@ -2,7 +2,7 @@
 
 Detached mode treats the prefix state as a constant. The full objective also depends on the
 parameters through the prompt's own keys, values and recurrent states. Exact mode recovers
-those paths without a graph over the prompt (DESIGN.md section 3):
+those paths without a graph over the prompt (``docs/design.md``, "Exact mode"):
 
 1. A gradient buffer shaped like the state (``StateGrad``). Every branch's backward adds
    ``dL/dstate`` into it: attention through ``segmented_attention``'s ``prefix_grads``
