@@ -1,8 +1,8 @@
 """Segmented attention: branch queries over stored prefix segments plus the branch itself.
 
-The one attention kernel the stack shares (DESIGN.md section 5). Prefill chunks attend over
-the prefix filled so far plus the chunk; branch replay attends over the whole prompt state
-plus the branch; rollout decodes ``B`` branches that share one prefix.
+The one attention kernel the stack shares (``docs/design.md``, "Segmented attention").
+Prefill chunks attend over the prefix filled so far plus the chunk; branch replay attends over
+the whole prompt state plus the branch; rollout decodes ``B`` branches that share one prefix.
 
 Each key segment is attended separately, returning ``(out, lse)``, and the results merge by
 log-sum-exp. Prefix segments are never concatenated with the branch, copied or expanded over

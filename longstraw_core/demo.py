@@ -1,4 +1,4 @@
-"""The embedded default job (``make demo``): one long prompt, prefilled once, scored once.
+"""The prefix-state demo (``make state-demo``): one long prompt, prefilled once, scored once.
 
 Builds a tiny random-init model (no downloads), prefills a synthetic prompt of 32K tokens in
 chunks without autograd, scores a response with autograd through the branch, checks the

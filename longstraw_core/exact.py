@@ -2,7 +2,7 @@
 
 Detached mode treats the prefix state as a constant. The full objective also depends on the
 parameters through the prompt's own keys, values and recurrent states. Exact mode recovers
-those paths without a graph over the prompt (DESIGN.md section 3):
+those paths without a graph over the prompt (``docs/design.md``, "Exact mode"):
 
 1. A gradient buffer shaped like the state (``StateGrad``). Every branch's backward adds
    ``dL/dstate`` into it: attention through ``segmented_attention``'s ``prefix_grads``
@@ -13,11 +13,13 @@ those paths without a graph over the prompt (DESIGN.md section 3):
    ``dS`` of the state it produced. Its reads of earlier state add into ``dS`` of earlier
    positions, which later iterations consume. Parameter gradients accumulate in ``.grad``.
 
-Records take part through views: ``record.exact_view(grad, produced)`` returns an object
-with the record's read/write interface that reads the stored values, routes gradients into
-``grad``, and, during recompute, collects what a chunk writes (with its graph) into
-``produced`` instead of storing it. Adapters therefore run the same code in prefill,
-branch replay and recompute.
+Records take part through views: ``exact_state(state, grad, produced)`` returns a shadow
+``PrefixState`` whose layers are views (``AttentionKVExactView``, ``RecurrentExactView``,
+``LatentKVExactView``, chosen by record class in ``VIEW_FACTORIES``) with the record's
+read/write interface. They read the stored values and route gradients into ``grad``; with a
+``produced`` list (the sweep's recompute) a chunk's writes are collected there, with their
+graph and their ``dS`` slice, instead of being stored; without one (branch replay) a write
+raises. Adapters therefore run the same code in prefill, branch replay and recompute.
 
 Offloaded records (``longstraw_core.offload``) get their ``dS`` beside them, in CPU memory:
 the sinks add each block's gradient across devices, and a view's ``with_record`` makes it

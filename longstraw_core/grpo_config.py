@@ -65,7 +65,7 @@ class GRPOConfig:
     - ``top_entropy_quantile``: only 1.0 is supported (its threshold is a quantile over every
       token of the group, which is not known before the branches are replayed).
     - ``gradient``: ``"detached"`` (prompt state is a constant) or ``"exact"`` (gradients
-      also flow through the prompt state, section 3 of DESIGN.md).
+      also flow through the prompt state; ``docs/design.md``, "Exact mode").
     - ``recurrent_checkpoints``: where exact mode keeps recurrent layers' state at each
       prefill chunk start (``"device"``, or ``"cpu"`` to save accelerator memory).
     - ``keep_attention_outputs``: exact mode only. Prefill keeps every full-attention

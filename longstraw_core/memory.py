@@ -115,16 +115,6 @@ class LiveTensorMemory(TorchDispatchMode):
         return out
 
 
-def storage_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
-    seen: dict[int, int] = {}
-    for leaf in tree_leaves(list(tensors)):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            storage = leaf.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
-
-
 _UNITS = {
     "": 1,
     "b": 1,

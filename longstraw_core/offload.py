@@ -148,8 +148,9 @@ class Residency:
 
     Two views that must agree: ``held`` is the stream's own bookkeeping (layers it fetched and
     has not handed over or released); ``live`` is observed, from a finalizer on every copy's
-    storage: layers whose copied memory is still allocated, whoever holds it. Peaks are kept
-    until ``reset_peaks``; ``copies``/``copied_bytes`` count the transfers.
+    storage: layers whose copied memory is still allocated, whoever holds it. ``peak_held`` and
+    ``peak_live`` are the most layers at once so far (one ``Residency`` per ``PrefixState``,
+    over all its passes); ``copies``/``copied_bytes`` count the transfers.
     """
 
     def __init__(self) -> None:
@@ -200,11 +201,6 @@ class Residency:
         """Layers on the device now by either view."""
         with self._lock:
             return self._held | set(self._live)
-
-    def reset_peaks(self) -> None:
-        with self._lock:
-            self.peak_held, self.peak_live = len(self._held), len(self._live)
-            self.copies = self.copied_bytes = 0
 
 
 # --- transfers --------------------------------------------------------------------------------

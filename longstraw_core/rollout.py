@@ -2,7 +2,7 @@
 
 The prompt is prefilled once per step (``adapter.prefill``); ``rollout`` decodes all ``G``
 branches of the group in one batch from that state, and ``grpo_step`` then scores and
-replays them from the same state (DESIGN.md section 6)::
+replays them from the same state (``docs/design.md``, "One GRPO step")::
 
     state = adapter.prefill(prompt_ids)
     out = ls.rollout(adapter, state, num_generations=8, max_new_tokens=256, eos_token_ids=[eos])

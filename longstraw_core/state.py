@@ -1,9 +1,11 @@
 """The prefix state: what later tokens read of a prompt that was run once without autograd.
 
-Each layer keeps a record of its own kind (full-attention K/V here; recurrent and latent
-records join with their adapters). Records are preallocated to the prompt length when
-prefill starts and filled chunk by chunk in place, so a long prompt never triggers the
-quadratic copying of a growing cache.
+Each layer keeps a record of its own kind: ``AttentionKV`` (full-attention keys/values),
+``RecurrentState`` (Gated DeltaNet conv and recurrent state) or ``LatentKV`` (MLA latent and
+DSA indexer keys), all defined here; each adapter's ``new_layer_states`` picks them
+(``docs/design.md``, "Prefix state per layer kind"). Records are preallocated to the prompt
+length when prefill starts and filled chunk by chunk in place, so a long prompt never
+triggers the quadratic copying of a growing cache.
 
 Rollout adds a ``BranchCache``: per layer, what each of ``B`` branches decoded from the
 prefix holds of its own (``BranchKV``, ``BranchRecurrent``, ``BranchLatent``), made by the

@@ -12,11 +12,11 @@ everything but the W&B calls still happens::
     logger.log_completions(step, [{"prompt": p, "completion": c, "reward": r}, ...])
     logger.finish()
 
-Metric names follow TRL where it has one (``reward``, ``reward_std``,
-``rewards/<func>/mean``, ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``completions/mean_length``,
-``loss``) and add LongStraw's own: ``time/<phase>`` seconds (``progress.StepProgress``),
-``throughput/tokens_per_s``, ``memory/peak_bytes`` (``peak_memory_bytes``) and
-``state_bytes/<layer type>`` (``PrefixState.summary``).
+The recipes' metric names follow TRL where it has one (``reward``, ``reward_std``,
+``rewards/<func>/mean``, ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``loss``) and add
+LongStraw's own: ``time/<phase>`` seconds (``progress.StepProgress``), ``grpo_step``'s
+(``completion_length_mean``, ``peak_memory_bytes``, ``sweep_seconds``, ...),
+``rollout_tokens_per_second`` and ``state_bytes/<layer type>`` (``PrefixState.summary``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import math
 import numbers
-import resource
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -267,15 +266,6 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, f
         else:
             raise TypeError(f"metric {name!r} is a {type(value).__name__}, not a number")
     return flat
-
-
-def peak_memory_bytes(device: torch.device | str | None = None) -> int:
-    """Peak accelerator memory allocated by torch, or on CPU the process's peak RSS."""
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
 
 def _json_number(value: float) -> float | None:

@@ -2,7 +2,8 @@
 
 Each layer keeps only its compressed latent: the normalised ``c_kv`` and the roped shared key
 ``k_pe`` per position (``LatentKV``), plus the DSA indexer's keys on layers that run their
-own indexer. The latent is never expanded into per-head keys and values (DESIGN.md section 4):
+own indexer. The latent is never expanded into per-head keys and values (``docs/design.md``,
+"Prefix state per layer kind"):
 
 - **Weight absorption.** ``kv_b_proj`` maps the latent to per-head ``k_nope`` and ``v``. The
   key half is folded into the query (``q_nope W_uk``) and the value half into the output

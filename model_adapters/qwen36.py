@@ -1,7 +1,8 @@
 """Qwen3.6 (transformers ``qwen3_5``) and its kin: Gated DeltaNet layers + gated full attention.
 
 Three layers in four are Gated DeltaNet (linear attention); the rest are full attention with
-a sigmoid output gate. What each layer keeps of the prompt (DESIGN.md section 4):
+a sigmoid output gate. What each layer keeps of the prompt
+(``docs/design.md``, "Prefix state per layer kind"):
 
 - full attention: keys (after ``k_norm`` and RoPE) and values, in an ``AttentionKV`` read by
   ``segmented_attention``, exactly like the dense adapter; it grows with the prompt;
