@@ -296,3 +296,14 @@ def test_bad_data_file_fails_before_the_model_loads(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"data error: {path}:2: invalid JSON" in result.stderr
     assert not out.exists()  # nothing was built or written
+
+
+def test_resume_from_an_older_checkpoint_moves_later_ones_aside(straight, tmp_path):
+    out = tmp_path / "run"
+    _ok(_run(out, "train.save_every=1"))
+    older = out / "step-000001"
+    result = _ok(_run(out, "train.save_every=1", f"train.resume_from={older}"))
+    assert "moved later checkpoints aside" in result.stderr
+    (aside,) = out.glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-000002", "step-000003"]
+    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
