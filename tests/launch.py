@@ -11,11 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script: Path | str, *args: str, ranks: int = 2, timeout: int = 300) -> tuple[int, str]:
+def torchrun(
+    script: Path | str,
+    *args: str,
+    ranks: int = 2,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """``script args`` on ``ranks`` CPU ranks; ``(returncode, log)``.
 
     The launch gets its own process session, so that a hang (ranks out of step in a
-    collective) kills the ranks too, not only torchrun.
+    collective) kills the ranks too, not only torchrun. ``env``: the ranks' environment
+    (default: this process's).
     """
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -23,7 +30,7 @@ def torchrun(script: Path | str, *args: str, ranks: int = 2, timeout: int = 300)
     ]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        env={**(env or os.environ), "OMP_NUM_THREADS": "1"}, start_new_session=True,
     )  # fmt: skip
     try:
         log, _ = process.communicate(timeout=timeout)
@@ -34,8 +41,10 @@ def torchrun(script: Path | str, *args: str, ranks: int = 2, timeout: int = 300)
     return process.returncode, log
 
 
-def torchrun_ok(script: Path | str, *args: str, ranks: int = 2) -> str:
+def torchrun_ok(
+    script: Path | str, *args: str, ranks: int = 2, env: dict[str, str] | None = None
+) -> str:
     """``torchrun`` that must succeed; its log."""
-    returncode, log = torchrun(script, *args, ranks=ranks)
+    returncode, log = torchrun(script, *args, ranks=ranks, env=env)
     assert returncode == 0, f"torchrun failed ({returncode}):\n{log[-5000:]}"
     return log

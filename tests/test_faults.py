@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from fault_runs import (
+    CONFIG,
+    RECIPE,
+    ROOT,
+    SMALL,
+    all_finite,
+    assert_same_state,
+    optimizer_state,
+    run_env,
+    weights,
+)
 from wandb_records import wandb_config, wandb_records
 
 from longstraw_core import checkpoint
@@ -29,25 +38,6 @@ from longstraw_core.failpoints import ENV as FAILPOINTS
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "grpo_qwen36.py"
-CONFIG = ROOT / "configs" / "qwen36" / "tiny_learn_cpu.yaml"
-# The smallest run that still trains: a reward that varies in every group, and weight decay
-# that moves every weight at every update, so an update that should not happen (or one lost
-# to a kill) shows in every tensor.
-SMALL = [
-    "optim.weight_decay=0.01",
-    "data.prompt_tokens=400",
-    "rollout.num_generations=4",
-    "rollout.max_new_tokens=4",
-    "train.chunk_size=128",
-    "grpo.gradient=detached",
-    "tracking.wandb=false",
-    "train.completions_every=0",
-    "optim.scheduler=constant",
-    "rewards=[{name: 'varied_reward:even_characters'}]",
-    "optim.lr=1e-3",
-]
 STEPS = 3
 SAVE_STAGES = [
     "checkpoint.start",
@@ -66,53 +56,16 @@ def _command(output_dir: Path, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != FAILPOINTS}
-    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
-    return env | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path} | extra
-
-
 def _run(output_dir: Path, *overrides: str, env: dict[str, str] | None = None):
     return subprocess.run(
         _command(output_dir, *overrides), capture_output=True, text=True, cwd=ROOT,
-        env=env or _env(), timeout=600,
+        env=env or run_env(), timeout=600,
     )  # fmt: skip
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
-
-
-def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted((step_dir / "model").rglob("*.safetensors"))
-    assert files, f"no weights under {step_dir}"
-    return {k: v for f in files for k, v in load_file(f).items()}
-
-
-def _optimizer(step_dir: Path) -> dict:
-    return torch.load(step_dir / "optimizer.pt", weights_only=True)
-
-
-def _assert_same_state(a: Path, b: Path) -> None:
-    """Weights and optimizer state of two checkpoints are bit-identical."""
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-    oa, ob = _optimizer(a), _optimizer(b)
-    assert oa["param_groups"] == ob["param_groups"]
-    assert oa["state"].keys() == ob["state"].keys()
-    for index, state in oa["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, ob["state"][index][key]), (index, key)
-
-
-def _all_finite(step_dir: Path) -> bool:
-    tensors = list(_weights(step_dir).values())
-    for state in _optimizer(step_dir)["state"].values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +79,11 @@ def straight(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("stage", SAVE_STAGES)
 def test_kill_at_any_stage_of_a_save_then_resume_equals_uninterrupted(straight, tmp_path, stage):
     out = tmp_path / "run"
-    killed = _run(out, "train.save_every=1", env=_env(**{FAILPOINTS: f"{stage}@2"}))
+    killed = _run(out, "train.save_every=1", env=run_env(**{FAILPOINTS: f"{stage}@2"}))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     resumed = _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
     assert f"step {STEPS}/{STEPS}" in resumed.stdout + resumed.stderr
-    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+    assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
     # Every checkpoint the directory offers is complete and loadable.
     assert checkpoint.resolve_checkpoint("latest", out) == out / f"step-{STEPS:06d}"
 
@@ -139,7 +92,7 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(
         _command(out, "train.save_every=0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, cwd=ROOT, env=_env(),
+        text=True, cwd=ROOT, env=run_env(),
     )  # fmt: skip
     lines = []
     for line in process.stdout:  # the first step's line: the second step is under way
@@ -158,13 +111,13 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     saved = sorted(p.name for p in out.glob("step-*"))  # although train.save_every=0
     assert saved == [f"step-{step:06d}"], text
     _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
-    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+    assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
 
 
 def test_second_sigterm_exits_at_once(tmp_path):
     process = subprocess.Popen(
         _command(tmp_path / "run", "train.save_every=1"), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
+        stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=run_env(),
     )  # fmt: skip
     lines = []
     for line in process.stdout:
@@ -188,7 +141,7 @@ def test_lr_that_diverges_stops_with_the_guard_and_saves_nothing_non_finite(tmp_
     assert "training stopped: 2 steps in a row skipped" in result.stderr
     assert "Traceback" not in result.stderr
     saved = sorted(out.glob("step-*"))
-    assert saved and all(_all_finite(step_dir) for step_dir in saved)
+    assert saved and all(all_finite(step_dir) for step_dir in saved)
 
 
 def test_nan_gradient_skips_the_step_and_the_run_continues(tmp_path, capsys):
@@ -220,13 +173,16 @@ def test_nan_gradient_skips_the_step_and_the_run_continues(tmp_path, capsys):
     assert "step 2 skipped: gradient norm is nan" in printed.out + printed.err
     assert recipe.guard.skipped == 1 and recipe.guard.in_a_row == 0
     steps = [out / f"step-{s:06d}" for s in (1, 2, 3)]
-    assert all(_all_finite(step_dir) for step_dir in steps)
-    one, two, three = (_weights(step_dir) for step_dir in steps)
+    assert all(all_finite(step_dir) for step_dir in steps)
+    one, two, three = (weights(step_dir) for step_dir in steps)
     assert all(torch.equal(one[k], two[k]) for k in one), "a skipped step changed weights"
     assert any(not torch.equal(two[k], three[k]) for k in two), "step 3 did not train"
     state = json.loads((steps[1] / "trainer_state.json").read_text())
     assert state["extra"]["guard"] == {"skipped": 1, "in_a_row": 1}
-    assert _optimizer(steps[0])["state"][0]["step"] == _optimizer(steps[1])["state"][0]["step"]
+    assert (
+        optimizer_state(steps[0])["state"][0]["step"]
+        == optimizer_state(steps[1])["state"][0]["step"]
+    )
 
 
 def test_resume_applies_changed_optimizer_settings_and_wandb_records_them(tmp_path):
@@ -237,7 +193,7 @@ def test_resume_applies_changed_optimizer_settings_and_wandb_records_them(tmp_pa
     result = _ok(_run(out, "train.steps=2", "train.save_every=1", "train.resume_from=latest",
                       *wandb_on, *changed))  # fmt: skip
     assert "optim.lr: 0.001 -> 0.005" in result.stderr
-    group = _optimizer(out / "step-000002")["param_groups"][0]
+    group = optimizer_state(out / "step-000002")["param_groups"][0]
     assert group["lr"] == 5e-3 and group["weight_decay"] == 0.5
     assert tuple(group["betas"]) == (0.5, 0.6)
     run_file = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))[-1]  # the resumed run's
@@ -306,4 +262,4 @@ def test_resume_from_an_older_checkpoint_moves_later_ones_aside(straight, tmp_pa
     assert "moved later checkpoints aside" in result.stderr
     (aside,) = out.glob("superseded-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-000002", "step-000003"]
-    _assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+    assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")

@@ -14,96 +14,60 @@ from pathlib import Path
 
 import launch
 import pytest
-import torch
-from safetensors.torch import load_file
+from fault_runs import CONFIG, RECIPE, ROOT, SMALL, assert_same_state, run_env
 
 from longstraw_core.failpoints import ENV as FAILPOINTS
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "grpo_qwen36.py"
-SMALL = [
-    "--config", str(ROOT / "configs" / "qwen36" / "tiny_learn_cpu.yaml"),
-    "data.prompt_tokens=400",
-    "rollout.num_generations=4",
-    "rollout.max_new_tokens=4",
-    "train.chunk_size=128",
-    "grpo.gradient=detached",
-    "tracking.wandb=false",
-    "train.completions_every=0",
-    "optim.scheduler=constant",
-    "optim.lr=1e-3",
-    "optim.weight_decay=0.01",  # every update moves every weight
-    "rewards=[{name: 'varied_reward:even_characters'}]",
-    "distributed.fsdp=true",
-    "train.steps=3",
-]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _reward_module_on_path(monkeypatch):
-    """The ranks import the test reward by its module name."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
-        str(ROOT / "tests"), os.environ.get("PYTHONPATH")])))  # fmt: skip
-    monkeypatch.delenv(FAILPOINTS, raising=False)
-
-
-def _state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    weights = {
-        k: v for f in sorted(step_dir.rglob("*.safetensors")) for k, v in load_file(f).items()
-    }
-    return weights, torch.load(step_dir / "optimizer.pt", weights_only=True)
-
-
-def _assert_same(a: Path, b: Path) -> None:
-    (wa, oa), (wb, ob) = _state(a), _state(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert oa["param_groups"] == ob["param_groups"]
-    for index, state in oa["state"].items():
-        assert all(torch.equal(v, ob["state"][index][k]) for k, v in state.items()), index
+ARGS = ["--config", str(CONFIG), *SMALL, "distributed.fsdp=true", "train.steps=3"]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("straight2")
-    env = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env]))
-    try:
-        launch.torchrun_ok(RECIPE, *SMALL, f"train.output_dir={out}", "train.save_every=1")
-    finally:
-        os.environ.pop("PYTHONPATH") if env is None else os.environ.update(PYTHONPATH=env)
+    launch.torchrun_ok(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", env=run_env()
+    )
     return out
 
 
-def test_kill_after_the_rename_then_sharded_resume_equals_uninterrupted(
-    straight, tmp_path, monkeypatch
-):
+def test_kill_after_the_rename_then_sharded_resume_equals_uninterrupted(straight, tmp_path):
     out = tmp_path / "run"
-    monkeypatch.setenv(FAILPOINTS, "checkpoint.renamed@2")  # rank 0 dies; torchrun ends rank 1
-    code, log = launch.torchrun(RECIPE, *SMALL, f"train.output_dir={out}", "train.save_every=1")
-    assert code != 0 and (out / "step-000002").is_dir(), log[-3000:]
-    monkeypatch.delenv(FAILPOINTS)
-    launch.torchrun_ok(
-        RECIPE, *SMALL, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest"
+    dies = run_env(**{FAILPOINTS: "checkpoint.renamed@2"})  # rank 0 dies; torchrun ends rank 1
+    code, log = launch.torchrun(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", env=dies
     )
-    _assert_same(straight / "step-000003", out / "step-000003")
+    assert code != 0 and (out / "step-000002").is_dir(), log[-3000:]
+    launch.torchrun_ok(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest",
+        env=run_env(),
+    )  # fmt: skip
+    assert_same_state(straight / "step-000003", out / "step-000003")
 
 
 def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in found.split()]
+    """The processes whose parent is ``pid`` (Linux ``/proc``): torchrun's ranks."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+            children.append(int(entry.name))
+    return children
 
 
 def test_sigterm_on_one_rank_stops_both_after_the_same_step(straight, tmp_path):
     out = tmp_path / "run"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(RECIPE), *SMALL, f"train.output_dir={out}", "train.save_every=0",
+        str(RECIPE), *ARGS, f"train.output_dir={out}", "train.save_every=0",
     ]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        env=run_env(OMP_NUM_THREADS="1"),
         start_new_session=True,
     )  # fmt: skip
     lines = []
@@ -130,6 +94,7 @@ def test_sigterm_on_one_rank_stops_both_after_the_same_step(straight, tmp_path):
     assert step in (1, 2) and process.returncode != 0
     assert sorted(p.name for p in out.glob("step-*")) == [f"step-{step:06d}"], log[-4000:]
     launch.torchrun_ok(
-        RECIPE, *SMALL, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest"
-    )
-    _assert_same(straight / "step-000003", out / "step-000003")
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest",
+        env=run_env(),
+    )  # fmt: skip
+    assert_same_state(straight / "step-000003", out / "step-000003")
