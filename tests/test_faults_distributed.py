@@ -50,6 +50,8 @@ def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux ``/proc``): torchrun's ranks."""
     children = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             stat = (entry / "stat").read_text()
         except (OSError, ValueError):
