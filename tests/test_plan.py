@@ -8,6 +8,7 @@ scratch), and compares its peak with the planner's prediction, made from the con
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import subprocess
 import sys
@@ -400,3 +401,101 @@ def test_offloaded_state_says_what_each_decode_step_streams() -> None:
     assert f"{format_bytes(offloaded * work.response_tokens)} for" in line
     resident = plan_memory(spec, dataclasses.replace(work, offload=None))
     assert not any(text.startswith("rollout:") for text in resident.advice)
+
+
+# --- the package's shape: no import cycle, no private names across modules -------------------
+
+PLAN_DIR = ROOT / "longstraw_core" / "plan"
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function, as dotted names (for
+    ``from a import b``: ``a`` and ``a.b``, since ``b`` may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package (level 1) or above
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def plan_import_graph(directory: Path = PLAN_DIR) -> dict[str, set[str]]:
+    """Each module of ``longstraw_core.plan`` -> the package's modules it imports. Importing
+    the package itself (``longstraw_core.plan``, which imports them all) counts as ``__init__``."""
+    package = "longstraw_core.plan"
+    modules = {path.stem: path for path in directory.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for dotted in _imported_modules(path, package):
+            if dotted == package:
+                targets.add("__init__")
+            elif dotted.startswith(package + "."):
+                targets.add(dotted.split(".")[2])
+        graph[name] = (targets & set(modules)) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_planner_modules_import_no_cycle_and_the_core_stays_pure() -> None:
+    """Lazy imports (inside functions) count: a cycle through one is still a cycle."""
+    graph = plan_import_graph()
+    submodules = {name: targets - {"__init__"} for name, targets in graph.items()}
+    assert find_cycle(submodules) is None
+    for name, targets in graph.items():  # the facade imports them all: none may import it
+        assert name == "__main__" or "__init__" not in targets, name
+    assert not _reachable(graph, "core") & {"sources", "advice", "output", "paper", "cli"}
+    assert not _reachable(graph, "advice") & {"output", "paper", "cli"}
+
+
+def test_planner_modules_import_no_private_names() -> None:
+    """What one module uses of another is public: no ``from x import _name``."""
+    private = []
+    for path in sorted(PLAN_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names if a.name.startswith("_")]
+                private += [f"{path.name}: from {node.module} import {n}" for n in names]
+    assert private == []

@@ -9,20 +9,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.plan.advice import _error_message, plan_for_config
-from longstraw_core.plan.core import MemoryPlan, plan_memory
+from longstraw_core.plan.advice import error_message, plan_memory
+from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import PRESETS
 from longstraw_core.plan.output import print_plan, render_markdown
-from longstraw_core.plan.paper import (
-    _GLM_LORA,
-    _QWEN_LORA,
+from longstraw_core.plan.paper import paper_tables
+from longstraw_core.plan.sources import (
+    PRESET_LORA_TARGETS,
     Scenario,
-    paper_tables,
+    plan_for_config,
     scenario_workload,
+    spec_for_preset,
 )
-from longstraw_core.plan.sources import spec_for_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,7 +91,7 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
             args.gpus or 1,
             args.gpu_mem or "96GiB",
             32 if args.lora_rank is None else args.lora_rank,
-            _QWEN_LORA if PRESETS[args.preset].model_type != "glm_moe_dsa" else _GLM_LORA,
+            PRESET_LORA_TARGETS[args.preset],
         )
         work = scenario_workload(scenario, args.group or 8, args.gradient or "exact")
         if args.gpu_mem is None:
@@ -161,6 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(plan) + "\n")
     if plan.fits is False:
-        print(f"error: {_error_message(plan)}", file=sys.stderr)
+        print(f"error: {error_message(plan)}", file=sys.stderr)
         return 1
     return 0

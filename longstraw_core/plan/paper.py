@@ -2,51 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
-from longstraw_core.plan.advice import _offload_keys, fixes_for
-from longstraw_core.plan.core import Line, MemoryPlan, plan_memory
-from longstraw_core.plan.model import GIB, PHASES, PRESETS, ModelSpec, Workload
-from longstraw_core.plan.sources import spec_for_preset
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One paper-scale setting: a preset, a prompt length, GPUs, LoRA or full."""
-
-    preset: str
-    prompt_tokens: int
-    gpus: int
-    gpu_mem: str
-    lora_rank: int
-    lora_targets: tuple[str, ...]
-
-
-_QWEN_LORA = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+from longstraw_core.plan.advice import fixes_for, offload_keys, plan_memory
+from longstraw_core.plan.core import PHASES, Line, MemoryPlan
+from longstraw_core.plan.model import PRESETS, ModelSpec, Workload
+from longstraw_core.plan.sources import (
+    PRESET_LORA_TARGETS,
+    Scenario,
+    scenario_workload,
+    spec_for_preset,
 )
-_GLM_LORA = (
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+from longstraw_core.plan.units import GIB
+
+_QWEN_LORA = PRESET_LORA_TARGETS["Qwen3.6-27B"]
+_GLM_LORA = PRESET_LORA_TARGETS["GLM-5.2"]
 SCENARIOS = (
     Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 32, _QWEN_LORA),
     Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 0, ()),
@@ -55,31 +23,6 @@ SCENARIOS = (
     Scenario("GLM-5.2", 2_100_000, 32, "96GiB", 32, _GLM_LORA),
     Scenario("GLM-5.2", 2_100_000, 32, "141GiB", 32, _GLM_LORA),
 )
-
-
-def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload:
-    """The shipped 8-/32-GPU configs' settings for a scenario (see ``paper_tables``)."""
-    from longstraw_core.memory import parse_bytes
-
-    lora = scenario.lora_rank > 0
-    return Workload(
-        prompt_tokens=scenario.prompt_tokens,
-        group=group,
-        response_tokens=2048,
-        chunk_size=8192,
-        gradient=gradient,
-        checkpoints="device",
-        gpus=scenario.gpus,
-        fsdp=True,
-        param_dtype=torch.bfloat16 if lora else torch.float32,
-        compute_dtype=torch.bfloat16,
-        lora_rank=scenario.lora_rank,
-        lora_targets=scenario.lora_targets,
-        device="cuda",
-        budget=parse_bytes(scenario.gpu_mem),
-        headroom=0.05,
-        activation_checkpointing=True,  # as the shipped GPU configs set it
-    )
 
 
 def settle(spec: ModelSpec, work: Workload) -> MemoryPlan:
@@ -181,7 +124,7 @@ def _settings(plan: MemoryPlan) -> str:
     work = plan.work
     text = f"chunk {work.chunk_size}"
     if work.offload is not None and work.offload.active:
-        text += ", " + _offload_keys(work.offload).replace("offload.", "")
+        text += ", " + offload_keys(work.offload).replace("offload.", "")
     if work.gradient == "exact" and work.checkpoints == "cpu":
         text += ", recurrent_checkpoints=cpu"
     if work.activation_checkpointing:
