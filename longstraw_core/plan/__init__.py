@@ -8,7 +8,7 @@ and names what to change (chunk size, offload, GPUs) when it does not fit::
         --prompt-tokens 2100000 --group 8 --gpus 8 --gpu-mem 96GiB
     python -m longstraw_core.plan --preset Qwen3.6-27B --prompt-tokens 2100000 --group 8 \\
         --gpus 8 --gpu-mem 96GiB --offload attention=cpu --resident-layers 2
-    python -m longstraw_core.plan --paper-tables docs/memory_plans.md
+    python docs/tools/paper_tables.py   # the tables at paper scale: docs/memory_plans.md
 
 Where the numbers come from (so the plan cannot drift from the code):
 
@@ -38,14 +38,14 @@ Modules, each importing only those before it: ``units`` (byte sizes, number form
 kernels' scratch from their block budgets), ``activations`` (transients from tensor
 shapes), ``core`` (the pure plan: lines and phase peaks), ``sources`` (specs and workloads
 from presets, checkpoints and run configs), ``advice`` (fixes, ``plan_memory`` with advice,
-``check_fits``), ``output`` (tables), ``paper`` (paper-scale tables), ``cli``.
+``check_fits``), ``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
+``docs/tools/paper_tables.py``.
 """
 
 from longstraw_core.plan.advice import MemoryPlanError, check_fits, fixes_for, plan_memory
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan
 from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
-from longstraw_core.plan.paper import SCENARIOS, paper_tables
 from longstraw_core.plan.sources import (
     Scenario,
     plan_for_config,
@@ -57,7 +57,6 @@ from longstraw_core.plan.sources import (
 
 __all__ = [
     "PRESETS",
-    "SCENARIOS",
     "LayerSpec",
     "Line",
     "MemoryPlan",
@@ -69,7 +68,6 @@ __all__ = [
     "check_fits",
     "compute_plan",
     "fixes_for",
-    "paper_tables",
     "plan_for_config",
     "plan_memory",
     "print_plan",

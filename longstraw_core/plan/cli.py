@@ -14,7 +14,6 @@ from longstraw_core.plan.advice import error_message, plan_memory
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import PRESETS
 from longstraw_core.plan.output import print_plan, render_markdown
-from longstraw_core.plan.paper import paper_tables
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
     Scenario,
@@ -64,7 +63,6 @@ def _parser() -> argparse.ArgumentParser:
         "grpo.keep_attention_outputs, off for a preset)",
     )
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
-    parser.add_argument("--paper-tables", metavar="PATH", help="write the paper-scale tables")
     return parser
 
 
@@ -137,14 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the plan; exit 1 with the fix named when it does not fit the budget."""
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
-    if args.paper_tables:
-        text = paper_tables()
-        Path(args.paper_tables).write_text(text)
-        print(text)
-        print(f"wrote {args.paper_tables}")
-        return 0
     if not args.config and not args.preset:
-        parser.error("give --config PATH, --preset NAME or --paper-tables PATH")
+        parser.error("give --config PATH or --preset NAME")
     try:
         plan = _cli_plan(args)
     except (ValueError, OSError) as exc:

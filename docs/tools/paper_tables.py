@@ -1,6 +1,21 @@
-"""Tables at paper scale (Qwen3.6-27B, GLM-5.2) with every assumption."""
+"""The memory planner's tables at paper scale (Qwen3.6-27B, GLM-5.2), with every assumption.
+
+    python docs/tools/paper_tables.py          # writes docs/memory_plans.md
+    python docs/tools/paper_tables.py PATH
+
+Docs tooling, not the library: it runs ``longstraw_core.plan``'s public API on the
+scenarios below and writes markdown.
+"""
 
 from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# This checkout's planner, not another copy the environment may have installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from longstraw_core.plan.advice import fixes_for, offload_keys, plan_memory
 from longstraw_core.plan.core import PHASES, Line, MemoryPlan
@@ -13,6 +28,7 @@ from longstraw_core.plan.sources import (
 )
 from longstraw_core.plan.units import GIB
 
+ROOT = Path(__file__).resolve().parents[2]
 _QWEN_LORA = PRESET_LORA_TARGETS["Qwen3.6-27B"]
 _GLM_LORA = PRESET_LORA_TARGETS["GLM-5.2"]
 SCENARIOS = (
@@ -171,3 +187,19 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
         "G only changes what rollout holds (G branch caches, logits [G, vocab]); replay "
         "keeps one branch at a time, so the replay and sweep peaks do not depend on G",
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the tables to PATH (default: docs/memory_plans.md) and print them."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", default=str(ROOT / "docs" / "memory_plans.md"))
+    args = parser.parse_args(argv)
+    text = paper_tables()
+    Path(args.path).write_text(text)
+    print(text)
+    print(f"wrote {args.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
