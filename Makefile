@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark paper-tables clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ memory: $(STAMP)
 
 benchmark: $(STAMP)
 	$(PY) benchmarks/report.py
+
+# The memory planner's tables at paper scale, docs/memory_plans.md (about a minute).
+paper-tables: $(STAMP)
+	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -50,6 +50,16 @@ _FUSED_BWD_CHUNK = 1 << 14
 _N_LEADING_ARGS = 8
 
 
+def kernel_budgets() -> dict[str, int]:
+    """The block budgets above as they are now (read when called: tests patch them), for the
+    memory planner: ``score_elements``, ``flash_bwd_keys``, ``fused_bwd_keys``."""
+    return {
+        "score_elements": _MAX_SCORE_ELEMENTS,
+        "flash_bwd_keys": _FLASH_BWD_CHUNK,
+        "fused_bwd_keys": _FUSED_BWD_CHUNK,
+    }
+
+
 @dataclass(frozen=True)
 class AttentionOutput:
     """What a span's attention computed and its backward needs besides the inputs.

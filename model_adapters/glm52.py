@@ -55,6 +55,11 @@ _INDEXER_ROPE = {
 }
 
 
+def work_elements() -> int:
+    """``_WORK_ELEMENTS`` as it is now (read when called: tests patch it), for the planner."""
+    return _WORK_ELEMENTS
+
+
 def _module_function(module: nn.Module, name: str) -> RotaryFn:
     """A function of the transformers module that defines ``module``'s class (its own RoPE)."""
     function = getattr(inspect.getmodule(type(module)), name, None)

@@ -18,7 +18,7 @@ from torch import nn
 from longstraw_core import models
 from longstraw_core.config import DEFAULT_LORA_TARGETS, LoraSection
 from longstraw_core.plan import ModelSpec, Workload
-from longstraw_core.plan.core import _Parts
+from longstraw_core.plan.core import MemoryParts
 from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
 
 MODEL_TYPES = sorted(set(DEFAULT_LORA_TARGETS) & set(TINY_CONFIGS))
@@ -80,4 +80,4 @@ def test_planner_counts_the_adapters_peft_trains(model_type: str) -> None:
     )  # fmt: skip
     peft_model = models.add_lora(model, LoraSection(enabled=True, r=4, alpha=8))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert _Parts(spec, work).lora_params() == trainable
+    assert MemoryParts(spec, work).lora_params() == trainable

@@ -8,6 +8,7 @@ scratch), and compares its peak with the planner's prediction, made from the con
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import subprocess
 import sys
@@ -23,16 +24,21 @@ from longstraw_core.memory import LiveTensorMemory, parse_bytes
 from longstraw_core.plan import (
     MemoryPlanError,
     ModelSpec,
+    Scenario,
     Workload,
     check_fits,
     plan_for_config,
     plan_memory,
 )
+from longstraw_core.plan.sources import PRESET_LORA_TARGETS
 from longstraw_core.state import format_bytes
 from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15
+# The paper tables' first scenario (docs/tools/paper_tables.py): Qwen3.6-27B, LoRA r=32,
+# 2.1M positions, 8 x 96GiB.
+QWEN_LORA = Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 32, PRESET_LORA_TARGETS["Qwen3.6-27B"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +166,10 @@ def test_checkpointing_shrinks_the_branch_and_sweep_at_paper_scale() -> None:
     """Qwen3.6-27B, a 2048-token branch and an 8192-token chunk: checkpointed, each keeps
     one ``[T, hidden]`` input per layer instead of every activation; the rest of the step
     (parameters, state, dS) is the same."""
-    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+    from longstraw_core.plan import scenario_workload, spec_for_preset
 
     spec = spec_for_preset("Qwen3.6-27B")
-    work = scenario_workload(SCENARIOS[0], 8, "exact")  # the shipped configs checkpoint
+    work = scenario_workload(QWEN_LORA, 8, "exact")  # the shipped configs checkpoint
     work = dataclasses.replace(work, activation_checkpointing=False)
     plain = plan_memory(spec, work)
     checkpointed = plan_memory(spec, dataclasses.replace(work, activation_checkpointing=True))
@@ -179,10 +185,10 @@ def test_chunked_head_shrinks_the_branch_at_paper_scale(monkeypatch) -> None:
     """Qwen3.6-27B, a 2048-token branch over a 248K vocabulary, layers checkpointed: the head
     in chunks of 256 rows keeps no ``[T, vocab]`` log-probs and builds one chunk's logits
     at a time, a fraction of the whole branch's."""
-    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+    from longstraw_core.plan import scenario_workload, spec_for_preset
 
     spec = spec_for_preset("Qwen3.6-27B")
-    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = scenario_workload(QWEN_LORA, 8, "exact")
     work = dataclasses.replace(work, activation_checkpointing=True)
     branch = "one branch graph (transient)"
     chunked = plan_memory(spec, work)
@@ -339,7 +345,8 @@ def test_memory_section_validates() -> None:
 @pytest.mark.slow
 def test_paper_tables_render(tmp_path: Path) -> None:
     path = tmp_path / "tables.md"
-    result = _cli("--paper-tables", str(path))
+    command = [sys.executable, str(ROOT / "docs/tools/paper_tables.py"), str(path)]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     text = path.read_text()
     assert "Qwen3.6-27B, LoRA r=32, 2.10M positions" in text and "GLM-5.2" in text
@@ -350,10 +357,10 @@ def test_kept_attention_outputs_at_paper_scale_and_the_fix_that_drops_them() -> 
     """Qwen3.6-27B at 256K tokens: the kept outputs are heads x (head_dim + fp32 lse) per
     token for 15 of its 16 full-attention layers (the last only writes its state), about 3x
     their K/V; when they are what does not fit, the first fix is to stop keeping them."""
-    from longstraw_core.plan import SCENARIOS, fixes_for, scenario_workload, spec_for_preset
+    from longstraw_core.plan import fixes_for, scenario_workload, spec_for_preset
 
     spec = spec_for_preset("Qwen3.6-27B")
-    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = scenario_workload(QWEN_LORA, 8, "exact")
     work = dataclasses.replace(
         work, prompt_tokens=262144, activation_checkpointing=True, keep_attention_outputs=True
     )
@@ -368,10 +375,10 @@ def test_kept_attention_outputs_at_paper_scale_and_the_fix_that_drops_them() -> 
 
 
 def test_exact_mode_with_room_to_spare_hears_that_kept_outputs_fit() -> None:
-    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+    from longstraw_core.plan import scenario_workload, spec_for_preset
 
     spec = spec_for_preset("Qwen3.6-27B")
-    work = scenario_workload(SCENARIOS[0], 8, "exact")
+    work = scenario_workload(QWEN_LORA, 8, "exact")
     work = dataclasses.replace(work, prompt_tokens=131072, activation_checkpointing=True)
     plan = plan_memory(spec, work)
     kept = plan_memory(spec, dataclasses.replace(work, keep_attention_outputs=True))
@@ -386,10 +393,10 @@ def test_offloaded_state_says_what_each_decode_step_streams() -> None:
     """Rollout reads the whole prefix every new token: offloaded, that is the whole
     offloaded state copied to the GPU per step, which the advice spells out."""
     from longstraw_core.offload import OffloadPolicy
-    from longstraw_core.plan import SCENARIOS, scenario_workload, spec_for_preset
+    from longstraw_core.plan import scenario_workload, spec_for_preset
 
     spec = spec_for_preset("Qwen3.6-27B")
-    work = scenario_workload(SCENARIOS[0], 8, "detached")
+    work = scenario_workload(QWEN_LORA, 8, "detached")
     work = dataclasses.replace(
         work, prompt_tokens=131072, offload=OffloadPolicy(attention="cpu"), rollout=True
     )
@@ -400,3 +407,110 @@ def test_offloaded_state_says_what_each_decode_step_streams() -> None:
     assert f"{format_bytes(offloaded * work.response_tokens)} for" in line
     resident = plan_memory(spec, dataclasses.replace(work, offload=None))
     assert not any(text.startswith("rollout:") for text in resident.advice)
+
+
+# --- the package's shape: no import cycle, no private names across modules -------------------
+
+PLAN_DIR = ROOT / "longstraw_core" / "plan"
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function, as dotted names (for
+    ``from a import b``: ``a`` and ``a.b``, since ``b`` may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package (level 1) or above
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def plan_import_graph(directory: Path = PLAN_DIR) -> dict[str, set[str]]:
+    """Each module of ``longstraw_core.plan`` -> the package's modules it imports. Importing
+    the package itself (``longstraw_core.plan``, which imports them all) counts as ``__init__``."""
+    package = "longstraw_core.plan"
+    modules = {path.stem: path for path in directory.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for dotted in _imported_modules(path, package):
+            if dotted == package:
+                targets.add("__init__")
+            elif dotted.startswith(package + "."):
+                targets.add(dotted.split(".")[2])
+        graph[name] = (targets & set(modules)) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# The package's layers, lowest first (its docstring's order): a module imports only earlier ones.
+PLAN_LAYERS = (
+    "units", "model", "kernels", "activations", "core", "sources", "advice", "output", "cli",
+    "__main__",
+)  # fmt: skip
+
+
+def test_planner_modules_import_no_cycle_and_the_core_stays_pure() -> None:
+    """Lazy imports (inside functions) count: a cycle through one is still a cycle."""
+    graph = plan_import_graph()
+    submodules = {name: targets - {"__init__"} for name, targets in graph.items()}
+    assert find_cycle(submodules) is None
+    for name, targets in graph.items():  # the facade imports them all: none may import it
+        assert name == "__main__" or "__init__" not in targets, name
+    assert not _reachable(graph, "core") & {"sources", "advice", "output", "cli"}
+    assert set(graph) == {*PLAN_LAYERS, "__init__"}, "a new module: place it in PLAN_LAYERS"
+    for index, name in enumerate(PLAN_LAYERS):
+        assert submodules[name] <= set(PLAN_LAYERS[:index]), (name, submodules[name])
+
+
+def test_planner_modules_import_no_private_names() -> None:
+    """What one module uses of another is public: no ``from x import _name``."""
+    private = []
+    for path in [*sorted(PLAN_DIR.glob("*.py")), ROOT / "docs/tools/paper_tables.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names if a.name.startswith("_")]
+                private += [f"{path.name}: from {node.module} import {n}" for n in names]
+    assert private == []

@@ -8,7 +8,7 @@ and names what to change (chunk size, offload, GPUs) when it does not fit::
         --prompt-tokens 2100000 --group 8 --gpus 8 --gpu-mem 96GiB
     python -m longstraw_core.plan --preset Qwen3.6-27B --prompt-tokens 2100000 --group 8 \\
         --gpus 8 --gpu-mem 96GiB --offload attention=cpu --resident-layers 2
-    python -m longstraw_core.plan --paper-tables docs/memory_plans.md
+    python docs/tools/paper_tables.py   # the tables at paper scale: docs/memory_plans.md
 
 Where the numbers come from (so the plan cannot drift from the code):
 
@@ -22,10 +22,10 @@ Where the numbers come from (so the plan cannot drift from the code):
   the dtype the layers compute in. ``dS`` comes from ``exact.GRAD_FACTORIES`` the same way,
   recurrent checkpoints are one record-sized copy per prefill chunk.
 - **Transients.** Activation memory is derived from tensor shapes, module by module, following
-  the code that runs (``_Activations``): what autograd saves in one branch (or one recomputed
+  the code that runs (``Activations``): what autograd saves in one branch (or one recomputed
   chunk), the LM head's float32 logits and ``log_softmax`` in row chunks
   (``model_adapters.base.HEAD_CHUNK_ELEMENTS``), the kernels' blocks
-  (``attention._MAX_SCORE_ELEMENTS``, ``glm52._WORK_ELEMENTS``), the optimizer's scratch.
+  (``attention.kernel_budgets()``, ``glm52.work_elements()``), the optimizer's scratch.
 
 What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` reports, or
 ``memory.LiveTensorMemory`` on CPU) of parameters, gradients, AdamW moments, prefix state,
@@ -33,22 +33,30 @@ What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` re
 NCCL buffers (~1-3 GiB, covered by ``memory.headroom``), allocator fragmentation, the
 kernels' internal scratch.
 
-Modules: ``model`` (presets, the model's layer specs, the workload), ``activations``
-(transients from tensor shapes), ``core`` (the plan's lines and phase peaks), ``sources``
-(specs and workloads from presets, checkpoints and run configs), ``advice`` (fixes and
-``check_fits``), ``output`` (tables), ``paper`` (paper-scale tables), ``cli``.
+Modules, each importing only those before it: ``units`` (byte sizes, number formats),
+``model`` (presets, the model's layer specs, the workload), ``kernels`` (the attention
+kernels' scratch from their block budgets), ``activations`` (transients from tensor
+shapes), ``core`` (the pure plan: lines and phase peaks), ``sources`` (specs and workloads
+from presets, checkpoints and run configs), ``advice`` (fixes, ``plan_memory`` with advice,
+``check_fits``), ``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
+``docs/tools/paper_tables.py``.
 """
 
-from longstraw_core.plan.advice import check_fits, fixes_for, plan_for_config
-from longstraw_core.plan.core import Line, MemoryPlan, MemoryPlanError, plan_memory
+from longstraw_core.plan.advice import MemoryPlanError, check_fits, fixes_for, plan_memory
+from longstraw_core.plan.core import Line, MemoryPlan, compute_plan
 from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
-from longstraw_core.plan.paper import SCENARIOS, Scenario, paper_tables, scenario_workload
-from longstraw_core.plan.sources import spec_for_config, spec_for_preset, workload_from_config
+from longstraw_core.plan.sources import (
+    Scenario,
+    plan_for_config,
+    scenario_workload,
+    spec_for_config,
+    spec_for_preset,
+    workload_from_config,
+)
 
 __all__ = [
     "PRESETS",
-    "SCENARIOS",
     "LayerSpec",
     "Line",
     "MemoryPlan",
@@ -58,8 +66,8 @@ __all__ = [
     "Scenario",
     "Workload",
     "check_fits",
+    "compute_plan",
     "fixes_for",
-    "paper_tables",
     "plan_for_config",
     "plan_memory",
     "print_plan",

@@ -5,22 +5,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
-from longstraw_core.attention import _FLASH_BWD_CHUNK, _FUSED_BWD_CHUNK
-from longstraw_core.attention import _MAX_SCORE_ELEMENTS as _ATTENTION_SCORE_ELEMENTS
-from longstraw_core.plan.model import (
-    _DELTA_CHUNK,
-    _FP32,
-    _INT64,
-    LayerSpec,
-    ModelSpec,
-    Workload,
-    _bytes,
+from longstraw_core.plan.kernels import (
+    blocked_scratch,
+    flash_backward_scratch,
+    fused_backward_scratch,
+    select_topk_peak,
+    sparse_attention_scratch,
 )
-from model_adapters.glm52 import _WORK_ELEMENTS as _DSA_WORK_ELEMENTS
+from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.units import FP32, INT64, dtype_bytes
+
+_DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
 
 
-class _Activations:
+class Activations:
     """Bytes per token of what autograd saves, and the kernels' scratch, from shapes.
 
     Follows the code that runs module by module: RMSNorms save their float32 input (and the
@@ -33,7 +31,7 @@ class _Activations:
 
     def __init__(self, spec: ModelSpec, work: Workload) -> None:
         self.spec, self.work = spec, work
-        self.b = _bytes(work.compute_dtype)
+        self.b = dtype_bytes(work.compute_dtype)
         self.lora = work.lora_rank > 0
         self.targets = set(work.lora_targets)
 
@@ -50,17 +48,17 @@ class _Activations:
         adapted = [name for name in consumers if name in self.targets]
         if not adapted:
             return 0
-        rank = self.work.lora_rank * _FP32 * len(adapted)  # lora_A's output, saved by lora_B
-        if self.b == _FP32:
-            return _FP32 * width + rank
-        return _FP32 * width * len(adapted) + rank  # each adapter casts its input to fp32
+        rank = self.work.lora_rank * FP32 * len(adapted)  # lora_A's output, saved by lora_B
+        if self.b == FP32:
+            return FP32 * width + rank
+        return FP32 * width * len(adapted) + rank  # each adapter casts its input to fp32
 
     def norm(self, width: int, groups: int = 1) -> int:
         """An RMSNorm over ``width`` (in ``groups`` heads): its fp32 input, rsqrt, and the
         normalised tensor when the weight trains (not under LoRA)."""
-        saved = _FP32 * width + _FP32 * groups
+        saved = FP32 * width + FP32 * groups
         if not self.lora:
-            saved += self.b * width if self.spec.llama_norm else _FP32 * width
+            saved += self.b * width if self.spec.llama_norm else FP32 * width
         return saved
 
     # --- token mixers ------------------------------------------------------------------------
@@ -71,7 +69,7 @@ class _Activations:
         saved = self.linear_input(self.spec.hidden, ("q_proj", "k_proj", "v_proj"))
         if d["qk_norm"]:
             saved += self.norm(q, d["heads"]) + self.norm(kv, d["kv_heads"])
-        saved += b * (2 * q + 2 * kv) + _FP32 * d["heads"]  # q, k, v, output; lse
+        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
         return saved + self.linear_input(q, ("o_proj",))
 
     def gated_attention(self, d: dict[str, int]) -> int:
@@ -79,9 +77,9 @@ class _Activations:
         b, q, kv = self.b, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
         saved = self.linear_input(self.spec.hidden, ("q_proj", "k_proj", "v_proj"))
         # q_norm reads a view of q_proj's [T, 2q] output: in fp32 it keeps all of it alive.
-        saved += self.norm(q, d["heads"]) + (_FP32 * q if b == _FP32 else 0)
+        saved += self.norm(q, d["heads"]) + (FP32 * q if b == FP32 else 0)
         saved += self.norm(kv, d["kv_heads"])
-        saved += b * (2 * q + 2 * kv) + _FP32 * d["heads"]  # q, k, v, output; lse
+        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
         saved += 2 * b * q  # sigmoid(gate) and the reshaped output, saved by their product
         return saved + self.linear_input(q, ("o_proj",))
 
@@ -94,9 +92,9 @@ class _Activations:
         conv = d["conv_dim"] * (2 * tokens + 3 * (d["kernel"] - 1)) * b  # conv in, silu in
         if self.lora:
             conv = d["conv_dim"] * (tokens + 2 * (d["kernel"] - 1)) * b  # conv weight frozen
-        per_token += 3 * _FP32 * d["value_heads"] + b * d["value_heads"]  # beta, g, softplus
+        per_token += 3 * FP32 * d["value_heads"] + b * d["value_heads"]  # beta, g, softplus
         # Gated RMSNorm of the output: fp32 input, rsqrt, fp32 gate, silu(gate), weighted.
-        per_token += 4 * _FP32 * value_width + _FP32 * d["value_heads"] + b * value_width
+        per_token += 4 * FP32 * value_width + FP32 * d["value_heads"] + b * value_width
         if not self.lora:
             per_token += b * value_width
         per_token += self.linear_input(value_width, ("out_proj",))
@@ -105,10 +103,10 @@ class _Activations:
     def delta_rule(self, d: dict[str, int], tokens: int) -> int:
         """What the delta-rule kernel saves for ``tokens`` tokens (bytes)."""
         heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
-        if self.work.device == "cuda" and self.b < _FP32:
+        if self.work.device == "cuda" and self.b < FP32:
             # flash-linear-attention's chunk kernel saves its inputs (q and k repeated to
             # the value heads by our wrapper), g and beta, and recomputes the rest.
-            return tokens * (self.b * heads * (2 * dk + dv) + 2 * _FP32 * heads)
+            return tokens * (self.b * heads * (2 * dk + dv) + 2 * FP32 * heads)
         # transformers' torch_chunk_gated_delta_rule, padded to chunks of 64: five [64, 64]
         # matrices per chunk and head, five key-wide and three value-wide tensors per padded
         # token, the l2-normalised q and k, and the state entering every chunk.
@@ -117,8 +115,8 @@ class _Activations:
         per_padded = heads * (5 * _DELTA_CHUNK + 5 * dk + 3 * dv + 5)
         per_token = heads * (2 * dk + 2)
         states = max(chunks - 1, 0) * heads * dk * dv
-        mask = _DELTA_CHUNK * _DELTA_CHUNK // _FP32  # bool [64, 64]
-        return _FP32 * (padded * per_padded + tokens * per_token + states + mask)
+        mask = _DELTA_CHUNK * _DELTA_CHUNK // FP32  # bool [64, 64]
+        return FP32 * (padded * per_padded + tokens * per_token + states + mask)
 
     def mla(self, d: dict[str, int], sparse: bool) -> int:
         """MLA with weight absorption, ``glm52.GlmMoeDsaAdapter.run_attention``."""
@@ -128,11 +126,11 @@ class _Activations:
         if self.trains("kv_b_proj"):
             saved += b * heads * d["qk_dim"]  # q_b_proj's output, for q_nope @ W_uk
         # kv_a_layernorm reads the c_kv view: in fp32 the whole [T, rank + rope] output.
-        saved += self.norm(d["kv_rank"]) + (_FP32 * d["rope_dim"] if b == _FP32 else 0)
+        saved += self.norm(d["kv_rank"]) + (FP32 * d["rope_dim"] if b == FP32 else 0)
         saved += b * heads * latent + b * latent  # absorbed queries, the span's latent
-        saved += b * heads * d["kv_rank"] + _FP32 * heads  # attention output, lse
+        saved += b * heads * d["kv_rank"] + FP32 * heads  # attention output, lse
         if sparse and d["indexer"]:
-            saved += _INT64 * d["index_topk"]  # the DSA selection
+            saved += INT64 * d["index_topk"]  # the DSA selection
         return saved + self.linear_input(heads * d["v_dim"], ("o_proj",))
 
     # --- MLPs --------------------------------------------------------------------------------
@@ -147,8 +145,8 @@ class _Activations:
         k, expert, shared = d["top_k"], d["expert_dim"], d["shared_dim"]
         saved = self.linear_input(hidden, ("gate_proj", "up_proj"))  # MoE input (shared MLP)
         if not self.lora:
-            saved = max(saved, b * hidden) + (_FP32 * hidden if b < _FP32 else 0)  # router
-        saved += _FP32 * d["experts"] + 16 * k + 8  # router scores, top-k, weights
+            saved = max(saved, b * hidden) + (FP32 * hidden if b < FP32 else 0)  # router
+        saved += FP32 * d["experts"] + 16 * k + 8  # router scores, top-k, weights
         experts = b * (3 * expert + hidden) + 20  # gate_up, silu, the weighted output, ids
         if not self.lora:
             experts += b * (hidden + expert)  # grouped_mm inputs (the experts train)
@@ -200,11 +198,11 @@ class _Activations:
         One chunk: the head's input and the float32 log-probs ``[T, vocab]``. Several
         (checkpointed) chunks: only the normed hidden states the chunks read."""
         hidden = self.spec.hidden
-        head = self.norm(hidden) + 2 * _INT64  # gather index, input ids
+        head = self.norm(hidden) + 2 * INT64  # gather index, input ids
         if self.head_rows(tokens) < tokens:
             head += self.b * hidden
         else:
-            head += self.linear_input(hidden, ("lm_head",)) + _FP32 * self.spec.vocab
+            head += self.linear_input(hidden, ("lm_head",)) + FP32 * self.spec.vocab
         return head * tokens
 
     def branch_graph(self, tokens: int) -> int:
@@ -224,11 +222,11 @@ class _Activations:
                 self.checkpoint_kept(layer, tokens, start) + self.written(layer, tokens)
                 for layer in self.spec.layers
             )
-            return kept + self.rotary(tokens) + _INT64 * tokens
+            return kept + self.rotary(tokens) + INT64 * tokens
         *layers, last = self.spec.layers
         saved = sum(self.layer(layer, tokens, start) for layer in layers)
         saved += self.last_layer_state_only(last, tokens)
-        return saved + self.rotary(tokens) + _INT64 * tokens
+        return saved + self.rotary(tokens) + INT64 * tokens
 
     # --- activation checkpointing ------------------------------------------------------------
 
@@ -238,7 +236,7 @@ class _Activations:
         kept = self.b * self.spec.hidden * tokens
         d = layer.dims
         if layer.mixer == "mla" and d["indexer"] and d["index_topk"] < prefix + tokens:
-            kept += _INT64 * d["index_topk"] * tokens
+            kept += INT64 * d["index_topk"] * tokens
         return kept
 
     def written(self, layer: LayerSpec, tokens: int) -> int:
@@ -248,7 +246,7 @@ class _Activations:
         d = layer.dims
         if layer.mixer == "deltanet":
             conv = self.b * d["conv_dim"] * (d["kernel"] - 1)
-            return conv + _FP32 * d["value_heads"] * d["key_dim"] * d["value_dim"]
+            return conv + FP32 * d["value_heads"] * d["key_dim"] * d["value_dim"]
         if layer.mixer == "mla":
             return self.b * (d["kv_rank"] + d["rope_dim"]) * tokens
         return 2 * self.b * d["kv_heads"] * d["head_dim"] * tokens
@@ -290,7 +288,7 @@ class _Activations:
         layers = self.spec.layers
         kept = [self.checkpoint_kept(layer, tokens, start) for layer in layers]
         written = [self.written(layer, tokens) for layer in layers]
-        fixed = self.rotary(tokens) + _INT64 * tokens
+        fixed = self.rotary(tokens) + INT64 * tokens
         peak = 0
         for index, layer in enumerate(layers):
             before = sum(kept[:index]) + sum(written[:index]) + fixed  # in its forward
@@ -357,7 +355,7 @@ class _Activations:
             return 3 * tokens * self.b * layer.mlp_dims["intermediate"]
         m = layer.mlp_dims
         experts = m["top_k"] * (self.spec.hidden + 4 * m["expert_dim"])  # gathered, gate_up..
-        return tokens * (self.b * max(experts, 3 * m["shared_dim"]) + _FP32 * m["experts"])
+        return tokens * (self.b * max(experts, 3 * m["shared_dim"]) + FP32 * m["experts"])
 
     def decode_scratch(self, layer: LayerSpec, group: int, prefix: int) -> int:
         """One decoding step of ``group`` branches: the DSA search and latent gathers, or
@@ -371,7 +369,7 @@ class _Activations:
             return 0
         rows = group * d["heads"] // d["kv_heads"]
         dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
-        return _blocked_scratch(*dims, prefix, self.b, backward=False)
+        return blocked_scratch(*dims, prefix, self.b, backward=False)
 
     def state_only_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """A writing span's last layer (``base.writes_only``): attention layers compute only
@@ -396,22 +394,22 @@ class _Activations:
         if dk != dv:
             return "blocked"
         if self.work.device == "cuda":
-            ok = self.b < _FP32 and dk % 8 == 0 and dk <= 256
+            ok = self.b < FP32 and dk % 8 == 0 and dk <= 256
             return "flash" if ok else "blocked"
-        return "fused" if self.b == _FP32 else "blocked"
+        return "fused" if self.b == FP32 else "blocked"
 
     def attention_forward_scratch(self, d: dict[str, int], tokens: int, prefix: int) -> int:
         """Segmented attention's forward: per segment an fp32 output merged by log-sum-exp
         (two products alive), the branch K/V repeated per query head for the fused kernels,
         and the pure-torch loop's score blocks over the prefix."""
         q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        scratch = tokens * (4 * _FP32 * q + 2 * self.b * q)
-        if self.b < _FP32:
-            scratch += tokens * _FP32 * (q + 2 * kv)  # rows cast to the accumulation dtype
+        scratch = tokens * (4 * FP32 * q + 2 * self.b * q)
+        if self.b < FP32:
+            scratch += tokens * FP32 * (q + 2 * kv)  # rows cast to the accumulation dtype
         if self.attention_path(d["head_dim"], d["head_dim"]) == "blocked" and prefix:
             rows = d["heads"] // d["kv_heads"] * tokens
             dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
-            scratch += _blocked_scratch(*dims, prefix, self.b, backward=False)
+            scratch += blocked_scratch(*dims, prefix, self.b, backward=False)
         return scratch
 
     def delta_rule_working(self, d: dict[str, int], tokens: int) -> int:
@@ -419,20 +417,20 @@ class _Activations:
         per chunk and head (decays, UT system, intra-chunk scores, a product) besides its
         padded fp32 q/k/v; flash-linear-attention's kernel keeps only its inputs/outputs."""
         heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
-        if self.work.device == "cuda" and self.b < _FP32:
+        if self.work.device == "cuda" and self.b < FP32:
             return tokens * self.b * heads * (2 * dk + 2 * dv)
         padded = math.ceil(tokens / _DELTA_CHUNK) * _DELTA_CHUNK
-        return _FP32 * padded * heads * (4 * _DELTA_CHUNK + 5 * dk + 4 * dv)
+        return FP32 * padded * heads * (4 * _DELTA_CHUNK + 5 * dk + 4 * dv)
 
     def mla_working(self, d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
         """The DSA indexer's top-k search plus the latent attention's gather blocks."""
         if d["index_topk"] >= prefix + tokens:  # dense: segmented attention over the latent
             latent = d["kv_rank"] + d["rope_dim"]
             rows = batch * d["heads"] * tokens  # one latent "head" for every query head
-            return _blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, False)
-        scratch = _sparse_attention_scratch(d, tokens, batch)
+            return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, False)
+        scratch = sparse_attention_scratch(d, tokens, batch)
         if d["indexer"]:
-            scratch = max(scratch, _select_topk_peak(d, tokens, prefix, batch))
+            scratch = max(scratch, select_topk_peak(d, tokens, prefix, batch))
         return scratch
 
     def backward_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
@@ -448,7 +446,7 @@ class _Activations:
         largest trainable matrix of the layer; sharded runs account for theirs in FSDP)."""
         if self.work.fsdp:
             return 0
-        grad_bytes = _FP32 if self.lora else _bytes(self.work.param_dtype)
+        grad_bytes = FP32 if self.lora else dtype_bytes(self.work.param_dtype)
         shapes = [
             (inp * out if not self.lora else self.work.lora_rank * max(inp, out))
             for name, (inp, out) in layer.linear_shapes.items()
@@ -466,23 +464,18 @@ class _Activations:
             return 0
         if layer.mixer == "mla":
             if d["index_topk"] < prefix + tokens:
-                return 2 * _sparse_attention_scratch(d, tokens, 1)
+                return 2 * sparse_attention_scratch(d, tokens, 1)
             rows, latent = d["heads"] * tokens, d["kv_rank"] + d["rope_dim"]
-            return _blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, True)
+            return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, True)
         kv, head = d["kv_heads"], d["head_dim"]
         rows = d["heads"] * tokens
         path = self.attention_path(head, head)
         if path == "flash":
-            # flash-attn backward per chunk of keys: dK/dV of the chunk (fp32 when they are
-            # added into dS), the queries' fp32 gradient accumulator.
-            keys = min(prefix, _FLASH_BWD_CHUNK)
-            return 2 * kv * keys * head * (self.b + _FP32) + _FP32 * rows * head
+            return flash_backward_scratch(kv, rows, head, prefix, self.b)
         if path == "blocked":
             group_rows = d["heads"] // kv * tokens
-            return _blocked_scratch(kv, group_rows, head, head, prefix, self.b, True)
-        # PyTorch's fused CPU kernel per chunk of keys: dK/dV (fp32), the queries' gradient.
-        keys = min(prefix, _FUSED_BWD_CHUNK)
-        return 2 * kv * keys * head * _FP32 + _FP32 * rows * head
+            return blocked_scratch(kv, group_rows, head, head, prefix, self.b, True)
+        return fused_backward_scratch(kv, rows, head, prefix)
 
     def head_peak(self, tokens: int) -> int:
         """The LM head beyond the graph: float32 logits next to the saved log-probs
@@ -492,81 +485,11 @@ class _Activations:
         its weight's gradient next to the sum of the chunks' before it."""
         rows = self.head_rows(tokens)
         chunked = rows < tokens
-        logits = _FP32 * rows * self.spec.vocab
-        peak = 2 * logits + (self.b * rows * self.spec.vocab if self.b < _FP32 else 0)
+        logits = FP32 * rows * self.spec.vocab
+        peak = 2 * logits + (self.b * rows * self.spec.vocab if self.b < FP32 else 0)
         if not chunked:
             return peak
         peak += logits + self.b * self.spec.hidden * tokens
         if not self.lora:
             peak += self.b * self.spec.vocab * self.spec.hidden
         return peak
-
-
-def _blocked_scratch(
-    kv_heads: int, rows: int, dk: int, dv: int, keys: int, state_bytes: int, backward: bool
-) -> int:
-    """``attention._segment_forward`` / ``_segment_backward``'s pure-torch loop over blocks
-    of keys, as ``attention._block_length`` sizes them (scores of a block under
-    ``_MAX_SCORE_ELEMENTS``). Forward holds a block's scores, shifted scores and
-    probabilities, backward also the probabilities' gradients; from the second block on,
-    the previous block's tensors stay bound until the new ones replace them. Blocks of a
-    16-bit state are cast to float32 as they are read."""
-    if keys <= 0:
-        return 0
-    per_key = kv_heads * rows + kv_heads * (dk + dv)
-    block = min(keys, max(1, _ATTENTION_SCORE_ELEMENTS // per_key))
-    alone, carried = (5, 4) if backward else (3, 2)  # a block's own; the previous one's
-    sizes = [_FP32 * kv_heads * rows * n for n in _block_sizes(keys, block)]
-    scratch = max(
-        max(alone * now, carried * before + 2 * now)
-        for now, before in zip(sizes, [0, *sizes], strict=False)
-    )
-    if state_bytes < _FP32:  # forward casts keys, then values; backward keeps the keys
-        scratch += _FP32 * kv_heads * block * ((dk + dv) if backward else max(dk, dv))
-    return scratch + 2 * _FP32 * kv_heads * rows * max(dk, dv)  # output / dq accumulators
-
-
-def _sparse_attention_scratch(d: dict[str, int], tokens: int, batch: int) -> int:
-    """``glm52._SparseLatentAttention``: per block of queries the gathered latent rows, the
-    scores and probabilities (fp32); blocks keep ``3 x (dim + heads)`` per row under
-    ``_WORK_ELEMENTS``."""
-    topk, heads, dim = d["index_topk"], d["heads"], d["kv_rank"] + d["rope_dim"]
-    step = max(1, _DSA_WORK_ELEMENTS // (batch * topk * 3 * (dim + heads)))
-    queries = min(tokens, step)
-    return _FP32 * batch * queries * topk * (2 * dim + 3 * heads)
-
-
-def _select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
-    """Peak scratch of ``glm52.select_topk``, replayed block by block as the code runs.
-
-    During one block's index scores, the previous block's concatenated scores (fp32) and
-    positions (int64) are still bound, next to this block's scores and two products
-    ``[B, T, heads_step, n]`` (the matmul and its scaled relu).
-    """
-    topk, heads = d["index_topk"], d["index_heads"]
-    rows = batch * tokens
-    block = max(topk, _DSA_WORK_ELEMENTS // rows)
-    sizes = _block_sizes(prefix, block) + _block_sizes(tokens, block)
-    peak, kept, previous = 0, 0, 0
-    for n in sizes:
-        step = min(heads, max(1, _DSA_WORK_ELEMENTS // (rows * n)))
-        scores = _FP32 * rows * n
-        steps = [step] * (heads // step) + ([heads % step] if heads % step else [])
-        products = [_FP32 * rows * h * n for h in steps]
-        # the matmul and its scaled relu, next to the previous step's relu (still bound)
-        inner = max(2 * now + before for now, before in zip(products, [0, *products], strict=False))
-        peak = max(peak, previous + scores + inner)
-        joined = rows * (kept + n)
-        peak = max(peak, (_FP32 + _INT64) * joined + _FP32 * rows * n)
-        previous = (_FP32 + _INT64) * joined
-        kept = min(topk, kept + n)
-    return peak
-
-
-def _block_sizes(length: int, block: int) -> list[int]:
-    """The sizes of ``length`` rows in blocks of ``block``, with runs of full blocks cut to
-    two: a block's scratch depends only on its own size and the previous block's."""
-    if length <= 0:
-        return []
-    full, rest = divmod(length, block)
-    return [block] * min(full, 2) + ([rest] if rest else [])

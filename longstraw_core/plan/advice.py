@@ -1,4 +1,7 @@
-"""What to change when a step does not fit, and the check the recipes run before loading."""
+"""What to change when a step does not fit, and the check the recipes run before loading.
+
+Built on the pure ``core``: every fix it tries is a ``compute_plan`` of a changed workload.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.plan.core import MemoryPlan, MemoryPlanError, plan_memory
-from longstraw_core.plan.model import CHUNK_CHOICES, ModelSpec, Workload, _gib
-from longstraw_core.plan.sources import spec_for_config, workload_from_config
+from longstraw_core.plan.core import MemoryPlan, compute_plan
+from longstraw_core.plan.model import ModelSpec, Workload
+from longstraw_core.plan.sources import plan_for_config
+from longstraw_core.plan.units import human_bytes
+
+CHUNK_CHOICES = tuple(2**k for k in range(8, 17))  # 256 .. 65536: the chunks advice tries
+
+
+class MemoryPlanError(RuntimeError):
+    """The predicted peak does not fit the budget; the message says what to change."""
+
+    def __init__(self, message: str, plan: MemoryPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 @dataclass(frozen=True)
@@ -22,7 +35,14 @@ class Fix:
     plan: MemoryPlan
 
 
-def _advice(plan: MemoryPlan) -> list[str]:
+def plan_memory(spec: ModelSpec, work: Workload) -> MemoryPlan:
+    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec``, with advice."""
+    plan = compute_plan(spec, work)
+    plan.advice = advice_for(plan)
+    return plan
+
+
+def advice_for(plan: MemoryPlan) -> list[str]:
     """What to change: the largest chunk that fits, offload when the state does not fit."""
     if plan.budget is None:
         return ["no GPU memory budget (memory.gpu_mem / --gpu-mem): nothing to check against"]
@@ -31,8 +51,8 @@ def _advice(plan: MemoryPlan) -> list[str]:
     if plan.cpu_bytes:
         ranks = min(work.gpus, 8)
         advice.append(
-            f"CPU memory for the offloaded state: {_gib(plan.cpu_bytes)} per rank, "
-            f"{_gib(plan.cpu_bytes * ranks)} for {ranks} ranks on a node"
+            f"CPU memory for the offloaded state: {human_bytes(plan.cpu_bytes)} per rank, "
+            f"{human_bytes(plan.cpu_bytes * ranks)} for {ranks} ranks on a node"
         )
     advice += _rollout_streaming_advice(plan)
     if plan.fits:
@@ -46,7 +66,7 @@ def _advice(plan: MemoryPlan) -> list[str]:
         return advice
     fixes = fixes_for(plan)
     if fixes:
-        advice += [f"{fix.label}: {fix.keys} (peak {_gib(fix.plan.peak)})" for fix in fixes]
+        advice += [f"{fix.label}: {fix.keys} (peak {human_bytes(fix.plan.peak)})" for fix in fixes]
     else:
         advice.append(_no_fix(plan))
     return advice
@@ -58,16 +78,16 @@ def _keep_outputs_advice(plan: MemoryPlan) -> list[str]:
     work = plan.work
     if work.gradient != "exact" or work.keep_attention_outputs:
         return []
-    trial = plan_memory(
-        plan.spec, dataclasses.replace(work, keep_attention_outputs=True), advise=False
-    )
+    trial = compute_plan(plan.spec, dataclasses.replace(work, keep_attention_outputs=True))
     lines = [line for line in trial.lines if line.name == "kept attention outputs"]
     if not lines or not trial.fits:
         return []
     (kept,) = lines
-    where = f"{_gib(kept.cpu)} kept in CPU memory" if kept.cpu else f"{_gib(kept.device)} kept"
+    where = f"{human_bytes(kept.device)} kept"
+    if kept.cpu:
+        where = f"{human_bytes(kept.cpu)} kept in CPU memory"
     return [
-        f"grpo.keep_attention_outputs=true also fits (peak {_gib(trial.peak)}; {where}): "
+        f"grpo.keep_attention_outputs=true also fits (peak {human_bytes(trial.peak)}; {where}): "
         "the sweep skips its attention forward"
     ]
 
@@ -86,8 +106,8 @@ def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
     if not per_step:
         return []
     return [
-        f"rollout: every decode step streams the offloaded state to the GPU, {_gib(per_step)} "
-        f"a step, {_gib(per_step * work.response_tokens)} for {work.response_tokens} new "
+        f"rollout: every decode step streams the offloaded state to the GPU, {human_bytes(per_step)} "
+        f"a step, {human_bytes(per_step * work.response_tokens)} for {work.response_tokens} new "
         "tokens (host-to-device bandwidth sets the rollout's pace)"
     ]
 
@@ -98,7 +118,7 @@ def largest_chunk(spec: ModelSpec, work: Workload) -> int | None:
     for chunk in sorted(CHUNK_CHOICES, reverse=True):
         if chunk > ceiling and chunk != CHUNK_CHOICES[0]:
             continue
-        if plan_memory(spec, dataclasses.replace(work, chunk_size=chunk), advise=False).fits:
+        if compute_plan(spec, dataclasses.replace(work, chunk_size=chunk)).fits:
             return chunk
     return None
 
@@ -142,34 +162,34 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
     fixes = []
     if work.keep_attention_outputs and work.gradient == "exact":
         trial = dataclasses.replace(work, keep_attention_outputs=False)
-        fixed = plan_memory(spec, trial, advise=False)
+        fixed = compute_plan(spec, trial)
         if fixed.fits:
-            saves = _gib(plan.peak - fixed.peak)
+            saves = human_bytes(plan.peak - fixed.peak)
             label = f"do not keep attention outputs (saves {saves}; a slower sweep)"
             fixes.append(Fix(label, "grpo.keep_attention_outputs=false", fixed))
     chunk = largest_chunk(spec, work)
     if chunk is not None and chunk < work.chunk_size:
-        fixed = plan_memory(spec, dataclasses.replace(work, chunk_size=chunk), advise=False)
-        saves = _gib(plan.peak - fixed.peak)
+        fixed = compute_plan(spec, dataclasses.replace(work, chunk_size=chunk))
+        saves = human_bytes(plan.peak - fixed.peak)
         label = f"set train.chunk_size={chunk} (saves {saves})"
         fixes.append(Fix(label, f"train.chunk_size={chunk}", fixed))
     for policy, checkpoints in _offload_options(spec, work):
         trial = dataclasses.replace(work, offload=policy, checkpoints=checkpoints)
-        keys = _offload_keys(policy)
+        keys = offload_keys(policy)
         if checkpoints != work.checkpoints:
             keys += f" grpo.recurrent_checkpoints={checkpoints}"
-        fixed = plan_memory(spec, trial, advise=False)
+        fixed = compute_plan(spec, trial)
         if not fixed.fits:
             chunk = largest_chunk(spec, trial)
             if chunk is None or (fixes and chunk <= fixes[0].plan.work.chunk_size):
                 continue  # no better than changing the chunk alone
             trial = dataclasses.replace(trial, chunk_size=chunk)
-            fixed = plan_memory(spec, trial, advise=False)
+            fixed = compute_plan(spec, trial)
             keys += f" train.chunk_size={chunk}"
         what = "offload the prefix state" if _all_cpu(policy) else "offload attention K/V"
         if "latent=cpu" in keys and not _all_cpu(policy):
             what = "offload the MLA latent"
-        saves = _gib(plan.peak - fixed.peak)
+        saves = human_bytes(plan.peak - fixed.peak)
         fixes.append(Fix(f"{what} to CPU (saves {saves})", keys, fixed))
         break
     if not work.activation_checkpointing:
@@ -180,14 +200,15 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
 def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
     """Activation checkpointing, with the first of its own fixes when it needs one."""
     trial = dataclasses.replace(plan.work, activation_checkpointing=True)
-    fixed = plan_memory(plan.spec, trial, advise=False)
+    fixed = compute_plan(plan.spec, trial)
     keys = "train.activation_checkpointing=true"
     if not fixed.fits:
         more = fixes_for(fixed)
         if not more:
             return []
         fixed, keys = more[0].plan, f"{keys} {more[0].keys}"
-    label = f"checkpoint each decoder layer's activations (saves {_gib(plan.peak - fixed.peak)})"
+    saves = human_bytes(plan.peak - fixed.peak)
+    label = f"checkpoint each decoder layer's activations (saves {saves})"
     return [Fix(label, keys, fixed)]
 
 
@@ -195,7 +216,7 @@ def _all_cpu(policy: OffloadPolicy) -> bool:
     return all(getattr(policy, name) == "cpu" for name in ("attention", "recurrent", "latent"))
 
 
-def _offload_keys(policy: OffloadPolicy) -> str:
+def offload_keys(policy: OffloadPolicy) -> str:
     keys = [
         f"offload.{name}=cpu"
         for name in ("attention", "recurrent", "latent")
@@ -214,17 +235,17 @@ def _no_fix(plan: MemoryPlan) -> str:
         checkpoints="cpu",
         chunk_size=CHUNK_CHOICES[0],
     )
-    floor = plan_memory(spec, dataclasses.replace(best, prompt_tokens=2), advise=False)
+    floor = compute_plan(spec, dataclasses.replace(best, prompt_tokens=2))
     parts = []
     if floor.fits:
         longest = _longest(spec, best, "prompt_tokens")
         parts.append(f"at most {longest:,} prompt tokens fit (state offloaded, chunk 256)")
     else:
         top = sorted(floor.lines, key=lambda line: -line.device)[:3]
-        named = ", ".join(f"{line.name} {_gib(line.device)}" for line in top)
-        parts.append(f"even a 2-token prompt needs {_gib(floor.peak)} per GPU ({named})")
+        named = ", ".join(f"{line.name} {human_bytes(line.device)}" for line in top)
+        parts.append(f"even a 2-token prompt needs {human_bytes(floor.peak)} per GPU ({named})")
     shorter = dataclasses.replace(best, response_tokens=1)
-    if plan_memory(spec, shorter, advise=False).fits:
+    if compute_plan(spec, shorter).fits:
         longest = _longest(spec, best, "response_tokens")
         parts.append(f"or rollout.max_new_tokens={longest} with the whole prompt (offloaded)")
     if not work.lora_rank:
@@ -239,12 +260,12 @@ def _no_fix(plan: MemoryPlan) -> str:
 def _longest(spec: ModelSpec, work: Workload, name: str) -> int:
     """The largest value of ``work.<name>`` (prompt or response tokens) that fits."""
     low, high = 1, max(getattr(work, name), 2)
-    if plan_memory(spec, dataclasses.replace(work, **{name: high}), advise=False).fits:
+    if compute_plan(spec, dataclasses.replace(work, **{name: high})).fits:
         return high
     while high - low > max(1, low // 1000):
         middle = (low + high) // 2
         trial = dataclasses.replace(work, **{name: middle})
-        if plan_memory(spec, trial, advise=False).fits:
+        if compute_plan(spec, trial).fits:
             low = middle
         else:
             high = middle
@@ -272,36 +293,16 @@ def check_fits(
     plan = plan_memory(spec, work)
     memory = getattr(cfg, "memory", None)
     if plan.fits is False and getattr(memory, "check", True):
-        raise MemoryPlanError(_error_message(plan), plan)
+        raise MemoryPlanError(error_message(plan), plan)
     return plan
 
 
-def plan_for_config(
-    cfg: Any,
-    prompt_tokens: int | None = None,
-    **overrides: Any,
-) -> tuple[ModelSpec, Workload]:
-    model_type = None
-    if cfg.model.tiny is not None:
-        model_type = cfg.model.tiny
-    work = workload_from_config(cfg, prompt_tokens, model_type=model_type, **overrides)
-    spec = spec_for_config(cfg, work.compute_dtype)
-    if work.lora_rank and not work.lora_targets:
-        work = dataclasses.replace(work, lora_targets=tuple(_default_targets(cfg, spec)))
-    return spec, work
-
-
-def _default_targets(cfg: Any, spec: ModelSpec) -> list[str]:
-    from longstraw_core.config import lora_targets
-
-    return lora_targets(cfg.lora, spec.model_type)
-
-
-def _error_message(plan: MemoryPlan) -> str:
+def error_message(plan: MemoryPlan) -> str:
+    """Why ``plan`` does not fit, and its fixes (or what else would help)."""
     work = plan.work
     head = (
-        f"predicted {_gib(plan.peak)} per GPU ({plan.peak_phase} phase) > "
-        f"{_gib(plan.budget)} budget ({_gib(work.budget)} x (1 - memory.headroom "
+        f"predicted {human_bytes(plan.peak)} per GPU ({plan.peak_phase} phase) > "
+        f"{human_bytes(plan.budget)} budget ({human_bytes(work.budget)} x (1 - memory.headroom "
         f"{work.headroom:g})) for {work.prompt_tokens:,} prompt tokens, G={work.group}, "
         f"{work.gpus} GPU(s)"
     )

@@ -9,20 +9,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.plan.advice import _error_message, plan_for_config
-from longstraw_core.plan.core import MemoryPlan, plan_memory
+from longstraw_core.plan.advice import error_message, plan_memory
+from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import PRESETS
 from longstraw_core.plan.output import print_plan, render_markdown
-from longstraw_core.plan.paper import (
-    _GLM_LORA,
-    _QWEN_LORA,
+from longstraw_core.plan.sources import (
+    PRESET_LORA_TARGETS,
     Scenario,
-    paper_tables,
+    plan_for_config,
     scenario_workload,
+    spec_for_preset,
 )
-from longstraw_core.plan.sources import spec_for_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +63,6 @@ def _parser() -> argparse.ArgumentParser:
         "grpo.keep_attention_outputs, off for a preset)",
     )
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
-    parser.add_argument("--paper-tables", metavar="PATH", help="write the paper-scale tables")
     return parser
 
 
@@ -92,7 +89,7 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
             args.gpus or 1,
             args.gpu_mem or "96GiB",
             32 if args.lora_rank is None else args.lora_rank,
-            _QWEN_LORA if PRESETS[args.preset].model_type != "glm_moe_dsa" else _GLM_LORA,
+            PRESET_LORA_TARGETS[args.preset],
         )
         work = scenario_workload(scenario, args.group or 8, args.gradient or "exact")
         if args.gpu_mem is None:
@@ -138,14 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the plan; exit 1 with the fix named when it does not fit the budget."""
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
-    if args.paper_tables:
-        text = paper_tables()
-        Path(args.paper_tables).write_text(text)
-        print(text)
-        print(f"wrote {args.paper_tables}")
-        return 0
     if not args.config and not args.preset:
-        parser.error("give --config PATH, --preset NAME or --paper-tables PATH")
+        parser.error("give --config PATH or --preset NAME")
     try:
         plan = _cli_plan(args)
     except (ValueError, OSError) as exc:
@@ -161,6 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(plan) + "\n")
     if plan.fits is False:
-        print(f"error: {_error_message(plan)}", file=sys.stderr)
+        print(f"error: {error_message(plan)}", file=sys.stderr)
         return 1
     return 0

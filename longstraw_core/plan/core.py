@@ -1,30 +1,19 @@
-"""The plan: every memory line of one GRPO step per rank, and the peak of each phase."""
+"""The plan: every memory line of one GRPO step per rank, and the peak of each phase.
+
+Pure: a plan from a model spec and a workload, nothing else (no advice, no printing);
+``advice`` builds on it.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
-from longstraw_core.plan.activations import _Activations
-from longstraw_core.plan.model import (
-    _FP32,
-    _INT64,
-    PHASES,
-    LayerSpec,
-    ModelSpec,
-    Workload,
-    _bytes,
-    _count,
-)
+from longstraw_core.plan.activations import Activations
+from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
 
-
-class MemoryPlanError(RuntimeError):
-    """The predicted peak does not fit the budget; the message says what to change."""
-
-    def __init__(self, message: str, plan: MemoryPlan) -> None:
-        super().__init__(message)
-        self.plan = plan
+PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 
 
 @dataclass(frozen=True)
@@ -39,7 +28,8 @@ class Line:
 
 @dataclass
 class MemoryPlan:
-    """The predicted memory of one GRPO step, per rank: rows, phase peaks, advice."""
+    """The predicted memory of one GRPO step, per rank: rows, phase peaks, and the advice
+    ``advice.plan_memory`` adds (empty from ``compute_plan``)."""
 
     spec: ModelSpec
     work: Workload
@@ -72,16 +62,11 @@ class MemoryPlan:
         return next(line for line in self.lines if line.name == name)
 
 
-def plan_memory(spec: ModelSpec, work: Workload, advise: bool = True) -> MemoryPlan:
-    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec``."""
+def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
+    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec`` (no advice)."""
     _check_workload(work)
-    parts = _Parts(spec, work)
-    plan = MemoryPlan(spec, work, parts.lines(), parts.phases())
-    if advise:
-        from longstraw_core.plan.advice import _advice  # advice plans the fixes it tries
-
-        plan.advice = _advice(plan)
-    return plan
+    parts = MemoryParts(spec, work)
+    return MemoryPlan(spec, work, parts.lines(), parts.phases())
 
 
 def _check_workload(work: Workload) -> None:
@@ -96,14 +81,14 @@ def _check_workload(work: Workload) -> None:
         raise ValueError(f"device={work.device!r}: 'cuda' or 'cpu' (which kernels to model)")
 
 
-class _Parts:
+class MemoryParts:
     """The pieces of the step's memory on one rank, and the phases that add them up."""
 
     def __init__(self, spec: ModelSpec, work: Workload) -> None:
         self.spec, self.work = spec, work
-        self.act = _Activations(spec, work)
-        self.cb = _bytes(work.compute_dtype)
-        self.pb = _bytes(work.param_dtype)
+        self.act = Activations(spec, work)
+        self.cb = dtype_bytes(work.compute_dtype)
+        self.pb = dtype_bytes(work.param_dtype)
         self.exact = work.gradient == "exact"
 
     # --- parameters, gradients, optimizer ----------------------------------------------------
@@ -129,10 +114,10 @@ class _Parts:
     def state_bytes(self) -> int:
         """Bytes per element of gradients and AdamW moments: the trainable parameters'
         dtype (PEFT keeps adapters in float32 over a 16-bit base)."""
-        return _FP32 if self.work.lora_rank else self.pb
+        return FP32 if self.work.lora_rank else self.pb
 
     def parameters(self) -> int:
-        total = self.spec.params * self.pb + self.lora_params() * _FP32
+        total = self.spec.params * self.pb + self.lora_params() * FP32
         return total // self.work.shards
 
     def gradients(self) -> int:
@@ -173,7 +158,7 @@ class _Parts:
         which only writes its state. They live where the layer's state lives."""
         if not (self.exact and self.work.keep_attention_outputs):
             return 0, 0
-        lse = max(self.cb, _FP32)  # the kernels' accumulation dtype
+        lse = max(self.cb, FP32)  # the kernels' accumulation dtype
         size = sum(
             layer.dims["heads"] * (layer.dims["head_dim"] * self.cb + lse) * self.work.stored
             for layer in self.spec.layers[:-1]
@@ -212,7 +197,7 @@ class _Parts:
         to the end of backward."""
         if not self.work.fsdp:
             return 0
-        reduce = self.cb + (_FP32 if self.cb < _FP32 else 0)
+        reduce = self.cb + (FP32 if self.cb < FP32 else 0)
         if self.work.lora_rank:
             per_layer = [self.lora_params(layer) for layer in self.spec.layers]
             root = 0
@@ -261,7 +246,7 @@ class _Parts:
         tokens = min(work.chunk_size, work.stored)
         start = work.stored - tokens
         produced = sum(
-            layer.grad_per_token * tokens * self.cb // _FP32 + layer.grad_fixed * self.cb // _FP32
+            layer.grad_per_token * tokens * self.cb // FP32 + layer.grad_fixed * self.cb // FP32
             for layer in self.spec.layers
         )
         if work.activation_checkpointing:
@@ -291,9 +276,9 @@ class _Parts:
             group * (layer.state_per_token * new + layer.state_fixed * (not layer.state_per_token))
             for layer in self.spec.layers
         )
-        logits = 3 * group * self.spec.vocab * _FP32
+        logits = 3 * group * self.spec.vocab * FP32
         step = max(self.act.decode_scratch(layer, group, work.stored) for layer in self.spec.layers)
-        tokens = 2 * group * new * _INT64  # sampled tokens, behaviour log-probs
+        tokens = 2 * group * new * INT64  # sampled tokens, behaviour log-probs
         return caches + logits + step + tokens
 
     def optimizer_transient(self) -> int:
@@ -319,7 +304,7 @@ class _Parts:
         work = self.work
         lines = [
             Line("parameters", self.parameters(), note=self._param_note()),
-            Line("gradients", self.gradients(), note=f"{_dtype_name(self.state_bytes)}"),
+            Line("gradients", self.gradients(), note=f"{dtype_name(self.state_bytes)}"),
             Line("optimizer (AdamW)", self.optimizer(), note="2 moments"),
         ]
         for kind in self.kinds():
@@ -339,7 +324,7 @@ class _Parts:
             if device or cpu:
                 note = "keep_attention_outputs: the sweep skips the attention forward"
                 lines.append(Line("kept attention outputs", device, cpu, note))
-        lines.append(Line("prompt ids", 2 * _INT64 * work.prompt_tokens))
+        lines.append(Line("prompt ids", 2 * INT64 * work.prompt_tokens))
         if work.offload is not None and work.offload.active:
             lines.append(
                 Line(
@@ -374,7 +359,7 @@ class _Parts:
             grad_device = sum(
                 self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
             )
-        base = self.parameters() + self.optimizer() + 2 * _INT64 * work.prompt_tokens
+        base = self.parameters() + self.optimizer() + 2 * INT64 * work.prompt_tokens
         base += state_device + self.checkpoints()[0] + self.kept_outputs()[0]
         chunk = min(work.chunk_size, work.stored)
         backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
@@ -398,9 +383,9 @@ class _Parts:
 
     def _param_note(self) -> str:
         work = self.work
-        note = f"{_count(self.spec.params)} x {_dtype_name(self.pb)}"
+        note = f"{human_count(self.spec.params)} x {dtype_name(self.pb)}"
         if work.lora_rank:
-            note += f" + LoRA {_count(self.lora_params())} x fp32"
+            note += f" + LoRA {human_count(self.lora_params())} x fp32"
         if work.shards > 1:
             note += f", sharded /{work.shards}"
         return note
@@ -415,5 +400,3 @@ class _Parts:
         return note + (", layers checkpointed" if self.work.activation_checkpointing else "")
 
 
-def _dtype_name(size: int) -> str:
-    return {2: "bf16", 4: "fp32", 8: "fp64"}.get(size, f"{size} B")

@@ -11,15 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
 from longstraw_core.offload import OffloadPolicy
-
-GIB = 2**30
-_FP32 = 4
-_INT64 = 8
-_DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
-PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")
-CHUNK_CHOICES = tuple(2**k for k in range(8, 17))  # 256 .. 65536
 
 
 @dataclass(frozen=True)
@@ -156,10 +148,6 @@ class ModelSpec:
 
 def _numel(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() for p in params)
-
-
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def _record_bytes(record: Any) -> int:
@@ -325,17 +313,3 @@ class Workload:
 
     def offloads(self, record_kind: str) -> bool:
         return self.offload is not None and self.offload.offloads(record_kind)
-
-
-def _gib(value: int | None) -> str:
-    """Human-readable bytes (``format_bytes``), ``-`` for an unknown budget."""
-    from longstraw_core.state import format_bytes
-
-    return "-" if value is None else format_bytes(value)
-
-
-def _count(value: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if value >= size:
-            return f"{value / size:.2f}{unit}"
-    return str(value)

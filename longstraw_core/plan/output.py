@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
-from longstraw_core.plan.advice import _offload_keys
-from longstraw_core.plan.core import MemoryPlan, _dtype_name
-from longstraw_core.plan.model import Workload, _bytes, _count, _gib
+from longstraw_core.plan.advice import offload_keys
+from longstraw_core.plan.core import MemoryPlan
+from longstraw_core.plan.model import Workload
+from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
 def assumptions(plan: MemoryPlan) -> list[str]:
@@ -29,9 +29,9 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         else "full fine-tuning"
     )
     return [
-        f"model: {spec.name} ({spec.model_type}), {_count(spec.params)} parameters in "
-        f"{_dtype_name(_bytes(work.param_dtype))}; layers compute and keep their state in "
-        f"{_dtype_name(_bytes(work.compute_dtype))}; {tuning}",
+        f"model: {spec.name} ({spec.model_type}), {human_count(spec.params)} parameters in "
+        f"{dtype_name(dtype_bytes(work.param_dtype))}; layers compute and keep their state in "
+        f"{dtype_name(dtype_bytes(work.compute_dtype))}; {tuning}",
         sharded,
         f"gradient={work.gradient}; {_checkpointing_note(work)}; logits in float32, in chunks of "
         f"at most {_head_chunk_elements():,} (recomputed in backward)",
@@ -62,17 +62,17 @@ def _checkpointing_note(work: Workload) -> str:
 def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
     """The plan as (what, device, CPU, note) rows: pieces, phase peaks, the verdict."""
     rows = [
-        (line.name, _gib(line.device), _gib(line.cpu) if line.cpu else "", line.note)
+        (line.name, human_bytes(line.device), human_bytes(line.cpu) if line.cpu else "", line.note)
         for line in plan.lines
     ]
-    rows += [(f"peak in {name}", _gib(value), "", "") for name, value in plan.phases.items()]
+    rows += [(f"peak in {name}", human_bytes(value), "", "") for name, value in plan.phases.items()]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget given"}[plan.fits]
     rows.append(
         (
             f"predicted peak per GPU ({plan.peak_phase})",
-            _gib(plan.peak),
-            _gib(plan.cpu_bytes),
-            f"budget {_gib(plan.budget)}: {verdict}",
+            human_bytes(plan.peak),
+            human_bytes(plan.cpu_bytes),
+            f"budget {human_bytes(plan.budget)}: {verdict}",
         )
     )
     return rows
@@ -82,7 +82,7 @@ def _title(plan: MemoryPlan) -> str:
     work = plan.work
     offload = ""
     if work.offload is not None and work.offload.active:
-        offload = ", offload " + _offload_keys(work.offload).replace("offload.", "")
+        offload = ", offload " + offload_keys(work.offload).replace("offload.", "")
     checkpointing = ", activation checkpointing" if work.activation_checkpointing else ""
     return (
         f"{plan.spec.name}: {work.prompt_tokens:,} prompt tokens, G={work.group}, "

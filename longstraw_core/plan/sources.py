@@ -2,15 +2,79 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Kernel block budgets, read from the modules that use them (see the *_scratch helpers).
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.plan.model import PRESETS, ModelSpec, Workload
+
+# The LoRA target modules of the shipped paper-scale configs, per preset.
+PRESET_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "Qwen3.6-27B": (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    "GLM-5.2": (
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One paper-scale setting: a preset, a prompt length, GPUs, LoRA or full."""
+
+    preset: str
+    prompt_tokens: int
+    gpus: int
+    gpu_mem: str
+    lora_rank: int
+    lora_targets: tuple[str, ...]
+
+
+def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload:
+    """The shipped 8-/32-GPU configs' settings for a scenario (the ``--preset`` defaults)."""
+    from longstraw_core.memory import parse_bytes
+
+    lora = scenario.lora_rank > 0
+    return Workload(
+        prompt_tokens=scenario.prompt_tokens,
+        group=group,
+        response_tokens=2048,
+        chunk_size=8192,
+        gradient=gradient,
+        checkpoints="device",
+        gpus=scenario.gpus,
+        fsdp=True,
+        param_dtype=torch.bfloat16 if lora else torch.float32,
+        compute_dtype=torch.bfloat16,
+        lora_rank=scenario.lora_rank,
+        lora_targets=scenario.lora_targets,
+        device="cuda",
+        budget=parse_bytes(scenario.gpu_mem),
+        headroom=0.05,
+        activation_checkpointing=True,  # as the shipped GPU configs set it
+    )
 
 
 def preset_config(name: str) -> Any:
@@ -46,6 +110,29 @@ def spec_for_config(cfg: Any, compute_dtype: torch.dtype) -> ModelSpec:
         model.path, trust_remote_code=model.trust_remote_code, local_files_only=True
     )
     return ModelSpec.from_config(config, Path(model.path).name, compute_dtype)
+
+
+def plan_for_config(
+    cfg: Any,
+    prompt_tokens: int | None = None,
+    **overrides: Any,
+) -> tuple[ModelSpec, Workload]:
+    """The model and the step of a ``RunConfig`` (``overrides``: ``workload_from_config``'s);
+    LoRA without target modules targets the config's defaults for the model."""
+    model_type = None
+    if cfg.model.tiny is not None:
+        model_type = cfg.model.tiny
+    work = workload_from_config(cfg, prompt_tokens, model_type=model_type, **overrides)
+    spec = spec_for_config(cfg, work.compute_dtype)
+    if work.lora_rank and not work.lora_targets:
+        work = dataclasses.replace(work, lora_targets=tuple(_default_targets(cfg, spec)))
+    return spec, work
+
+
+def _default_targets(cfg: Any, spec: ModelSpec) -> list[str]:
+    from longstraw_core.config import lora_targets
+
+    return lora_targets(cfg.lora, spec.model_type)
 
 
 def workload_from_config(
