@@ -398,5 +398,3 @@ class MemoryParts:
         else:
             note = f"{tokens} tokens, logits [T, {self.spec.vocab}] fp32"
         return note + (", layers checkpointed" if self.work.activation_checkpointing else "")
-
-
