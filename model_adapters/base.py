@@ -681,13 +681,12 @@ class LayerRecord:
         self._record = record
         self._replay: Any = None
         self.streamed = record is not home
-        self._view = hasattr(record, "with_record")  # exact mode: reads go through a view
         self._names: list[str] = []
         self._fields: dict[str, Any] = {}
         self._type: type | None = None
         if self.streamed:
-            home = home.record if self._view else home
-            reader = record.record if self._view else record
+            home = home.reading()  # the stored record (behind an exact view)
+            reader = record.reading()  # the device copy
             self._type = type(home)
             for field in dataclasses.fields(home):
                 if field.init:
@@ -709,7 +708,7 @@ class LayerRecord:
         offload hooks turn them into handles and fetch them again for the recompute."""
         if not self.streamed:
             return ()
-        reader = self._record.record if self._view else self._record
+        reader = self._record.reading()
         return tuple(getattr(reader, name) for name in self._names)
 
     @contextmanager
@@ -719,7 +718,7 @@ class LayerRecord:
         target = self._record
         if self.streamed:
             copy = self._type(**self._fields, **dict(zip(self._names, tensors, strict=True)))
-            target = self._record.with_record(copy) if self._view else copy
+            target = self._record.with_record(copy)
         self._replay = target
         try:
             yield
