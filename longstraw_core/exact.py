@@ -35,12 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_core.kinds import RECORD_KINDS
 from longstraw_core.kinds.attention import AttentionKVExactView, AttentionKVGrad
 from longstraw_core.kinds.base import GradBuffer, Produced, attach_grad_sink
 from longstraw_core.kinds.latent import LatentKVExactView, LatentKVGrad
 from longstraw_core.kinds.recurrent import RecurrentExactView, RecurrentStateGrad
-from longstraw_core.state import PrefixState
+from longstraw_core.state import RECORD_KINDS, PrefixState
 
 __all__ = [
     "GRAD_FACTORIES",

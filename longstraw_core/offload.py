@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from longstraw_core.kinds.forwarding import ForwardedReads
+
 PLACEMENTS = ("device", "cpu")
 # The policy field that places each record kind (``LayerState.kind``).
 LAYER_TYPES = {"full_attention": "attention", "linear_attention": "recurrent", "mla_dsa": "latent"}
@@ -267,25 +269,22 @@ def _start_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> _Copy
 # --- the stream -------------------------------------------------------------------------------
 
 
-class StreamedRecord:
-    """An offloaded record during one layer of a pass: reads come from its device copy,
-    writes (a prefill chunk's) go to its home in CPU memory."""
+class StreamedRecord(ForwardedReads):
+    """An offloaded record during one layer of a pass: reads (the kinds' declared reads,
+    ``ForwardedReads``) come from its device copy, writes (a prefill chunk's) go to its home
+    in CPU memory."""
 
     def __init__(self, local: Any, home: Any) -> None:
         self._local, self._home = local, home
 
-    def __getattr__(self, name: str) -> Any:
-        local = self.__dict__.get("_local")
-        if local is None:
+    def _reads_target(self) -> Any:
+        if self._local is None:
             raise RuntimeError(f"a streamed {type(self._home).__name__} was read after release")
-        return getattr(local, name)
+        return self._local
 
     def reading(self) -> Any:
         """The device copy this layer reads (``LayerState.reading``)."""
-        local = self.__dict__.get("_local")
-        if local is None:
-            raise RuntimeError(f"a streamed {type(self._home).__name__} was read after release")
-        return local
+        return self._reads_target()
 
     def with_record(self, copy: Any) -> StreamedRecord:
         """The same home reading ``copy`` instead (``LayerState.with_record``)."""

@@ -33,6 +33,7 @@ from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from longstraw_core.offload import OffloadPolicy, Residency
 
 __all__ = [
+    "RECORD_KINDS",
     "AttentionKV",
     "BranchCache",
     "BranchKV",
@@ -45,6 +46,10 @@ __all__ = [
     "RecurrentState",
     "format_bytes",
 ]
+
+
+# Every record kind, in ``OffloadPolicy`` field order.
+RECORD_KINDS = (AttentionKV, RecurrentState, LatentKV)
 
 
 @dataclass

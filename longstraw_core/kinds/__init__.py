@@ -5,19 +5,15 @@ layer kind").
 - ``attention``: full attention (GQA) K/V, ``AttentionKV``;
 - ``recurrent``: Gated DeltaNet conv + recurrent state, ``RecurrentState``;
 - ``latent``: MLA latent + DSA indexer keys, ``LatentKV``;
+- ``forwarding``: ``ForwardedReads``, the declared reads of the wrappers a pass hands
+  adapters instead of a record (offload's ``StreamedRecord``, checkpointing's
+  ``LayerRecord``);
 - ``base``: the protocols every kind implements and adapters call (``LayerState``,
   ``AttentionReads``, ``RecurrentReads``, ``LatentReads``, ``ExactView``, ``GradBuffer``,
   ``BranchState``), their defaults (``RecordBase``, ``ExactViewBase``) and shared helpers.
 
 ``longstraw_core.state`` and ``longstraw_core.exact`` re-export the classes under their
-historical names.
+historical names (``longstraw_core.state.RECORD_KINDS`` lists every record class). This
+package imports none of its modules, so ``longstraw_core.offload`` can import
+``forwarding`` while ``base`` imports ``offload``.
 """
-
-from longstraw_core.kinds.attention import AttentionKV
-from longstraw_core.kinds.latent import LatentKV
-from longstraw_core.kinds.recurrent import RecurrentState
-
-# Every record kind, in ``OffloadPolicy`` field order.
-RECORD_KINDS = (AttentionKV, RecurrentState, LatentKV)
-
-__all__ = ["RECORD_KINDS", "AttentionKV", "LatentKV", "RecurrentState"]
