@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from longstraw_core.kinds.forwarding import ForwardedReads
+
 PLACEMENTS = ("device", "cpu")
 # The policy field that places each record kind (``LayerState.kind``).
 LAYER_TYPES = {"full_attention": "attention", "linear_attention": "recurrent", "mla_dsa": "latent"}
@@ -267,18 +269,26 @@ def _start_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> _Copy
 # --- the stream -------------------------------------------------------------------------------
 
 
-class StreamedRecord:
-    """An offloaded record during one layer of a pass: reads come from its device copy,
-    writes (a prefill chunk's) go to its home in CPU memory."""
+class StreamedRecord(ForwardedReads):
+    """An offloaded record during one layer of a pass: reads (the kinds' declared reads,
+    ``ForwardedReads``) come from its device copy, writes (a prefill chunk's) go to its home
+    in CPU memory."""
 
     def __init__(self, local: Any, home: Any) -> None:
         self._local, self._home = local, home
 
-    def __getattr__(self, name: str) -> Any:
-        local = self.__dict__.get("_local")
-        if local is None:
+    def _reads_target(self) -> Any:
+        if self._local is None:
             raise RuntimeError(f"a streamed {type(self._home).__name__} was read after release")
-        return getattr(local, name)
+        return self._local
+
+    def reading(self) -> Any:
+        """The device copy this layer reads (``LayerState.reading``)."""
+        return self._reads_target()
+
+    def with_record(self, copy: Any) -> StreamedRecord:
+        """The same home reading ``copy`` instead (``LayerState.with_record``)."""
+        return StreamedRecord(copy, self._home)
 
     def write(self, *args: Any) -> None:
         self._home.write(*args)
@@ -304,11 +314,6 @@ class _Saved:
     offset: int
 
 
-def _home(layer: Any) -> Any:
-    """The record behind an exact-mode view (``longstraw_core.exact``), or the record itself."""
-    return layer.record if hasattr(layer, "with_record") else layer
-
-
 def _storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
     return str(storage.device), storage.data_ptr()
 
@@ -331,7 +336,8 @@ class LayerStream:
         residency: Residency,
     ) -> None:
         self.layers = list(layers)
-        self.homes = [_home(layer) for layer in self.layers]
+        # The record behind an exact-mode view, or the record itself.
+        self.homes = [layer.reading() for layer in self.layers]
         self.offloaded = [policy.offloads(home.kind) for home in self.homes]
         self.position, self.device = position, torch.device(device)
         self.budget, self.residency = policy.resident_layers, residency
@@ -373,10 +379,9 @@ class LayerStream:
         copy = self._held[index]
         copy.wait()
         record = dataclasses.replace(self._window(index), **copy.tensors)
-        layer = self.layers[index]
-        if hasattr(layer, "with_record"):  # exact mode: reads the copy, gradients into dS
-            return layer.with_record(record)
-        return StreamedRecord(record, layer)
+        # A ``StreamedRecord`` (reads the copy, writes go home); an exact-mode view of the
+        # copy whose gradients still go into ``dS`` (``LayerState.with_record``).
+        return self.layers[index].with_record(record)
 
     def _drop(self, index: int) -> None:
         self._held.pop(index, None)
@@ -493,11 +498,8 @@ class LayerStream:
 
 def _release_local(local: Any) -> None:
     """Drop a layer's reference to its device copy (the adapter's loop variables still hold
-    the wrapper when the next layer is fetched)."""
-    if isinstance(local, StreamedRecord):
-        local.release()
-    else:
-        local.record = None
+    the wrapper when the next layer is fetched): a ``StreamedRecord`` or an exact view."""
+    local.release()
 
 
 class _StreamContext(AbstractContextManager):

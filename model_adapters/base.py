@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.kinds.forwarding import ForwardedReads
 from longstraw_core.offload import OffloadPolicy, stream_layers
 from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 
@@ -666,10 +667,10 @@ def _checkpointed_head_chunk(
 # --- activation checkpointing --------------------------------------------------------------------
 
 
-class LayerRecord:
+class LayerRecord(ForwardedReads):
     """One layer's record in a pass whose layers are checkpointed (``layer_records``).
 
-    Reads go to the record the pass gave (``record``: the state's own, an exact-mode view,
+    Reads (the kinds' declared reads, ``ForwardedReads``) go to the record the pass gave (``record``: the state's own, an exact-mode view,
     or the offload stream's device copy). Writes go there too, except while backward
     recomputes the layer (``replaying``): the first run already handed them over, and a
     second ``update`` of an exact-mode recurrent view would clear the ``dS`` its backward
@@ -681,13 +682,12 @@ class LayerRecord:
         self._record = record
         self._replay: Any = None
         self.streamed = record is not home
-        self._view = hasattr(record, "with_record")  # exact mode: reads go through a view
         self._names: list[str] = []
         self._fields: dict[str, Any] = {}
         self._type: type | None = None
         if self.streamed:
-            home = home.record if self._view else home
-            reader = record.record if self._view else record
+            home = home.reading()  # the stored record (behind an exact view)
+            reader = record.reading()  # the device copy
             self._type = type(home)
             for field in dataclasses.fields(home):
                 if field.init:
@@ -697,19 +697,15 @@ class LayerRecord:
                     else:
                         self._fields[field.name] = value
 
-    def __getattr__(self, name: str) -> Any:
-        state = self.__dict__
-        if "_record" not in state:
-            raise AttributeError(name)
-        target = state["_replay"] if state["_replay"] is not None else state["_record"]
-        return getattr(target, name)
+    def _reads_target(self) -> Any:
+        return self._replay if self._replay is not None else self._record
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """A streamed record's tensors (the device copy), for the checkpoint to keep: the
         offload hooks turn them into handles and fetch them again for the recompute."""
         if not self.streamed:
             return ()
-        reader = self._record.record if self._view else self._record
+        reader = self._record.reading()
         return tuple(getattr(reader, name) for name in self._names)
 
     @contextmanager
@@ -719,7 +715,7 @@ class LayerRecord:
         target = self._record
         if self.streamed:
             copy = self._type(**self._fields, **dict(zip(self._names, tensors, strict=True)))
-            target = self._record.with_record(copy) if self._view else copy
+            target = self._record.with_record(copy)
         self._replay = target
         try:
             yield
@@ -733,6 +729,9 @@ class LayerRecord:
     def update(self, *args: Any) -> None:
         if self._replay is None:
             self._record.update(*args)
+
+    def write_output(self, *args: Any) -> None:
+        self._reads_target().write_output(*args)
 
 
 class _RecomputableRecords:

@@ -1,0 +1,269 @@
+"""Full attention (GQA): the layer kind whose prefix state is every position's K and V.
+
+``AttentionKV`` is the prefix record (``[kv_heads, L, head_dim]`` keys after q/k norm and
+RoPE, and values; optionally each prefill chunk's attention output for exact mode's sweep),
+``BranchKV`` what rollout's branches add, ``AttentionKVGrad`` exact mode's ``dS`` and
+``AttentionKVExactView`` the record as exact mode reads it. Adapters call the
+``AttentionReads`` protocol (``longstraw_core.kinds.base``) on whichever of these they get.
+Used by ``model_adapters/dense.py`` and the full-attention layers of ``qwen36.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from longstraw_core.attention import AttentionOutput
+from longstraw_core.kinds.base import (
+    ExactViewBase,
+    Produced,
+    RecordBase,
+    check_append,
+    grad_like,
+    store,
+    tensor_nbytes,
+)
+
+
+@dataclass
+class AttentionKV(RecordBase):
+    """Keys (after any q/k norm and RoPE) and values of one full-attention layer.
+
+    Shapes are ``[kv_heads, capacity, head_dim]``; the first ``length`` positions are valid.
+
+    With ``keeps_outputs`` (exact mode's ``keep_attention_outputs``), prefill also keeps each
+    chunk's attention output ``[heads, capacity, value_dim]`` and log-sum-exp
+    ``[heads, capacity]``, so the sweep's recompute of that chunk skips the attention
+    forward (``output_for``).
+    """
+
+    kind: ClassVar[str] = "full_attention"
+    grows_with_prompt: ClassVar[bool] = True
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+    keeps_outputs: bool = False
+    outputs: torch.Tensor | None = None
+    output_lse: torch.Tensor | None = None
+    outputs_length: int = 0
+
+    @classmethod
+    def empty(
+        cls,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        value_dim: int | None = None,
+        pin_memory: bool = False,
+    ) -> AttentionKV:
+        options = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
+        keys = torch.empty(kv_heads, capacity, head_dim, **options)
+        values = torch.empty(kv_heads, capacity, value_dim or head_dim, **options)
+        return cls(keys, values, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one prefill chunk's ``[kv_heads, T, head_dim]`` keys/values at ``start``."""
+        end = start + keys.shape[1]
+        if start != self.length or end > self.capacity:
+            raise RuntimeError(
+                f"prefill wrote positions {start}..{end} into a state holding {self.length} "
+                f"of {self.capacity} positions; chunks must be written in order"
+            )
+        store(self.keys[:, start:end], keys)
+        store(self.values[:, start:end], values)
+        self.length = end
+
+    def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views (never copies) of the valid prefix, as segments for ``segmented_attention``."""
+        end = self.length if end is None else end
+        if end == 0:
+            return []
+        return [(self.keys[:, :end], self.values[:, :end])]
+
+    def write_output(self, start: int, output: AttentionOutput) -> None:
+        """Keep one prefill chunk's attention output (``B = 1``) at ``start``, beside the
+        keys and values (in CPU memory for an offloaded record)."""
+        out, lse = output.out[0], output.lse[0]  # [heads, T, value_dim], [heads, T]
+        if self.outputs is None:
+            home = {"device": self.keys.device, "pin_memory": self.keys.is_pinned()}
+            heads, capacity = out.shape[0], self.capacity
+            self.outputs = torch.empty(heads, capacity, out.shape[-1], dtype=out.dtype, **home)
+            self.output_lse = torch.empty(heads, capacity, dtype=lse.dtype, **home)
+        end = start + out.shape[1]
+        if start != self.outputs_length:
+            raise RuntimeError(f"attention outputs written at {start}, after {self.outputs_length}")
+        store(self.outputs[:, start:end], out)
+        store(self.output_lse[:, start:end], lse)
+        self.outputs_length = end
+
+    def output_for(
+        self, start: int, length: int, device: torch.device | None = None
+    ) -> AttentionOutput | None:
+        """The kept attention output of positions ``[start, start + length)``, as a batch of
+        one, copied to ``device`` (default: the record's); None when prefill kept none."""
+        if self.outputs is None or start + length > self.outputs_length:
+            return None
+        end = start + length
+        return AttentionOutput(
+            *(
+                t[None, :, start:end].to(device or t.device, copy=True)
+                for t in (self.outputs, self.output_lse)
+            )
+        )
+
+    def output_nbytes(self) -> int:
+        """Bytes of the kept attention outputs (0 unless ``keeps_outputs``)."""
+        if self.outputs is None:
+            return 0
+        end = self.outputs_length
+        return tensor_nbytes(self.outputs[:, :end]) + tensor_nbytes(self.output_lse[:, :end])
+
+    def window(self, position: int | None) -> AttentionKV:
+        """What a pass starting at ``position`` (``None``: after the prompt) reads: views of
+        the valid keys/values before it (``longstraw_core.offload`` copies them)."""
+        end = self.length if position is None else position
+        return AttentionKV(self.keys[:, :end], self.values[:, :end], end, self.keeps_outputs)
+
+    def grad_segments(self, end: int | None = None) -> None:
+        """Gradient buffers for the segments: none here (exact mode's views provide them)."""
+        return None
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.keys[:, : self.length]) + tensor_nbytes(
+            self.values[:, : self.length]
+        )
+
+    def new_branch(self, batch: int, capacity: int, device: torch.device | None = None) -> BranchKV:
+        """Empty per-branch keys/values for ``batch`` branches of up to ``capacity`` positions,
+        on ``device`` (default: the record's; an offloaded record's branches compute on the
+        device)."""
+        kv_heads, _, head_dim = self.keys.shape
+        options = {"dtype": self.keys.dtype, "device": device or self.keys.device}
+        return BranchKV(
+            torch.empty(batch, kv_heads, capacity, head_dim, **options),
+            torch.empty(batch, kv_heads, capacity, self.values.shape[-1], **options),
+        )
+
+    def summary_bytes(self) -> dict[str, int]:
+        """``kept_output_bytes`` for a record that keeps attention outputs."""
+        return {"kept_output_bytes": self.output_nbytes()} if self.keeps_outputs else {}
+
+    def new_grad(self, dtype: torch.dtype) -> AttentionKVGrad:
+        return AttentionKVGrad.zeros_like(self, dtype)
+
+    def exact_view(self, grad: AttentionKVGrad, produced: Produced | None) -> AttentionKVExactView:
+        return AttentionKVExactView(self, grad, produced)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionKV:
+        moved = [
+            None if t is None else t.to(device, non_blocking=non_blocking)
+            for t in (self.keys, self.values, self.outputs, self.output_lse)
+        ]
+        return AttentionKV(
+            moved[0], moved[1], self.length, self.keeps_outputs, *moved[2:], self.outputs_length
+        )
+
+
+@dataclass
+class BranchKV:
+    """The branches' own keys and values of one full-attention layer.
+
+    ``[batch, kv_heads, capacity, head_dim]``; the first ``length`` positions are valid.
+    """
+
+    kind: ClassVar[str] = "full_attention"
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[batch, kv_heads, T, dim]`` after the valid positions; return views of all."""
+        end = check_append(self.length, keys.shape[2], self.keys.shape[2])
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.keys) + tensor_nbytes(self.values)
+
+
+# --- exact mode ------------------------------------------------------------
+
+
+@dataclass
+class AttentionKVGrad:
+    """``dL/dK`` and ``dL/dV`` of one full-attention layer's prefix, ``[kv_heads, L, dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def zeros_like(cls, record: AttentionKV, dtype: torch.dtype) -> AttentionKVGrad:
+        length = record.length
+        return cls(
+            record.keys.new_zeros(record.keys[:, :length].shape, dtype=dtype),
+            record.values.new_zeros(record.values[:, :length].shape, dtype=dtype),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+class AttentionKVExactView(ExactViewBase):
+    """An ``AttentionKV`` as exact mode sees it: gradients of reads go into ``grad``.
+
+    ``home`` is the record itself, also when ``record`` is a streamed copy of it (CPU
+    offload): the attention outputs prefill kept are read from there, one chunk at a time.
+    """
+
+    def __init__(
+        self,
+        record: AttentionKV,
+        grad: AttentionKVGrad,
+        produced: Produced | None,
+        home: AttentionKV | None = None,
+    ):
+        super().__init__(record, grad, produced)
+        self.home = record if home is None else home
+
+    def with_record(self, record: AttentionKV) -> AttentionKVExactView:
+        """The same view reading ``record`` (a streamed copy of this one's)."""
+        return AttentionKVExactView(record, self.grad, self.produced, self.home)
+
+    def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.record.segments(end)
+
+    @property
+    def keeps_outputs(self) -> bool:
+        return False  # a view never stores; the record kept what prefill computed
+
+    def output_for(self, start: int, length: int) -> AttentionOutput | None:
+        """During recompute: the prefill's attention output for this chunk, if kept, on the
+        device the chunk computes on."""
+        if self.produced is None:
+            return None
+        return self.home.output_for(start, length, device=self.record.keys.device)
+
+    def grad_segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        end = self.record.length if end is None else end
+        return [(self.grad.keys[:, :end], self.grad.values[:, :end])] if end else []
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """During recompute: hand the chunk's keys/values and their ``dS`` to the sweep."""
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        end = start + keys.shape[1]
+        self.produced.append((keys, grad_like(self.grad.keys[:, start:end], keys)))
+        self.produced.append((values, grad_like(self.grad.values[:, start:end], values)))

@@ -1,0 +1,305 @@
+"""What every layer kind shares: the contracts adapters and the engine call, and helpers.
+
+A layer kind (``docs/design.md``, "Prefix state per layer kind") is one module of this
+package holding four classes: the prefix **record** (``LayerState``), the **branch record**
+rollout decodes into (``BranchState``), exact mode's **gradient buffer** (``GradBuffer``,
+``dS`` of one layer) and its **exact view** (``ExactView``). The record makes the other
+three itself (``new_branch``, ``new_grad``, ``exact_view``), so nothing elsewhere chooses
+by record class.
+
+The protocols below name every method called from outside a kind's module:
+
+- ``LayerState``: what ``PrefixState``, ``longstraw_core.exact``, ``longstraw_core.offload``
+  and ``model_adapters.base`` call on any record, whatever its kind (``RecordBase`` gives
+  the defaults a kind without checkpoints, kept outputs or a compressed form inherits).
+- ``AttentionReads``, ``RecurrentReads``, ``LatentReads``: what the adapter of that kind
+  calls on the layer it is handed by ``ModelAdapter.layer_records``. The record, its exact
+  view, the offload stream's ``StreamedRecord`` and activation checkpointing's
+  ``LayerRecord`` all answer them, so adapters run the same code in every pass.
+- ``ExactView``: what the engine calls on an exact view besides the kind's reads
+  (``ExactViewBase`` implements it).
+- ``GradBuffer``, ``BranchState``: what is called on a gradient buffer and a branch record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from longstraw_core.offload import StreamedRecord, copy_rows
+
+if TYPE_CHECKING:
+    from longstraw_core.attention import AttentionOutput
+
+# (tensor produced by a recomputed chunk, gradient to backpropagate into it)
+Produced = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+# --- the contracts --------------------------------------------------------------------------
+
+
+class GradBuffer(Protocol):
+    """Exact mode's ``dS`` of one layer (``LayerState.new_grad``)."""
+
+    def nbytes(self) -> int: ...
+
+
+class BranchState(Protocol):
+    """What ``B`` branches decoded from one prefix record hold of their own
+    (``LayerState.new_branch``). Growing kinds add ``append``, recurrent ones ``update``."""
+
+    kind: ClassVar[str]
+
+    def nbytes(self) -> int: ...
+
+
+class LayerState(Protocol):
+    """One layer's share of the prefix state: the calls every kind answers."""
+
+    kind: ClassVar[str]  # the record kind: ``OffloadPolicy`` and ``summary()`` key on it
+    grows_with_prompt: ClassVar[bool]
+    length: int  # prompt positions stored so far
+
+    def nbytes(self) -> int:
+        """Bytes of the stored state (valid positions; checkpoints and outputs not counted)."""
+
+    def window(self, position: int | None) -> LayerState:
+        """Views of what a pass starting at ``position`` (``None``: after the prompt) reads,
+        a record of the same class (``longstraw_core.offload`` copies its tensors)."""
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> LayerState: ...
+
+    def new_branch(
+        self, batch: int, capacity: int, device: torch.device | None = None
+    ) -> BranchState:
+        """Empty per-branch records for ``batch`` branches of up to ``capacity`` positions."""
+
+    def new_grad(self, dtype: torch.dtype) -> GradBuffer:
+        """Exact mode's zero ``dS`` for this record, in ``dtype``, beside the record."""
+
+    def exact_view(self, grad: GradBuffer, produced: Produced | None) -> ExactView:
+        """This record as exact mode reads it: gradients of reads go into ``grad``; with
+        ``produced`` (the sweep's recompute) writes are handed there instead of stored."""
+
+    def with_record(self, copy: LayerState) -> LayerState:
+        """This layer reading ``copy`` (the offload stream's device copy of its ``window``)
+        while its writes still go into this record."""
+
+    def reading(self) -> LayerState:
+        """The record whose tensors this layer's reads return (itself for a record)."""
+
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of state kept at chunk starts for exact mode (0 for kinds without)."""
+
+    def output_nbytes(self) -> int:
+        """Bytes of attention outputs kept for exact mode's sweep (0 for kinds without)."""
+
+    def summary_bytes(self) -> dict[str, int]:
+        """Extra byte counts ``PrefixState.summary()`` adds to this kind's row."""
+
+    def keep_checkpoints(self, device: torch.device) -> None:
+        """Keep the state at every chunk start on ``device`` (no-op for kinds without)."""
+
+    def needs_checkpoints(self) -> bool:
+        """Whether exact mode needs chunk-start state this record did not keep."""
+
+
+class ExactView(Protocol):
+    """An exact-mode view (``LayerState.exact_view``), besides its kind's reads."""
+
+    record: Any  # the record it reads (``None`` once the offload stream released it)
+    grad: GradBuffer
+    produced: Produced | None
+
+    @property
+    def length(self) -> int: ...
+
+    def with_record(self, copy: LayerState) -> ExactView:
+        """The same view reading ``copy`` (a streamed copy of its record)."""
+
+    def reading(self) -> LayerState:
+        """The record it reads."""
+
+    def release(self) -> None:
+        """Drop its reference to a streamed copy (the offload stream moved on)."""
+
+
+class AttentionReads(Protocol):
+    """What the full-attention code (``model_adapters/dense.py``) calls on its layer."""
+
+    length: int
+    keeps_outputs: bool
+
+    def segments(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Key/value segments of positions ``[0, end)`` for ``segmented_attention``."""
+
+    def grad_segments(
+        self, end: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Where backward adds the prefix gradient of ``segments(end)`` (exact views only)."""
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store (or, recomputed, hand to the sweep) one prefill chunk's keys and values."""
+
+    def output_for(self, start: int, length: int) -> AttentionOutput | None:
+        """A kept attention output of a prefill chunk, for the sweep's recompute."""
+
+    def write_output(self, start: int, output: AttentionOutput) -> None:
+        """Keep one prefill chunk's attention output (when ``keeps_outputs``)."""
+
+
+class RecurrentReads(Protocol):
+    """What the Gated DeltaNet code (``model_adapters/qwen36.py``) calls on its layer."""
+
+    length: int
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, recurrent)`` at position ``start`` (``None``: after the whole prompt)."""
+
+    def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Fold (or, recomputed, hand to the sweep) one prefill chunk's final states."""
+
+
+class LatentReads(Protocol):
+    """What the MLA + DSA code (``model_adapters/glm52.py``) calls on its layer."""
+
+    length: int
+
+    def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store (or, recomputed, hand to the sweep) one prefill chunk's latent/index keys."""
+
+    def latent_prefix(self, end: int) -> torch.Tensor:
+        """The latent of positions ``[0, end)``."""
+
+    def index_key_prefix(self, end: int) -> torch.Tensor | None:
+        """The DSA indexer keys of positions ``[0, end)`` (``None`` on shared layers)."""
+
+    def latent_grad(self, end: int) -> torch.Tensor | None:
+        """Where backward adds the gradient of ``latent_prefix(end)`` (exact views only)."""
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+
+class RecordBase:
+    """Defaults of ``LayerState`` for the calls a kind need not answer specially.
+
+    Kinds are dataclasses deriving from this (it has no fields, so ``dataclasses.fields``
+    and ``vars`` of a record are the kind's own)."""
+
+    kind: ClassVar[str]
+    grows_with_prompt: ClassVar[bool]
+
+    def new_grad(self, dtype: torch.dtype) -> GradBuffer:
+        raise NotImplementedError(
+            f"exact gradients are not implemented for {type(self).__name__} records"
+        )
+
+    def exact_view(self, grad: GradBuffer, produced: Produced | None) -> ExactView:
+        raise NotImplementedError(
+            f"exact gradients are not implemented for {type(self).__name__} records"
+        )
+
+    def with_record(self, copy: LayerState) -> LayerState:
+        return StreamedRecord(copy, self)
+
+    def reading(self) -> LayerState:
+        return self  # type: ignore[return-value]
+
+    def checkpoint_nbytes(self) -> int:
+        return 0
+
+    def output_nbytes(self) -> int:
+        return 0
+
+    def summary_bytes(self) -> dict[str, int]:
+        return {}
+
+    def keep_checkpoints(self, device: torch.device) -> None:
+        return None
+
+    def needs_checkpoints(self) -> bool:
+        return False
+
+
+class ExactViewBase:
+    """What every exact view shares: the record it reads, its ``dS`` and the sweep's list."""
+
+    def __init__(self, record: Any, grad: Any, produced: Produced | None) -> None:
+        self.record, self.grad, self.produced = record, grad, produced
+
+    def with_record(self, record: Any) -> ExactViewBase:
+        """The same view reading ``record`` (a streamed copy of this one's)."""
+        return type(self)(record, self.grad, self.produced)
+
+    @property
+    def length(self) -> int:
+        return self.record.length
+
+    def reading(self) -> Any:
+        return self.record
+
+    def release(self) -> None:
+        self.record = None
+
+
+# --- helpers the kinds share ----------------------------------------------------------------
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def store(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[...] = source``. Into pinned CPU memory from CUDA (an offloaded record's
+    prefill) the copy is asynchronous, row by row, on the compute stream: later kernels on
+    that stream may reuse ``source`` safely, and prefill synchronises before it returns."""
+    if target.device == source.device:
+        target.copy_(source)
+        return
+    copy_rows(target, source, non_blocking=source.is_cuda and target.is_pinned())
+
+
+def check_append(length: int, count: int, capacity: int) -> int:
+    end = length + count
+    if end > capacity:
+        raise RuntimeError(
+            f"branch cache holds {length} of {capacity} positions and cannot take {count} more"
+        )
+    return end
+
+
+def grad_like(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """A copy of ``dS`` for ``output``: its dtype, and its device (``dS`` of an offloaded
+    record is in CPU memory while the recomputed chunk runs on the device)."""
+    return grad.to(device=output.device, dtype=output.dtype, copy=True)
+
+
+class _GradSink(torch.autograd.Function):
+    """Identity on ``x`` whose backward adds the incoming gradient into ``sink``."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, sink: torch.Tensor, anchor: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        ctx.sink += grad.to(device=ctx.sink.device, dtype=ctx.sink.dtype)
+        return None, None, grad.new_zeros(0)
+
+
+def attach_grad_sink(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``x`` as part of the graph: gradients reaching it are added into ``sink``.
+
+    For small state (recurrent states, conv windows): no leaf, no ``.grad`` bookkeeping.
+    """
+    # NOTE: an empty anchor that requires grad makes the output part of the graph even
+    # though ``x`` itself is a constant; its own gradient is an empty tensor.
+    anchor = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+    return _GradSink.apply(x.detach(), sink, anchor)

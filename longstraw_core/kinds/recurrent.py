@@ -1,0 +1,222 @@
+"""Gated DeltaNet: the layer kind whose prefix state is a fixed-size conv window and
+recurrent state.
+
+``RecurrentState`` is the prefix record (conv ``[conv_dim, kernel - 1]`` in the model's
+dtype, recurrent ``[v_heads, d_k, d_v]`` in float32, and with checkpoints the state at every
+prefill chunk start for exact mode's sweep), ``BranchRecurrent`` each rollout branch's own
+state, ``RecurrentStateGrad`` exact mode's ``dS`` and ``RecurrentExactView`` the record as
+exact mode reads it. Adapters call the ``RecurrentReads`` protocol
+(``longstraw_core.kinds.base``). Used by the linear-attention layers of
+``model_adapters/qwen36.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from longstraw_core.kinds.base import (
+    ExactViewBase,
+    Produced,
+    RecordBase,
+    attach_grad_sink,
+    grad_like,
+    tensor_nbytes,
+)
+
+
+@dataclass
+class RecurrentState(RecordBase):
+    """One linear-attention (Gated DeltaNet) layer's prefix state: a fixed size at any length.
+
+    ``conv``: the last ``kernel - 1`` inputs of the causal conv, ``[conv_dim, kernel - 1]`` in
+    the model's dtype (zeros before the prompt, as the conv's own zero padding).
+    ``recurrent``: the delta-rule state ``[v_heads, d_k, d_v]`` in float32 (zeros at start).
+    ``length``: prompt positions folded in so far.
+    ``checkpoints``: with ``checkpoint_device`` set, the state at the start of every prefill
+    chunk (by position), which exact mode's reverse sweep restarts chunks from.
+    """
+
+    kind: ClassVar[str] = "linear_attention"
+    grows_with_prompt: ClassVar[bool] = False
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    length: int = 0
+    checkpoint_device: torch.device | None = None
+    checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(
+        cls,
+        conv_dim: int,
+        conv_kernel: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> RecurrentState:
+        options = {"device": device, "pin_memory": pin_memory}
+        conv = torch.zeros(conv_dim, conv_kernel - 1, dtype=dtype, **options)
+        recurrent = torch.zeros(value_heads, key_dim, value_dim, dtype=torch.float32, **options)
+        return cls(conv, recurrent, 0)
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, recurrent)`` at position ``start``; ``None``: after the whole prompt."""
+        if start is None or start == self.length:
+            return self.conv, self.recurrent
+        if start in self.checkpoints:
+            conv, recurrent = self.checkpoints[start]
+            return conv.to(self.conv.device), recurrent.to(self.recurrent.device)
+        raise RuntimeError(
+            f"no recurrent state at position {start} (state holds {self.length} positions and "
+            f"checkpoints at {sorted(self.checkpoints)}); prefill with checkpoints for exact mode"
+        )
+
+    def window(self, position: int | None) -> RecurrentState:
+        """What a pass starting at ``position`` (``None``: after the prompt) reads: the state
+        there (``longstraw_core.offload`` copies it)."""
+        conv, recurrent = self.read(position)
+        return RecurrentState(conv, recurrent, self.length if position is None else position)
+
+    def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Fold one prefill chunk of ``length`` positions at ``start`` into the state."""
+        if start != self.length:
+            raise RuntimeError(
+                f"prefill wrote positions {start}..{start + length} into a recurrent state "
+                f"holding {self.length} positions; chunks must be written in order"
+            )
+        if self.checkpoint_device is not None:
+            self.checkpoints[start] = (
+                _copy_to(self.conv, self.checkpoint_device),
+                _copy_to(self.recurrent, self.checkpoint_device),
+            )
+        self.conv.copy_(conv)
+        self.recurrent.copy_(recurrent)
+        self.length = start + length
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
+
+    def checkpoint_nbytes(self) -> int:
+        return sum(tensor_nbytes(c) + tensor_nbytes(r) for c, r in self.checkpoints.values())
+
+    def summary_bytes(self) -> dict[str, int]:
+        return {"checkpoint_bytes": self.checkpoint_nbytes()}
+
+    def keep_checkpoints(self, device: torch.device) -> None:
+        self.checkpoint_device = device
+
+    def needs_checkpoints(self) -> bool:
+        return bool(self.length and not self.checkpoints)
+
+    def new_grad(self, dtype: torch.dtype) -> RecurrentStateGrad:
+        return RecurrentStateGrad.zeros_like(self, dtype)
+
+    def exact_view(self, grad: RecurrentStateGrad, produced: Produced | None) -> RecurrentExactView:
+        return RecurrentExactView(self, grad, produced)
+
+    def new_branch(
+        self, batch: int, capacity: int, device: torch.device | None = None
+    ) -> BranchRecurrent:
+        """Per-branch copies of the state after the whole prompt (small: a fixed size), on
+        ``device`` (default: the record's)."""
+        conv, recurrent = self.conv, self.recurrent
+        if device is not None:
+            conv, recurrent = conv.to(device), recurrent.to(device)
+        return BranchRecurrent(
+            conv.expand(batch, *conv.shape).clone(),
+            recurrent.expand(batch, *recurrent.shape).clone(),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState:
+        return RecurrentState(
+            self.conv.to(device, non_blocking=non_blocking),
+            self.recurrent.to(device, non_blocking=non_blocking),
+            self.length,
+            self.checkpoint_device,
+            dict(self.checkpoints),
+        )
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``; pinned when it goes from pinned memory to the CPU
+    (offloaded checkpoints stream to the device like the state)."""
+    if device.type == "cpu" and tensor.device.type == "cpu" and tensor.is_pinned():
+        return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+    return tensor.to(device, copy=True)
+
+
+@dataclass
+class BranchRecurrent:
+    """Each branch's Gated DeltaNet state: conv ``[batch, conv_dim, kernel - 1]`` and
+    recurrent ``[batch, v_heads, d_k, d_v]`` (float32), after the positions run so far."""
+
+    kind: ClassVar[str] = "linear_attention"
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
+
+
+# --- exact mode ------------------------------------------------------------
+
+
+@dataclass
+class RecurrentStateGrad:
+    """``dL/d(conv, recurrent)`` of one linear-attention layer at the current chunk boundary.
+
+    During the sweep it holds the gradient of the state at the end of the chunk being
+    recomputed; that chunk's backward replaces it with the gradient at the chunk's start.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def zeros_like(cls, record: RecurrentState, dtype: torch.dtype) -> RecurrentStateGrad:
+        return cls(
+            record.conv.new_zeros(record.conv.shape, dtype=dtype),
+            record.recurrent.new_zeros(record.recurrent.shape, dtype=dtype),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+class RecurrentExactView(ExactViewBase):
+    """A ``RecurrentState`` as exact mode sees it.
+
+    Reads attach gradient sinks to the state they return: the final state for a branch, the
+    checkpoint at the chunk's start during recompute. A recomputed chunk's ``update`` hands
+    the state it produced to the sweep with the accumulated gradient, then clears the buffer
+    for the gradient of the chunk's start, which that chunk's backward fills.
+    """
+
+    record: RecurrentState
+    grad: RecurrentStateGrad
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.produced is None and start is not None:
+            raise RuntimeError("a branch reads the state after the whole prompt (start=None)")
+        conv, recurrent = self.record.read(start)
+        return attach_grad_sink(conv, self.grad.conv), attach_grad_sink(
+            recurrent, self.grad.recurrent
+        )
+
+    def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
+            self.produced.append((output, grad_like(buffer, output)))
+            buffer.zero_()
