@@ -39,10 +39,9 @@ from longstraw_core.kinds.attention import AttentionKVExactView, AttentionKVGrad
 from longstraw_core.kinds.base import GradBuffer, Produced, attach_grad_sink
 from longstraw_core.kinds.latent import LatentKVExactView, LatentKVGrad
 from longstraw_core.kinds.recurrent import RecurrentExactView, RecurrentStateGrad
-from longstraw_core.state import RECORD_KINDS, PrefixState
+from longstraw_core.state import PrefixState
 
 __all__ = [
-    "GRAD_FACTORIES",
     "AttentionKVExactView",
     "AttentionKVGrad",
     "LatentKVExactView",
@@ -53,13 +52,9 @@ __all__ = [
     "StateGrad",
     "attach_grad_sink",
     "exact_state",
+    "gradient_dtype",
     "new_state_grad",
 ]
-
-# NOTE: compatibility only, for ``longstraw_core.plan.model._grad_bytes``, which still looks
-# the gradient buffer up by record class: each record now makes its own (``new_grad``), and
-# nothing here uses this table. Remove it once the planner calls ``record.new_grad(dtype)``.
-GRAD_FACTORIES: dict[type, object] = {kind: kind.new_grad for kind in RECORD_KINDS}
 
 
 @dataclass
@@ -82,17 +77,18 @@ def new_state_grad(state: PrefixState, dtype: torch.dtype | None = None) -> Stat
             "prefill with adapter.prefill(..., checkpoints='device') (or 'cpu')"
         )
     layers: list[GradBuffer] = [
-        record.new_grad(dtype or torch.promote_types(_record_dtype(record), torch.float32))
-        for record in state.layers
+        record.new_grad(dtype or gradient_dtype(record)) for record in state.layers
     ]
     return StateGrad(layers=layers, owner=state.owner, length=state.length)
 
 
-def _record_dtype(record: object) -> torch.dtype:
-    for value in vars(record).values():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.dtype
-    return torch.float32
+def gradient_dtype(record: object) -> torch.dtype:
+    """What ``dS`` accumulates in for ``record``: its floating dtype, at least float32."""
+    stored = next(
+        (v.dtype for v in vars(record).values() if torch.is_tensor(v) and v.is_floating_point()),
+        torch.float32,
+    )
+    return torch.promote_types(stored, torch.float32)
 
 
 def exact_state(state: PrefixState, grad: StateGrad, produced: Produced | None) -> PrefixState:

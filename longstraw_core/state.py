@@ -33,7 +33,6 @@ from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from longstraw_core.offload import OffloadPolicy, Residency
 
 __all__ = [
-    "RECORD_KINDS",
     "AttentionKV",
     "BranchCache",
     "BranchKV",
@@ -46,10 +45,6 @@ __all__ = [
     "RecurrentState",
     "format_bytes",
 ]
-
-
-# Every record kind, in ``OffloadPolicy`` field order.
-RECORD_KINDS = (AttentionKV, RecurrentState, LatentKV)
 
 
 @dataclass

@@ -13,7 +13,7 @@ layer kind").
   ``BranchState``), their defaults (``RecordBase``, ``ExactViewBase``) and shared helpers.
 
 ``longstraw_core.state`` and ``longstraw_core.exact`` re-export the classes under their
-historical names (``longstraw_core.state.RECORD_KINDS`` lists every record class). This
+historical names. This
 package imports none of its modules, so ``longstraw_core.offload`` can import
 ``forwarding`` while ``base`` imports ``offload``.
 """

@@ -19,7 +19,7 @@ Where the numbers come from (so the plan cannot drift from the code):
   ``nn.Linear``.
 - **State.** The adapter's own ``new_layer_states`` builds the records (on ``meta``) at
   capacity 0 and 1: their tensors give the fixed and per-position bytes of every layer, in
-  the dtype the layers compute in. ``dS`` comes from ``exact.GRAD_FACTORIES`` the same way,
+  the dtype the layers compute in. ``dS`` comes from each record's ``new_grad`` the same way,
   recurrent checkpoints are one record-sized copy per prefill chunk.
 - **Transients.** Activation memory is derived from tensor shapes, module by module, following
   the code that runs (``Activations``): what autograd saves in one branch (or one recomputed

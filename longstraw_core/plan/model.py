@@ -160,25 +160,14 @@ def _record_bytes(record: Any) -> int:
 
 
 def _grad_bytes(record: Any, length: int) -> int:
-    """Bytes of ``exact.GRAD_FACTORIES``' buffer for ``record`` holding ``length`` rows."""
-    from longstraw_core.exact import GRAD_FACTORIES
+    """Bytes of the exact-mode buffer ``record.new_grad`` makes, holding ``length`` rows."""
+    from longstraw_core.exact import gradient_dtype
 
-    factory = GRAD_FACTORIES.get(type(record))
-    if factory is None:
-        return 0
     if record.grows_with_prompt:
         record = dataclasses.replace(record, length=length)
-    dtype = torch.promote_types(_record_dtype(record), torch.float32)
     with torch.device("meta"):
-        grad = factory(record, dtype)
+        grad = record.new_grad(gradient_dtype(record))
     return _record_bytes(grad)
-
-
-def _record_dtype(record: Any) -> torch.dtype:
-    for value in vars(record).values():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.dtype
-    return torch.float32
 
 
 def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
