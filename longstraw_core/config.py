@@ -44,7 +44,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
 from longstraw_core.offload import PLACEMENTS, OffloadPolicy
 from longstraw_core.rewards import resolve_reward
 from longstraw_core.tasks import TASKS
@@ -526,19 +526,18 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:
-    """The ``GRPOConfig`` of a run; its own ValueError resurfaces with the config key."""
+    """The ``GRPOConfig`` of a run; a ``GRPOConfigError`` resurfaces as a ``ConfigError``
+    on the config key of its ``field`` (``grpo.<field>``, or the ``rollout`` key it comes from)."""
     values = dataclasses.asdict(cfg.grpo)
     values["num_generations"] = cfg.rollout.num_generations
     values["max_completion_length"] = cfg.rollout.max_new_tokens
     try:
         return GRPOConfig(**values)
-    except ValueError as exc:
-        match = re.match(r"GRPOConfig\.(\w+)=", str(exc))
-        if match is None:
-            raise ConfigError("grpo", str(exc)) from None
-        name = match.group(1)
-        key = _GRPO_FROM_ROLLOUT.get(name, f"grpo.{name}")
-        raise ConfigError(key, str(exc)[len("GRPOConfig.") + len(name) + 1 :]) from None
+    except GRPOConfigError as exc:
+        key = _GRPO_FROM_ROLLOUT.get(exc.field, f"grpo.{exc.field}")
+        raise ConfigError(key, exc.reason) from None
+    except ValueError as exc:  # not a field's check: name the section
+        raise ConfigError("grpo", str(exc)) from None
 
 
 def _check_choice(key: str, value: object, allowed: Sequence[object]) -> None:
