@@ -2,7 +2,7 @@
 
 Only the fields the loss math needs live here. A TRL user should be able to carry a config
 over unchanged; anything TRL accepts that this package cannot reproduce exactly is rejected
-with a ValueError instead of being silently ignored.
+with a ``GRPOConfigError`` (a ValueError naming the field) instead of being silently ignored.
 """
 
 import math
@@ -15,9 +15,23 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRADIENT_MODES = ("detached", "exact")
 
 
-def _invalid(field: str, value: object, allowed: str) -> ValueError:
+class GRPOConfigError(ValueError):
+    """A bad ``GRPOConfig`` field: ``field`` names it, ``reason`` says what is allowed.
+
+    The message is ``GRPOConfig.<field>=<value!r> is invalid; allowed: ...``; callers that
+    map the field to their own key (``longstraw_core.config.grpo_config``) read ``field``.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = f"{value!r} is invalid; allowed: {allowed}"
+        super().__init__(f"GRPOConfig.{field}={self.reason}")
+
+
+def _invalid(field: str, value: object, allowed: str) -> GRPOConfigError:
     """One message shape for every bad field, so a config error is always easy to trace."""
-    return ValueError(f"GRPOConfig.{field}={value!r} is invalid; allowed: {allowed}")
+    return GRPOConfigError(field, value, allowed)
 
 
 def _is_real(value: object) -> bool:

@@ -18,7 +18,7 @@ from longstraw_core.config import (
     lora_targets,
     to_yaml,
 )
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
 from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +228,18 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
 )
 def test_invalid_values_and_combinations_name_their_key(overrides: list[str], key: str) -> None:
     assert _error(TINY, *overrides).key == key
+
+
+def test_grpo_config_errors_carry_their_field_and_map_it_to_a_key() -> None:
+    with pytest.raises(GRPOConfigError) as info:
+        GRPOConfig(loss_type="cispo", epsilon_high=5.0, delta=2.0)
+    assert isinstance(info.value, ValueError) and info.value.field == "delta"
+    assert str(info.value) == f"GRPOConfig.delta={info.value.reason}"
+    # The key comes from the field: grpo.<field>, or the rollout key GRPO reads it from.
+    error = _error(TINY, "grpo.loss_type=cispo", "grpo.epsilon_high=5.0", "grpo.delta=2.0")
+    assert error.key == "grpo.delta" and str(error) == f"grpo.delta: {info.value.reason}"
+    error = _error(TINY, "rollout.num_generations=1")
+    assert error.key == "rollout.num_generations" and "an int >= 2" in str(error)
 
 
 # --------------------------------------------------------------------------- overrides, inheritance

@@ -1,0 +1,85 @@
+"""The run configuration: a typed schema, YAML loading with inheritance, overrides, validation.
+
+    cfg = load_config("configs/qwen36/tiny_grpo_cpu.yaml", ["rollout.num_generations=8"])
+    cfg.rollout.num_generations        # 8, an int
+    grpo = grpo_config(cfg)            # a validated longstraw_core.GRPOConfig
+
+Every failure is a ``ConfigError`` whose ``key`` is the full dotted path of the setting.
+Import from here; the modules hold:
+
+- ``schema``: the sections, ``RunConfig`` and their defaults, the allowed-value tuples,
+  ``ConfigError``.
+- ``loading``: ``load_config`` (YAML ``defaults:`` chain, merge, overrides, unknown-key
+  checks, OmegaConf errors as ``ConfigError``), ``to_dict`` and ``to_yaml``.
+- ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
+  ``offload_policy``.
+- ``model_tables``: ``DEFAULT_LORA_TARGETS``, ``lora_targets``, ``model_facts``.
+"""
+
+from longstraw_core.config.loading import load_config, to_dict, to_yaml
+from longstraw_core.config.model_tables import (
+    DEFAULT_LORA_TARGETS,
+    ModelFacts,
+    lora_targets,
+    model_facts,
+)
+from longstraw_core.config.schema import (
+    ATTN_IMPLEMENTATIONS,
+    BUILTIN_TOKENIZER_SIZE,
+    DTYPES,
+    GRPO_FROM_ROLLOUT,
+    MIXED_PRECISION,
+    SCHEDULERS,
+    TRACKING_MODES,
+    ConfigError,
+    DataSection,
+    DistributedSection,
+    GRPOSection,
+    LoraSection,
+    MemorySection,
+    ModelSection,
+    OffloadSection,
+    OptimSection,
+    RewardSpec,
+    RolloutSection,
+    RunConfig,
+    TokenizerSection,
+    TrackingSection,
+    TrainSection,
+)
+from longstraw_core.config.validation import grpo_config, offload_policy, validate
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "BUILTIN_TOKENIZER_SIZE",
+    "DEFAULT_LORA_TARGETS",
+    "DTYPES",
+    "GRPO_FROM_ROLLOUT",
+    "MIXED_PRECISION",
+    "SCHEDULERS",
+    "TRACKING_MODES",
+    "ConfigError",
+    "DataSection",
+    "DistributedSection",
+    "GRPOSection",
+    "LoraSection",
+    "MemorySection",
+    "ModelFacts",
+    "ModelSection",
+    "OffloadSection",
+    "OptimSection",
+    "RewardSpec",
+    "RolloutSection",
+    "RunConfig",
+    "TokenizerSection",
+    "TrackingSection",
+    "TrainSection",
+    "grpo_config",
+    "load_config",
+    "lora_targets",
+    "model_facts",
+    "offload_policy",
+    "to_dict",
+    "to_yaml",
+    "validate",
+]

@@ -1,0 +1,212 @@
+"""The run config's schema: every setting a recipe reads, with its type and default.
+
+A recipe reads ``cfg.<section>.<field>``, never ``cfg.get(key, default)``, so a typo cannot
+silently fall back to a default. ``ConfigError``, raised for every config problem, is here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.tokenizer import BUILTIN_SPECIAL_TOKENS
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+SCHEDULERS = ("constant", "cosine", "linear")
+TRACKING_MODES = ("online", "offline", "disabled")
+MIXED_PRECISION = ("bf16", "fp32")
+BUILTIN_TOKENIZER_SIZE = 256 + len(BUILTIN_SPECIAL_TOKENS)
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``key`` is the full dotted path of the offending setting."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class ModelSection:
+    """Which model: a local checkpoint (``path``) or a random-init toy (``tiny``)."""
+
+    path: str | None = None  # a local directory with config.json and weights
+    tiny: str | None = None  # a model type of longstraw_core.tiny_models.TINY_CONFIGS
+    tiny_overrides: dict[str, Any] = field(default_factory=dict)  # transformers config fields
+    dtype: str = "float32"  # one of DTYPES; the dtype of the parameters (and master weights)
+    attn_implementation: str = "sdpa"  # used by the reference forward; adapters attend themselves
+    trust_remote_code: bool = False  # only for checkpoints whose code is not in transformers
+
+
+@dataclass
+class LoraSection:
+    """PEFT LoRA on the policy; the KL reference is then the same weights, adapters off."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0  # must be 0 with grpo.gradient=exact or on kv_b_proj (see validate)
+    target_modules: list[str] | None = None  # null: DEFAULT_LORA_TARGETS[model_type]
+
+
+@dataclass
+class TokenizerSection:
+    path: str | None = None  # null: the built-in byte-level tokenizer (ChatML template)
+
+
+@dataclass
+class DataSection:
+    """Prompts: a synthetic long-context task generated on the fly, or a local dataset.
+
+    ``prompt_tokens`` is the length a task generates (within its 1% tolerance); with ``path``
+    it is the longest prompt accepted, so the position-limit check below covers both. The
+    whole of ``path`` is scanned and measured before the model loads (``data.sample_source``).
+    """
+
+    task: str | None = None  # a name of longstraw_core.tasks.TASKS
+    path: str | None = None  # a JSONL file or a `datasets` directory saved to disk
+    prompt_tokens: int = 16384
+    # With path: prompts longer than prompt_tokens are "error" (refuse the data before the
+    # model loads, naming them) or "skip" (leave them out of the run, counted and reported).
+    on_overlong: str = "error"
+    depth: float | None = None  # needle depth in [0, 1]; null: uniform random per sample
+    seed: int = 0
+    task_kwargs: dict[str, Any] = field(default_factory=dict)  # extra task arguments (hops=4)
+
+
+@dataclass
+class RolloutSection:
+    """Sampling of the group; ``num_generations`` and ``max_new_tokens`` are also GRPO's
+    ``num_generations`` and ``max_completion_length`` (one setting, not two that must agree)."""
+
+    num_generations: int = 8
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+
+
+def _grpo_section() -> type:
+    """``GRPOConfig``'s fields and defaults as a plain schema dataclass.
+
+    Built from the dataclass itself so the two cannot drift; its ``__post_init__`` checks
+    are not copied but run by ``grpo_config``. ``num_generations`` and
+    ``max_completion_length`` live in ``rollout``. ``scale_rewards`` is typed ``Any`` because
+    TRL also accepts True/False there (OmegaConf would turn a bool into the string "True").
+    """
+    spec = []
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name in GRPO_FROM_ROLLOUT:
+            continue
+        kind = Any if f.name == "scale_rewards" else f.type
+        spec.append((f.name, kind, field(default=f.default)))
+    return dataclasses.make_dataclass("GRPOSection", spec)
+
+
+# GRPOConfig fields that are rollout settings: the rollout key each comes from.
+GRPO_FROM_ROLLOUT = {
+    "num_generations": "rollout.num_generations",
+    "max_completion_length": "rollout.max_new_tokens",
+}
+GRPOSection = _grpo_section()
+
+
+@dataclass
+class RewardSpec:
+    name: str = MISSING  # a built-in name or a dotted path 'package.module:function'
+    weight: float = 1.0
+
+
+@dataclass
+class OptimSection:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float | None = 1.0  # null: no clipping
+    scheduler: str = "constant"  # one of SCHEDULERS, after the warmup
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    chunk_size: int = 4096  # prefill chunk; also the exact sweep's recompute unit
+    activation_checkpointing: bool = (
+        False  # recompute layers in backward: less memory, ~1 more forward
+    )
+    seed: int = 0
+    log_every: int = 1  # print a summary line every N steps (metrics go to W&B every step)
+    completions_every: int = 10  # log a table of sample completions every N steps; 0: never
+    save_every: int = 0  # checkpoint every N steps and at the last step; 0: never
+    output_dir: str = "outputs/longstraw"
+    resume_from: str | None = None  # null, "latest" (newest in output_dir if any) or a path
+    keep_last: int = 0  # keep the newest N complete checkpoints; 0: keep every one
+    max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (guard.py)
+    raise_reward_errors: bool = False  # a failing reward function stops the run (else NaN)
+
+
+@dataclass
+class TrackingSection:
+    wandb: bool = True
+    project: str = "longstraw"
+    run_name: str | None = None
+    mode: str = "offline"  # one of TRACKING_MODES
+
+
+@dataclass
+class DistributedSection:
+    fsdp: bool = False  # fully_shard per decoder layer (FSDP2)
+    mixed_precision: str = "fp32"  # bf16: FSDP2 computes in bf16 over fp32 sharded params
+    reshard_after_forward: bool = True  # False keeps gathered params: faster, more memory
+
+
+@dataclass
+class OffloadSection:
+    """Where the prefix state lives, per layer type (``longstraw_core.offload.OffloadPolicy``).
+
+    ``cpu`` keeps that layer type's state (and exact mode's gradient buffer for it) in host
+    memory and streams it to the GPU layer by layer: less GPU memory, more host-device traffic.
+    """
+
+    attention: str = "device"  # full-attention K/V: the state that grows with the prompt
+    recurrent: str = "device"  # Gated DeltaNet conv + recurrent states (constant per layer)
+    latent: str = "device"  # MLA latent + index keys (GLM-5.2)
+    resident_layers: int = 2  # offloaded layers on the GPU at once: 2 overlaps copy and compute
+    pin_memory: bool = True  # pinned host memory on CUDA: asynchronous copies
+
+
+@dataclass
+class MemorySection:
+    """The per-GPU memory budget ``longstraw_core.plan.check_fits`` checks a run against
+    before any weight is loaded (``python -m longstraw_core.plan`` prints the plan)."""
+
+    gpu_mem: str | None = None  # memory per GPU: "96GiB", "80GB"; null: no check (CPU runs)
+    gpus: int | None = None  # ranks the step runs on (FSDP shards over them); null: 1
+    headroom: float = 0.05  # fraction of gpu_mem kept free: CUDA context, NCCL, fragmentation
+    check: bool = True  # false: print the plan but start even when it predicts no fit
+
+
+@dataclass
+class RunConfig:
+    """Everything one GRPO run reads. Build it with ``load_config``."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)  # type: ignore[valid-type]
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    offload: OffloadSection = field(default_factory=OffloadSection)

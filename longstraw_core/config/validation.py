@@ -1,0 +1,320 @@
+"""Validation of a loaded config, and the checked objects it builds.
+
+``validate`` runs the range and combination checks before anything is built and loads no
+weights (a tiny model's config or a checkpoint's ``config.json`` at most), so a bad config
+fails in the time it takes to import torch. Every failure is a ``ConfigError`` naming the full
+key path and what is allowed. ``grpo_config`` and ``offload_policy`` build the run's
+``GRPOConfig`` and ``OffloadPolicy``.
+
+``check_paths=False`` skips the filesystem: existence of ``model.path``, ``tokenizer.path``,
+``data.path`` and an explicit ``train.resume_from``, and reading ``model.path/config.json``
+(so the position limit of a real checkpoint is not checked either). The shipped 8- and
+32-GPU configs point at placeholder paths (``/models/...``) that a user edits; with path
+checks on they fail with ``model.path: ... does not exist``, as they should.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from longstraw_core.config.model_tables import ModelFacts, lora_targets, model_facts
+from longstraw_core.config.schema import (
+    ATTN_IMPLEMENTATIONS,
+    BUILTIN_TOKENIZER_SIZE,
+    DTYPES,
+    GRPO_FROM_ROLLOUT,
+    MIXED_PRECISION,
+    SCHEDULERS,
+    TRACKING_MODES,
+    ConfigError,
+    MemorySection,
+    OffloadSection,
+    OptimSection,
+    RewardSpec,
+    RolloutSection,
+    RunConfig,
+    TrainSection,
+)
+from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
+from longstraw_core.offload import PLACEMENTS, OffloadPolicy
+from longstraw_core.rewards import resolve_reward
+from longstraw_core.tasks import TASKS
+from longstraw_core.tiny_models import TINY_CONFIGS
+
+
+def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
+    """Range and combination checks; ``load_config`` calls it, call it again after editing
+    a config in code. Raises ``ConfigError`` with the key path."""
+    _check_sources(cfg, check_paths)
+    facts = model_facts(cfg.model, check_paths=check_paths)
+    _check_lora(cfg, facts)
+    _check_data(cfg, facts)
+    _check_rollout(cfg.rollout)
+    grpo_config(cfg)
+    _check_rewards(cfg.rewards)
+    _check_optim(cfg.optim, cfg.train)
+    _check_train(cfg.train, check_paths)
+    _check_choice("tracking.mode", cfg.tracking.mode, TRACKING_MODES)
+    _check_distributed(cfg)
+    _check_memory(cfg.memory)
+    _check_offload(cfg.offload)
+
+
+def grpo_config(cfg: RunConfig) -> GRPOConfig:
+    """The ``GRPOConfig`` of a run; a ``GRPOConfigError`` resurfaces as a ``ConfigError``
+    on the config key of its ``field`` (``grpo.<field>``, or the ``rollout`` key it comes from)."""
+    values = dataclasses.asdict(cfg.grpo)
+    values["num_generations"] = cfg.rollout.num_generations
+    values["max_completion_length"] = cfg.rollout.max_new_tokens
+    try:
+        return GRPOConfig(**values)
+    except GRPOConfigError as exc:
+        key = GRPO_FROM_ROLLOUT.get(exc.field, f"grpo.{exc.field}")
+        raise ConfigError(key, exc.reason) from None
+    except ValueError as exc:  # not a field's check: name the section
+        raise ConfigError("grpo", str(exc)) from None
+
+
+def _check_choice(key: str, value: object, allowed: Sequence[object]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is invalid; allowed: {', '.join(map(str, allowed))}")
+
+
+def _check_range(key: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(key, f"{value!r} is invalid; allowed: {allowed}")
+
+
+def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
+    model = cfg.model
+    if (model.path is None) == (model.tiny is None):
+        raise ConfigError(
+            "model.path" if model.path else "model",
+            "set exactly one of model.path (a local checkpoint) or model.tiny (a model type of "
+            f"{', '.join(sorted(TINY_CONFIGS))})",
+        )
+    if check_paths:
+        _check_exists("model.path", model.path, directory=True)
+        _check_exists("tokenizer.path", cfg.tokenizer.path, directory=True)
+        _check_exists("data.path", cfg.data.path, directory=False)
+    if model.tiny is not None:
+        _check_choice("model.tiny", model.tiny, sorted(TINY_CONFIGS))
+    elif model.tiny_overrides:
+        raise ConfigError(
+            "model.tiny_overrides",
+            "only applies with model.tiny; clear it (model.tiny_overrides={}) for model.path",
+        )
+    _check_choice("model.dtype", model.dtype, DTYPES)
+    _check_choice("model.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+
+
+def _check_exists(key: str, path: str | None, *, directory: bool) -> None:
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise ConfigError(key, f"{path!r} does not exist (edit the placeholder path?)")
+    if directory and not target.is_dir():
+        raise ConfigError(key, f"{path!r} is not a directory")
+
+
+def _check_lora(cfg: RunConfig, facts: ModelFacts) -> None:
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    _check_range("lora.r", lora.r, lora.r >= 1, "an int >= 1")
+    _check_range("lora.alpha", lora.alpha, lora.alpha > 0, "a float > 0 (often 2 x r)")
+    _check_range("lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "a float in [0, 1)")
+    if lora.target_modules is not None and not lora.target_modules:
+        raise ConfigError("lora.target_modules", "empty; list modules, or null for the default")
+    targets = lora_targets(lora, facts.model_type) if facts.model_type else lora.target_modules
+    if lora.dropout > 0 and cfg.grpo.gradient == "exact":
+        raise ConfigError(
+            "lora.dropout",
+            f"{lora.dropout} with grpo.gradient='exact': the reverse sweep recomputes the "
+            "prompt and must see the same dropout masks as the prefill; use 0.0",
+        )
+    if lora.dropout > 0 and targets and "kv_b_proj" in targets:
+        raise ConfigError(
+            "lora.dropout",
+            f"{lora.dropout} with kv_b_proj in lora.target_modules: MLA absorbs kv_b_proj's "
+            "weight into attention, which a dropout on its input would change; use 0.0",
+        )
+
+
+def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
+    data = cfg.data
+    if (data.task is None) == (data.path is None):
+        raise ConfigError(
+            "data.task",
+            f"set exactly one of data.task (one of {', '.join(sorted(TASKS))}) or data.path",
+        )
+    if data.task is not None:
+        _check_choice("data.task", data.task, sorted(TASKS))
+        _check_task_kwargs(data.task, data.task_kwargs)
+    elif data.task_kwargs:
+        raise ConfigError("data.task_kwargs", "only applies with data.task, not data.path")
+    from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
+
+    _check_choice("data.on_overlong", data.on_overlong, ON_OVERLONG)
+    if data.task is not None and data.on_overlong != "error":
+        raise ConfigError(
+            "data.on_overlong",
+            f"{data.on_overlong!r} only applies with data.path: a task generates every prompt "
+            "to data.prompt_tokens",
+        )
+    _check_range("data.prompt_tokens", data.prompt_tokens, data.prompt_tokens >= 1, "an int >= 1")
+    if data.depth is not None:
+        _check_range("data.depth", data.depth, 0 <= data.depth <= 1, "null or a float in [0, 1]")
+    builtin = cfg.tokenizer.path is None
+    if builtin and facts.vocab_size is not None and facts.vocab_size < BUILTIN_TOKENIZER_SIZE:
+        raise ConfigError(
+            "model.tiny_overrides.vocab_size" if cfg.model.tiny else "tokenizer.path",
+            f"the model has {facts.vocab_size} embeddings but the built-in tokenizer "
+            f"has {BUILTIN_TOKENIZER_SIZE} tokens",
+        )
+    _check_positions(cfg, facts)
+
+
+def _check_task_kwargs(task: str, kwargs: dict[str, Any]) -> None:
+    reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id"}
+    parameters = inspect.signature(TASKS[task]).parameters
+    for key in kwargs:
+        if key in reserved or key not in parameters:
+            allowed = sorted(set(parameters) - reserved)
+            raise ConfigError(
+                f"data.task_kwargs.{key}",
+                f"not an argument of task {task!r}; allowed: {', '.join(allowed)}",
+            )
+
+
+def _check_positions(cfg: RunConfig, facts: ModelFacts) -> None:
+    """The longest prompt plus the longest response must fit the model's positions."""
+    if facts.max_positions is None:
+        return
+    data, new = cfg.data, cfg.rollout.max_new_tokens
+    tolerance = float(data.task_kwargs.get("tolerance", 0.01)) if data.task else 0.0
+    longest = math.ceil(data.prompt_tokens * (1 + tolerance))
+    if longest + new <= facts.max_positions:
+        return
+    if cfg.model.tiny:
+        source = (
+            f"model.tiny={cfg.model.tiny!r} (raise model.tiny_overrides.max_position_embeddings)"
+        )
+    else:
+        source = f"{cfg.model.path}/config.json"
+    slack = (
+        f" (up to {longest} with the task's length tolerance)"
+        if longest > data.prompt_tokens
+        else ""
+    )
+    raise ConfigError(
+        "data.prompt_tokens",
+        f"{data.prompt_tokens}{slack} + rollout.max_new_tokens {new} = {longest + new} "
+        f"exceeds the model's {facts.max_positions} positions, from {source}",
+    )
+
+
+def _check_rollout(rollout: RolloutSection) -> None:
+    # num_generations is checked by GRPOConfig (it is GRPO's group size too).
+    r = rollout
+    _check_range("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, "an int >= 1")
+    _check_range(
+        "rollout.temperature", r.temperature, r.temperature >= 0, "a float >= 0 (0: greedy)"
+    )
+    _check_range("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a float in (0, 1] (1: off)")
+    _check_range("rollout.top_k", r.top_k, r.top_k >= 0, "an int >= 0 (0: off)")
+
+
+def _check_rewards(rewards: list[RewardSpec]) -> None:
+    if not rewards:
+        raise ConfigError("rewards", "empty; list at least one {name, weight}")
+    for i, spec in enumerate(rewards):
+        try:
+            resolve_reward(spec.name)
+        except ValueError as exc:
+            raise ConfigError(f"rewards[{i}].name", str(exc)) from None
+        _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
+
+
+def _check_optim(optim: OptimSection, train: TrainSection) -> None:
+    _check_range("optim.lr", optim.lr, optim.lr > 0, "a float > 0")
+    _check_range("optim.weight_decay", optim.weight_decay, optim.weight_decay >= 0, "a float >= 0")
+    betas_ok = len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas)
+    _check_range("optim.betas", optim.betas, betas_ok, "two floats in [0, 1)")
+    if optim.max_grad_norm is not None:
+        _check_range(
+            "optim.max_grad_norm", optim.max_grad_norm, optim.max_grad_norm > 0, "null or > 0"
+        )
+    _check_choice("optim.scheduler", optim.scheduler, SCHEDULERS)
+    _check_range(
+        "optim.warmup_steps",
+        optim.warmup_steps,
+        0 <= optim.warmup_steps <= train.steps,
+        f"an int in [0, train.steps={train.steps}]",
+    )
+
+
+def _check_train(train: TrainSection, check_paths: bool) -> None:
+    _check_range("train.steps", train.steps, train.steps >= 1, "an int >= 1")
+    _check_range("train.chunk_size", train.chunk_size, train.chunk_size >= 1, "an int >= 1")
+    _check_range("train.log_every", train.log_every, train.log_every >= 1, "an int >= 1")
+    for name in ("completions_every", "save_every"):
+        value = getattr(train, name)
+        _check_range(f"train.{name}", value, value >= 0, "an int >= 0 (0: never)")
+    _check_range("train.keep_last", train.keep_last, train.keep_last >= 0, "an int >= 0 (0: all)")
+    skips = train.max_skipped_steps
+    _check_range("train.max_skipped_steps", skips, skips >= 0, "an int >= 0 (0: stop at the first)")
+    if not train.output_dir:
+        raise ConfigError("train.output_dir", "empty; a directory for checkpoints and logs")
+    if check_paths and Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
+        raise ConfigError(
+            "train.output_dir",
+            f"{train.output_dir!r} is a file, not a directory; name a directory for "
+            "checkpoints and logs",
+        )
+    if check_paths and train.resume_from not in (None, "latest"):
+        _check_exists("train.resume_from", train.resume_from, directory=True)
+
+
+def _check_distributed(cfg: RunConfig) -> None:
+    dist = cfg.distributed
+    _check_choice("distributed.mixed_precision", dist.mixed_precision, MIXED_PRECISION)
+    if dist.mixed_precision == "bf16" and not dist.fsdp:
+        raise ConfigError(
+            "distributed.mixed_precision",
+            "'bf16' is FSDP2's MixedPrecisionPolicy and needs distributed.fsdp=true; "
+            "for bf16 parameters without FSDP set model.dtype=bfloat16",
+        )
+
+
+def _check_memory(memory: MemorySection) -> None:
+    from longstraw_core.memory import parse_bytes
+
+    if memory.gpu_mem is not None:
+        try:
+            parse_bytes(memory.gpu_mem)
+        except ValueError as exc:
+            raise ConfigError("memory.gpu_mem", f"{exc}; or null for no check") from None
+    if memory.gpus is not None:
+        _check_range("memory.gpus", memory.gpus, memory.gpus >= 1, "null or an int >= 1")
+    headroom = memory.headroom
+    _check_range("memory.headroom", headroom, 0 <= headroom < 1, "a float in [0, 1)")
+
+
+def _check_offload(offload: OffloadSection) -> None:
+    for name in ("attention", "recurrent", "latent"):
+        _check_choice(f"offload.{name}", getattr(offload, name), PLACEMENTS)
+    count = offload.resident_layers
+    _check_range("offload.resident_layers", count, count >= 1, "an int >= 1")
+
+
+def offload_policy(cfg: RunConfig) -> OffloadPolicy | None:
+    """The run's ``OffloadPolicy``, or None when every layer type stays on the device."""
+    policy = OffloadPolicy.parse(dataclasses.asdict(cfg.offload))
+    return policy if policy.active else None
