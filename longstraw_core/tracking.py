@@ -204,9 +204,15 @@ class RunLogger:
         return True
 
     def finish(self, print_summary: bool = True) -> None:
-        """End the W&B run and print the summary table."""
+        """End the W&B run and print the summary table.
+
+        The process group stays up (``accelerator.end_training()`` ends it, after this), so
+        ranks can still wait for rank 0 to finish writing the run.
+        """
         if self.wandb:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.trackers = []  # finished: end_training must not finish them again
         if print_summary and self.is_main and self.history:
             Console().print(self.summary_table())
 
