@@ -124,13 +124,8 @@ def grpo_step(
 
     if state is None:
         started = time.perf_counter()
-        checkpoints = config.recurrent_checkpoints if config.gradient == "exact" else None
         state = adapter.prefill(
-            prompt_ids,
-            chunk_size=chunk_size,
-            checkpoints=checkpoints,
-            offload=offload,
-            keep_attention_outputs=config.keep_attention_outputs,
+            prompt_ids, chunk_size=chunk_size, offload=offload, **config.prefill_options()
         )
         timings["prefill_seconds"] = time.perf_counter() - started
 

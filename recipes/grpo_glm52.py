@@ -188,12 +188,13 @@ class Recipe:
         """
         cfg, progress = self.cfg, self.progress
         prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
-        with progress.phase("prefill"):  # no recurrent layers: nothing to checkpoint for exact
+        with progress.phase("prefill"):
             state = self.adapter.prefill(
                 prompt_ids,
                 chunk_size=cfg.train.chunk_size,
                 progress=self.bars,
                 offload=self.offload,
+                **self.grpo.prefill_options(),  # exact mode's checkpoints, kept outputs
             )
         try:
             with progress.phase("rollout"):

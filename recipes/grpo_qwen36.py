@@ -186,15 +186,13 @@ class Recipe:
         """
         cfg, progress = self.cfg, self.progress
         prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
-        exact = cfg.grpo.gradient == "exact"
         with progress.phase("prefill"):
             state = self.adapter.prefill(
                 prompt_ids,
                 chunk_size=cfg.train.chunk_size,
                 progress=self.bars,
-                checkpoints=cfg.grpo.recurrent_checkpoints if exact else None,
                 offload=self.offload,
-                keep_attention_outputs=cfg.grpo.keep_attention_outputs,
+                **self.grpo.prefill_options(),  # exact mode's checkpoints, kept outputs
             )
         try:
             with progress.phase("rollout"):
