@@ -5,8 +5,9 @@ adapter = ls.adapt(model)
 state = adapter.prefill(prompt_ids, chunk_size=4096)
 out = ls.rollout(adapter, state, num_generations=8, max_new_tokens=256, eos_token_ids=[eos])
 logps = adapter.score(state, response_ids)
-metrics = ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
-                       config=ls.GRPOConfig())
+result = ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
+                      config=ls.GRPOConfig())
+result.loss, result.advantages, result.metrics()  # typed fields; the scalars to log
 """
 
 from longstraw_core.attention import segmented_attention
@@ -14,7 +15,7 @@ from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import group_advantages
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.reference_policy import lora_reference
-from longstraw_core.replay import grpo_step
+from longstraw_core.replay import GRPOStepResult, grpo_step
 from longstraw_core.rollout import RolloutOutput, rollout
 from longstraw_core.state import AttentionKV, PrefixState, format_bytes
 
@@ -25,6 +26,7 @@ from model_adapters.registry import adapt, supported_model_types
 __all__ = [
     "AttentionKV",
     "GRPOConfig",
+    "GRPOStepResult",
     "ModelAdapter",
     "OffloadPolicy",
     "PrefixState",

@@ -120,6 +120,22 @@ class GRPOConfig:
         """TRL resolves ``epsilon_high=None`` to ``epsilon`` in the trainer, not the config."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def prefill_options(self) -> dict[str, str | bool | None]:
+        """What ``adapter.prefill`` needs for this config's gradient mode, as keyword arguments.
+
+        ``checkpoints``: ``recurrent_checkpoints`` with ``gradient="exact"`` (the sweep restarts
+        recurrent layers from them), else None. ``keep_attention_outputs``: as configured.
+        Both are harmless on models without recurrent or full-attention layers (nothing to
+        keep), so every recipe can pass them::
+
+            state = adapter.prefill(prompt_ids, chunk_size=..., **config.prefill_options())
+        """
+        exact = self.gradient == "exact"
+        return {
+            "checkpoints": self.recurrent_checkpoints if exact else None,
+            "keep_attention_outputs": self.keep_attention_outputs,
+        }
+
     def _check_choices(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise _invalid("loss_type", self.loss_type, f"one of {LOSS_TYPES}")

@@ -11,14 +11,16 @@ mode's sweep recomputes its chunks' layers the same way).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import resource
 import time
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
+from longstraw_core import metrics as names
 from longstraw_core.exact import new_state_grad
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
@@ -43,6 +45,104 @@ class Policy(Protocol):
     def idle_forward(self) -> None: ...
 
 
+# Names older callers index a result by, and the metric each now is.
+_LEGACY_NAMES = {"reward_mean": names.GROUP_REWARD_MEAN, "reward_std": names.GROUP_REWARD_STD}
+
+
+@dataclass
+class GRPOStepResult(Mapping[str, Any]):
+    """What one ``grpo_step`` did: typed fields, and ``metrics()``, the flat scalars to log.
+
+    ``loss`` is the group's loss (not multiplied by ``loss_scale``); ``advantages`` one per
+    response; ``group_reward_mean``/``group_reward_std`` describe the rewards as given (a
+    reward set reports TRL's ``reward``/``reward_std`` itself). ``prefill_seconds`` is 0.0 and
+    left out of ``metrics()`` when a ``state`` was passed (``prefilled`` is False): the
+    prefill was the caller's. ``branch_stats``: TRL's clip ratios and ``kl``
+    (``losses.reduce_branch_stats``; empty when no branch was replayed).
+
+    It also reads like the dict ``grpo_step`` used to return: ``result["loss"]``,
+    ``result["advantages"]``, ``result.get(...)``, ``dict(result)`` (the metrics and
+    ``advantages``); indexing also reaches every field and the old names ``reward_mean`` and
+    ``reward_std``. ``result[key] = value`` adds a metric of the caller's.
+    """
+
+    loss: float
+    advantages: list[float]
+    group_reward_mean: float
+    group_reward_std: float
+    entropy: float
+    prompt_tokens: int
+    completion_tokens: int
+    completion_length_mean: float
+    branches_replayed: int
+    state_bytes: int
+    state_grad_bytes: int
+    attention_output_bytes: int
+    peak_memory_bytes: int
+    ref_seconds: float = 0.0
+    replay_seconds: float = 0.0
+    sweep_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    prefilled: bool = False
+    branch_stats: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        """The scalars to log, by the names of ``longstraw_core.metrics``."""
+        out = {
+            names.LOSS: self.loss,
+            names.GROUP_REWARD_MEAN: self.group_reward_mean,
+            names.GROUP_REWARD_STD: self.group_reward_std,
+            names.ENTROPY: self.entropy,
+            names.PROMPT_TOKENS: self.prompt_tokens,
+            names.COMPLETION_TOKENS: self.completion_tokens,
+            names.COMPLETION_LENGTH_MEAN: self.completion_length_mean,
+            names.BRANCHES_REPLAYED: self.branches_replayed,
+            names.STATE_BYTES: self.state_bytes,
+            names.STATE_GRAD_BYTES: self.state_grad_bytes,
+            names.ATTENTION_OUTPUT_BYTES: self.attention_output_bytes,
+            names.PEAK_MEMORY_BYTES: self.peak_memory_bytes,
+            names.REF_SECONDS: self.ref_seconds,
+        }
+        if self.prefilled:
+            out[names.PREFILL_SECONDS] = self.prefill_seconds
+        out[names.REPLAY_SECONDS] = self.replay_seconds
+        out[names.SWEEP_SECONDS] = self.sweep_seconds
+        return out | self.branch_stats | self.extra
+
+    # --- the dict it used to be -----------------------------------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "advantages":
+            return self.advantages
+        metrics = self.metrics()
+        if key in metrics:
+            return metrics[key]
+        key = _LEGACY_NAMES.get(key, key)
+        if key in _SCALAR_FIELDS:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.metrics(), "advantages"])
+
+    def __len__(self) -> int:
+        return len(self.metrics()) + 1
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key in _SCALAR_FIELDS:
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
+
+
+_SCALAR_FIELDS = {
+    f.name
+    for f in dataclasses.fields(GRPOStepResult)
+    if f.name not in ("advantages", "branch_stats", "extra")
+}
+
+
 def grpo_step(
     adapter: ModelAdapter,
     prompt_ids: torch.Tensor | Sequence[int],
@@ -57,8 +157,9 @@ def grpo_step(
     chunk_size: int = 4096,
     loss_scale: float = 1.0,
     offload: OffloadPolicy | str | dict | None = None,
-) -> dict[str, float | list[float]]:
-    """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return metrics.
+) -> GRPOStepResult:
+    """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return what it did
+    (``GRPOStepResult``: typed fields, ``.metrics()`` to log, and dict-style indexing).
 
     ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each.
     ``old_logps`` are the behaviour policy's per-token log-probs (``None``: on-policy).
@@ -107,12 +208,13 @@ def grpo_step(
                 "pass keep_attention_outputs=True to adapter.prefill"
             )
 
-    _reset_peak_memory(adapter.device)
+    names.reset_peak_memory(adapter.device)
     advantages = group_advantages(reward_tensor, config.scale_rewards)
     lengths = [len(response) for response in responses]
     weights = loss_weights(lengths, truncated, config)
     timings = {"ref_seconds": 0.0, "prefill_seconds": 0.0, "replay_seconds": 0.0}
     timings["sweep_seconds"] = 0.0
+    prefilled = state is None
 
     ref_logps: list[torch.Tensor | None] = [None] * len(responses)
     if config.beta != 0.0:
@@ -124,13 +226,8 @@ def grpo_step(
 
     if state is None:
         started = time.perf_counter()
-        checkpoints = config.recurrent_checkpoints if config.gradient == "exact" else None
         state = adapter.prefill(
-            prompt_ids,
-            chunk_size=chunk_size,
-            checkpoints=checkpoints,
-            offload=offload,
-            keep_attention_outputs=config.keep_attention_outputs,
+            prompt_ids, chunk_size=chunk_size, offload=offload, **config.prefill_options()
         )
         timings["prefill_seconds"] = time.perf_counter() - started
 
@@ -167,23 +264,24 @@ def grpo_step(
         adapter.release_parameters()
 
     replayed_tokens = sum(int(s["num_tokens"]) for s in branch_stats)
-    return {
-        "loss": total_loss,
-        "reward_mean": float(reward_tensor.mean()),
-        "reward_std": float(reward_tensor.std()) if len(responses) > 1 else 0.0,
-        "advantages": [float(a) for a in advantages],
-        "entropy": entropy_sum / replayed_tokens if replayed_tokens else math.nan,
-        "prompt_tokens": state.prompt_length,
-        "completion_tokens": sum(lengths),
-        "completion_length_mean": sum(lengths) / len(lengths),
-        "branches_replayed": replayed,
-        "state_bytes": state.nbytes(),
-        "state_grad_bytes": state_grad.nbytes() if state_grad is not None else 0,
-        "attention_output_bytes": state.output_nbytes(),
-        "peak_memory_bytes": _peak_memory(adapter.device),
+    return GRPOStepResult(
+        loss=total_loss,
+        advantages=[float(a) for a in advantages],
+        group_reward_mean=float(reward_tensor.mean()),
+        group_reward_std=float(reward_tensor.std()) if len(responses) > 1 else 0.0,
+        entropy=entropy_sum / replayed_tokens if replayed_tokens else math.nan,
+        prompt_tokens=state.prompt_length,
+        completion_tokens=sum(lengths),
+        completion_length_mean=sum(lengths) / len(lengths),
+        branches_replayed=replayed,
+        state_bytes=state.nbytes(),
+        state_grad_bytes=state_grad.nbytes() if state_grad is not None else 0,
+        attention_output_bytes=state.output_nbytes(),
+        peak_memory_bytes=names.peak_memory_bytes(adapter.device),
+        prefilled=prefilled,
+        branch_stats=reduce_branch_stats(branch_stats),
         **timings,
-        **reduce_branch_stats(branch_stats),
-    }
+    )
 
 
 def _contributes_nothing(weight: float, advantage: float, config: GRPOConfig) -> bool:
@@ -256,15 +354,3 @@ def _check_old_logps(
                 f"{len(response)} tokens"
             )
     return list(old_logps)
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_memory(device: torch.device) -> int:
-    """Peak GPU memory of this step on CUDA; on CPU, the process's lifetime peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

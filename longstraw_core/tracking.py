@@ -12,11 +12,13 @@ everything but the W&B calls still happens::
     logger.log_completions(step, [{"prompt": p, "completion": c, "reward": r}, ...])
     logger.finish()
 
-The recipes' metric names follow TRL where it has one (``reward``, ``reward_std``,
-``rewards/<func>/mean``, ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``loss``) and add
-LongStraw's own: ``time/<phase>`` seconds (``progress.StepProgress``), ``grpo_step``'s
-(``completion_length_mean``, ``peak_memory_bytes``, ``sweep_seconds``, ...),
-``rollout_tokens_per_second`` and ``state_bytes/<layer type>`` (``PrefixState.summary``).
+The recipes' metric names are listed in ``longstraw_core.metrics``: TRL's where it has one
+(``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
+``clip_ratio/low_mean``, ``loss``) and LongStraw's own: ``time/<phase>`` seconds
+(``progress.StepProgress``), ``grpo_step``'s (``completion_length_mean``,
+``peak_memory_bytes``, ``sweep_seconds``, ...), ``rollout_tokens_per_second``,
+``step_peak_memory_bytes`` and ``state_bytes/<layer type>`` (``PrefixState.summary``).
+The per-step line shows ``metrics.STEP_LINE``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rich.table import Table
 from rich.text import Text
 from tqdm.auto import tqdm
 
+from longstraw_core import metrics as names
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
 from longstraw_core.state import format_bytes
 
@@ -42,17 +45,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 # Shown in the per-step line when present, in this order: (key, label, format).
-SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("reward", "reward", "{:.3f}"),
-    ("reward_std", "±", "{:.3f}"),
-    ("loss", "loss", "{:.4g}"),
-    ("kl", "kl", "{:.3g}"),
-    ("entropy", "entropy", "{:.3f}"),
-    ("completions/mean_length", "len", "{:.0f}"),
-    ("throughput/tokens_per_s", "tok/s", "{:,.0f}"),
-    ("memory/peak_bytes", "peak", "{}"),
-    ("time/step", "step", "{:.1f}s"),
-)
+SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = names.STEP_LINE
 MAX_CELL_CHARS = 4000  # a million-token prompt must not become a million-character W&B cell
 
 
@@ -225,7 +218,7 @@ class RunLogger:
             if key not in flat:
                 continue
             value = flat[key]
-            shown = format_bytes(value) if key == "memory/peak_bytes" else fmt.format(value)
+            shown = format_bytes(value) if fmt == "bytes" else fmt.format(value)
             line.append("  " if label != "±" else " ")
             line.append(f"{label} " if label != "±" else label, style="dim")
             line.append(shown, style="cyan")

@@ -57,6 +57,7 @@ from longstraw_core import (
     tokenizer,
     tracking,
 )
+from longstraw_core import metrics as names
 from longstraw_core.progress import StepProgress
 from longstraw_core.rewards import RewardError, RewardSet
 from longstraw_core.stop import GracefulStop, exit_after_stop
@@ -188,12 +189,15 @@ class Recipe:
         """
         cfg, progress = self.cfg, self.progress
         prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
-        with progress.phase("prefill"):  # no recurrent layers: nothing to checkpoint for exact
+        device = self.accelerator.device
+        names.reset_peak_memory(device)  # this step's peak: prefill to optimizer step
+        with progress.phase("prefill"):
             state = self.adapter.prefill(
                 prompt_ids,
                 chunk_size=cfg.train.chunk_size,
                 progress=self.bars,
                 offload=self.offload,
+                **self.grpo.prefill_options(),  # exact mode's checkpoints, kept outputs
             )
         try:
             with progress.phase("rollout"):
@@ -220,8 +224,9 @@ class Recipe:
             scored = self.rewards(completions, [sample] * len(completions))
         if distributed.any_rank(scored.all_failed):
             return self._skip("every reward function failed on every completion (errors above)")
+        peak_before_replay = names.peak_memory_bytes(device)  # grpo_step measures its own
         with progress.phase("replay"):
-            step_metrics = ls.grpo_step(
+            result = ls.grpo_step(
                 self.adapter,
                 prompt_ids,
                 out.responses,
@@ -235,25 +240,29 @@ class Recipe:
                 offload=self.offload,
             )
         with progress.phase("optimizer"):
-            grad_norm, skip_reason = self._optimizer_step(step_metrics["loss"])
+            grad_norm, skip_reason = self._optimizer_step(result.loss)
         if cfg.train.completions_every and (self.step + 1) % cfg.train.completions_every == 0:
             rows = [
                 {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
                 for text, r in zip(completions, scored.rewards, strict=True)
             ]
             self.logger.log_completions(self.step + 1, distributed.gather_rows(rows))
-        state_bytes = {f"state_bytes/{k}": v["bytes"] for k, v in state.summary().items()}
-        unused = ("advantages", "prefill_seconds")  # the prefill is the recipe's: time/prefill
+        state_bytes = {
+            names.STATE_BYTES_BY_TYPE.format(k): v["bytes"] for k, v in state.summary().items()
+        }
+        # grpo_step's metrics (no prefill_seconds: the prefill is the recipe's, time/prefill);
+        # the reward set's reward and reward_std (TRL's) are their own names.
         return {
-            **{k: v for k, v in step_metrics.items() if k not in unused},
-            "loss": step_metrics["loss"] * loss_scale,  # averaged over ranks: the step's loss
+            **result.metrics(),
+            names.LOSS: result.loss * loss_scale,  # averaged over ranks: the step's loss
             **scored.metrics(),
             **state_bytes,
-            "advantage_abs_mean": sum(map(abs, step_metrics["advantages"])) / len(out.responses),
-            "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
-            "rollout_tokens_per_second": out.stats["tokens_per_second"],
-            "truncated_fraction": sum(out.truncated) / len(out.truncated),
+            names.ADVANTAGE_ABS_MEAN: sum(map(abs, result.advantages)) / len(out.responses),
+            names.GRAD_NORM: grad_norm,
+            names.LR: self.scheduler.get_last_lr()[0],
+            names.ROLLOUT_TOKENS_PER_SECOND: out.stats["tokens_per_second"],
+            names.TRUNCATED_FRACTION: sum(out.truncated) / len(out.truncated),
+            names.STEP_PEAK_MEMORY_BYTES: max(peak_before_replay, names.peak_memory_bytes(device)),
             **(self._skip(skip_reason) if skip_reason else self._passed()),
         }
 
@@ -274,14 +283,14 @@ class Recipe:
         return norm, None
 
     def _passed(self) -> dict[str, float]:
-        return {"skipped": 0.0, "skipped_steps": float(self.guard.skipped)}
+        return {names.SKIPPED: 0.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
 
     def _skip(self, reason: str) -> dict[str, float]:
         """This step changes nothing (no update, no scheduler step): count it, say why."""
         self.optimizer.zero_grad(set_to_none=True)
         write = self.progress.write if self.accelerator.is_main_process else lambda line: None
         self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
-        return {"skipped": 1.0, "skipped_steps": float(self.guard.skipped)}
+        return {names.SKIPPED: 1.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
 
     def save_checkpoint(self) -> None:
         """Every rank calls it (a sharded model is gathered); rank 0 writes."""

@@ -16,6 +16,9 @@ from reference import (
 )
 
 import longstraw_core as ls
+from longstraw_core import metrics as names
+from longstraw_core.rewards import RewardSet
+from longstraw_core.tasks import Sample
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
@@ -110,6 +113,7 @@ def test_on_policy_state_reuse_and_truncation_mask(models):
         policy, None, prompt, responses, None, cfg, truncated=truncated
     )
     assert metrics["branches_replayed"] == 2 and metrics["prefill_seconds"] == 0.0
+    assert not metrics.prefilled and "prefill_seconds" not in metrics.metrics()  # the caller's
     assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-12)
     assert_grads_close(grads, expected, rtol=1e-5)
 
@@ -160,6 +164,31 @@ def test_metrics_report_the_step(models):
     assert metrics["clip_ratio/region_mean"] == 0.0  # on-policy: ratio 1, nothing clipped
     for key in ("prefill_seconds", "replay_seconds", "reward_mean", "reward_std"):
         assert key in metrics
+
+
+def test_step_result_is_typed_and_logs_flat_scalars(models):
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=40)
+    result = ls.grpo_step(adapter, prompt, responses, REWARDS)
+    policy.zero_grad(set_to_none=True)
+    assert isinstance(result, ls.GRPOStepResult) and result.prefilled
+    assert result.advantages == pytest.approx(hand_advantages(REWARDS).tolist())
+    flat = result.metrics()
+    assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat.values())
+    assert flat[names.LOSS] == result.loss and flat[names.PREFILL_SECONDS] > 0
+    assert flat[names.GROUP_REWARD_STD] == pytest.approx(torch.tensor(REWARDS).std().item())
+    assert flat[names.COMPLETION_LENGTH_MEAN] == sum(LENGTHS) / len(LENGTHS)
+    assert "advantages" not in flat and "clip_ratio/low_mean" in flat
+    # The dict it used to be: the metrics and the advantages; old names still index.
+    assert dict(result) == flat | {"advantages": result.advantages}
+    assert result["reward_std"] == result.group_reward_std and result.get("nope") is None
+    result["checkpoint_bytes"] = 7  # a caller's own metric joins the logged ones
+    assert result.metrics()["checkpoint_bytes"] == 7
+    # No name clashes with the reward set's (TRL's reward, reward_std, rewards/...).
+    samples = [Sample(id="s", prompt="q", answer="a")] * 3
+    scored = RewardSet(["exact_match"])(["a", "b", "a"], samples)
+    assert not flat.keys() & scored.metrics().keys()
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from rich.console import Console
 from wandb.proto import wandb_internal_pb2
 from wandb_records import wandb_config, wandb_records
 
+from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
 from longstraw_core.progress import StepProgress
 from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
@@ -84,7 +87,7 @@ def test_disabled_tracking_still_logs_to_the_console(
     logger = RunLogger.from_config(accelerator, cfg, write=lines.append)
     assert logger.run_dir is None
     for step in (1, 2):
-        logger.log(step, {"reward": 0.5, "loss": 0.1 * step, "memory": {"peak_bytes": 2**30}})
+        logger.log(step, {"reward": 0.5, "loss": 0.1 * step, "step_peak_memory_bytes": 2**30})
     assert not logger.log_completions(2, [{"completion": "hi"}])
     logger.finish()
     assert "peak 1.00 GiB" in lines[0]
@@ -94,6 +97,34 @@ def test_disabled_tracking_still_logs_to_the_console(
     resumed = RunLogger.from_config(accelerator, cfg, write=lines.append)
     resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))  # via trainer_state.json
     assert resumed.history == logger.history
+
+
+def test_step_line_shows_length_throughput_and_peak_memory(tmp_path: Path) -> None:
+    """Every key of the step line is a name the recipes emit (``longstraw_core.metrics``)."""
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false"])
+    lines: list[str] = []
+    logger = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lines.append)
+    step_metrics = {
+        names.REWARD: 0.5,
+        names.REWARD_STD: 0.25,
+        names.LOSS: 0.01,
+        names.ENTROPY: 5.2,
+        names.COMPLETION_LENGTH_MEAN: 11.6,
+        names.ROLLOUT_TOKENS_PER_SECOND: 12345.6,
+        names.STEP_PEAK_MEMORY_BYTES: 3 * 2**30,
+        names.STEP_SECONDS: 1.25,
+    }
+    logger.log(1, step_metrics)
+    assert lines == [
+        f"step 1/{cfg.train.steps}  reward 0.500 ±0.250  loss 0.01  entropy 5.200  len 12  "
+        "tok/s 12,346  peak 3.00 GiB  step 1.2s"
+    ]
+    assert {key for key, _, _ in names.STEP_LINE} == step_metrics.keys() | {names.KL}
+    wide = Console(file=io.StringIO(), width=200)  # an 80-column terminal clips the names
+    wide.print(logger.summary_table())
+    table = wide.file.getvalue()
+    for key in ("completion_length_mean", "rollout_tokens_per_second", "step_peak_memory_bytes"):
+        assert key in table
 
 
 def test_wandb_on_without_the_tracker_in_accelerate_is_an_error(tmp_path: Path) -> None:
