@@ -46,10 +46,13 @@ from typing import Any
 import torch
 
 from longstraw_core.kinds.forwarding import ForwardedReads
+from longstraw_core.registry_view import RegistryView
 
 PLACEMENTS = ("device", "cpu")
-# The policy field that places each record kind (``LayerState.kind``).
-LAYER_TYPES = {"full_attention": "attention", "linear_attention": "recurrent", "mla_dsa": "latent"}
+# The policy field that places each record kind (``LayerState.kind``), as the model families
+# declare it (``model_adapters.registry.layer_kinds``; built on first use: the adapters import
+# this module).
+LAYER_TYPES: Mapping[str, str] = RegistryView("layer_kinds")
 _FIELDS = ("attention", "recurrent", "latent")
 
 

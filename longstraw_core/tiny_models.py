@@ -6,103 +6,18 @@ its model here: the real transformers architectures at toy sizes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-# Small but not degenerate: GQA (4 query heads over 2 KV heads), two layers, RoPE.
-_DENSE_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "attention_dropout": 0.0,
-}
+from longstraw_core.registry_view import RegistryView
 
-# Hybrid Gated DeltaNet + gated full attention (Qwen3.6 = transformers ``qwen3_5``): 4 layers,
-# one full-attention layer in 4 (``full_attention_interval`` overrides), GQA, partial RoPE with
-# multi-axis sections, 4 value heads over 2 key heads, and d_k != d_v so a transposed state
-# cannot pass the equivalence tests.
-_HYBRID_DEFAULTS: dict[str, Any] = {
-    **_DENSE_DEFAULTS,
-    "num_hidden_layers": 4,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 12,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-}
-_HYBRID_MOE: dict[str, Any] = {
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 48,
-}
-
-# MLA + DSA + MoE (GLM-5.x, DeepSeek-V3.2): a dense-MLP layer then MoE layers; the latent
-# (32 + 8 per position) is smaller than the expanded per-head K/V (4 x (24 + 16)). 16 indexer
-# heads keep exact ties out of the index scores (their ReLU makes ties common with few heads).
-_MLA_DSA_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "first_k_dense_replace": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "index_n_heads": 16,
-    "index_head_dim": 16,
-    "index_topk": 16,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "attention_dropout": 0.0,
-}
-
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(_DENSE_DEFAULTS),
-    "llama": dict(_DENSE_DEFAULTS),
-    "qwen2": dict(_DENSE_DEFAULTS),
-    # GLM-5.x: layers 0 and 2 run their own DSA indexer, 1 and 3 reuse the previous selection.
-    "glm_moe_dsa": {**_MLA_DSA_DEFAULTS, "indexer_types": ["full", "shared", "full", "shared"]},
-    "deepseek_v32": dict(_MLA_DSA_DEFAULTS),
-    "qwen3_5_text": dict(_HYBRID_DEFAULTS),
-    "qwen3_5_moe_text": {**_HYBRID_DEFAULTS, **_HYBRID_MOE},
-    # Qwen3-Next: MoE on every other layer (decoder_sparse_step=2), dense MLP on the rest.
-    "qwen3_next": {
-        **_HYBRID_DEFAULTS,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-        },
-        **_HYBRID_MOE,
-        "decoder_sparse_step": 2,
-    },
-}
+# Model type -> the transformers config kwargs of its toy model: a view of the model
+# families' declarations (``model_adapters.registry.tiny_configs``; each family's toy sizes,
+# and why, are in its adapter module).
+TINY_CONFIGS: Mapping[str, dict[str, Any]] = RegistryView("tiny_configs")
 
 # Decay rates of the tiny Gated DeltaNet layers: A in [0.02, 0.5] with dt_bias = 1 gives a
 # per-token decay exp(g) of roughly 0.5..0.97. transformers' initialisation draws A up to 16

@@ -61,6 +61,7 @@ from longstraw_core.exact import Produced, StateGrad, exact_state
 from longstraw_core.kinds.forwarding import ForwardedReads
 from longstraw_core.offload import OffloadPolicy, stream_layers
 from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
+from model_adapters.family import ModelFamily
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
 Item = TypeVar("Item")
@@ -177,7 +178,14 @@ class Parallel(Protocol):
 class ModelAdapter(ABC):
     """Prefill once, score many branches: the per-architecture engine behind LongStraw."""
 
+    # The family this adapter serves (``model_adapters.family``): the model types and what
+    # config, tiny models, planner and offload read about them. ``model_types`` repeats the
+    # family's (``register_adapter`` checks that they agree).
+    family: ClassVar[ModelFamily]
     model_types: ClassVar[tuple[str, ...]] = ()
+    # The decoder's RMSNorm: Llama's ``weight * x.to(dtype)`` (True), or Qwen3.5's
+    # ``(x * (1 + weight)).to(dtype)`` in fp32 (False). The planner sizes saved norms by it.
+    llama_norm: ClassVar[bool] = True
     # Set by ``longstraw_core.distributed.shard_model``. None: one process, plain calls.
     parallel: Parallel | None = None
     # Recompute each decoder layer in backward instead of keeping its activations, in the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,46 @@ from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
 from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from model_adapters.family import ModelFamily
 from model_adapters.registry import register_adapter
+
+# --- the family: what config, tiny models, planner and offload know of it -------------------
+
+# LoRA targets when ``lora.target_modules`` is null: attention and MLP projections everywhere
+# (what "all-linear" LoRA means in practice). The other families extend these.
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
+
+# The tiny model: small but not degenerate: GQA (4 query heads over 2 KV heads), two layers,
+# RoPE. The hybrid family starts from it.
+TINY_DENSE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+}
+
+FAMILY = ModelFamily(
+    name="dense",
+    model_types=("qwen3", "qwen2", "llama"),
+    layer_kinds={AttentionKV.kind: "attention"},
+    lora_targets={
+        "qwen3": ATTENTION_TARGETS + MLP_TARGETS,
+        "qwen2": ATTENTION_TARGETS + MLP_TARGETS,
+        "llama": ATTENTION_TARGETS + MLP_TARGETS,
+    },
+    tiny_configs={
+        "qwen3": dict(TINY_DENSE),
+        "llama": dict(TINY_DENSE),
+        "qwen2": dict(TINY_DENSE),
+    },
+)
 
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -123,7 +163,8 @@ def attend_with_state(
 class DenseAdapter(ModelAdapter):
     """Qwen3 / Qwen2 / Llama: pre-norm decoder layers of full attention and a gated MLP."""
 
-    model_types = ("qwen3", "qwen2", "llama")
+    family = FAMILY
+    model_types = FAMILY.model_types
 
     def check_model(self) -> None:
         config = self.config

@@ -1,42 +1,23 @@
-"""Model knowledge the config needs: default LoRA targets per model type, and the facts
-(type, position limit, vocabulary) validation reads from a tiny config or ``config.json``."""
+"""Model knowledge the config needs: default LoRA targets per model type (declared by each
+model family, ``model_adapters.family``), and the facts (type, position limit, vocabulary)
+validation reads from a tiny config or ``config.json``."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from longstraw_core.config.schema import ConfigError, LoraSection, ModelSection
+from longstraw_core.registry_view import RegistryView
 from longstraw_core.tiny_models import TINY_CONFIGS
 
-# LoRA targets when ``lora.target_modules`` is null, by ``config.model_type``. Attention and
-# MLP projections everywhere (what "all-linear" LoRA means in practice), with these choices:
-# - Gated DeltaNet: the q/k/v and output-gate projections and ``out_proj``; not ``in_proj_a``
-#   / ``in_proj_b`` (per-head decay and write-strength inputs: a handful of outputs each, and
-#   adapting them changes how long the recurrent state remembers).
-# - MLA (GLM-5.x, DeepSeek-V3.2): both low-rank halves of q and kv and ``o_proj``; never the
-#   DSA indexer (``wq_b``, ``wk``, ``weights_proj``: frozen during RL, as transformers runs it
-#   under no_grad). Routed experts are fused 3-D parameters, not ``nn.Linear``, so LoRA reaches
-#   only the dense MLP layers and the shared experts through ``gate/up/down_proj`` (plain peft
-#   would move those names onto the routed experts: ``models.add_lora`` keeps them as written).
-_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-_MLP = ["gate_proj", "up_proj", "down_proj"]
-_DELTANET = ["in_proj_qkv", "in_proj_z", "out_proj"]
-_MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
-    "qwen3": _ATTENTION + _MLP,
-    "qwen2": _ATTENTION + _MLP,
-    "llama": _ATTENTION + _MLP,
-    "qwen3_5": _ATTENTION + _DELTANET + _MLP,
-    "qwen3_5_text": _ATTENTION + _DELTANET + _MLP,
-    "qwen3_5_moe": _ATTENTION + _DELTANET + _MLP,
-    "qwen3_5_moe_text": _ATTENTION + _DELTANET + _MLP,
-    "qwen3_next": [*_ATTENTION, "in_proj_qkvz", "out_proj", *_MLP],
-    "glm_moe_dsa": _MLA + _MLP,
-    "deepseek_v32": _MLA + _MLP,
-}
+# LoRA targets when ``lora.target_modules`` is null, by ``config.model_type``: a view of the
+# model families' declarations (``model_adapters.registry.default_lora_targets``; each family's
+# targets, and why, are in its adapter module).
+DEFAULT_LORA_TARGETS: Mapping[str, list[str]] = RegistryView("default_lora_targets")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ adapter's own state records, and the step's settings."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,62 +12,13 @@ import torch
 from torch import nn
 
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.registry_view import RegistryView
+from model_adapters.family import Preset
 
-
-@dataclass(frozen=True)
-class Preset:
-    """A paper-scale model no one can download here: its transformers config, documented."""
-
-    model_type: str
-    config: dict[str, Any]
-    source: str
-
-
-# Qwen3.6-27B is the text decoder of the ``qwen3_5`` checkpoint (Qwen/Qwen3.6-27B): the
-# numbers are the published model card's (hidden 5120, 64 layers as 16 x (3 Gated DeltaNet +
-# 1 gated attention), DeltaNet 48 value / 16 key heads of 128, attention 24 q / 4 kv heads of
-# 256 with 64 rotary dims, MLP 17408, vocabulary 248320, untied head). Not modelled: the
-# vision encoder (~0.4B parameters, unused by text-only GRPO) and the MTP layer. The planner
-# does not check positions (the card says 262144 native, ~1M with YaRN): memory does not
-# depend on the RoPE limit.
-_QWEN36_27B = Preset(
-    "qwen3_5_text",
-    {
-        "vocab_size": 248320,
-        "hidden_size": 5120,
-        "intermediate_size": 17408,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-    },
-    "Qwen/Qwen3.6-27B model card (text decoder; vision encoder and MTP layer left out)",
-)
-# GLM-5.2 is assumed to keep GLM-5's architecture (``glm_moe_dsa``, zai-org/GLM-5): 78
-# layers (3 dense-MLP, 75 MoE with 256 routed experts, top-8, 1 shared), hidden 6144, MLA
-# with q_lora 2048 / kv_lora 512 / rope 64 / 64 heads, a DSA indexer (32 heads of 128,
-# top-2048) on every layer, vocabulary 154880: transformers' GlmMoeDsaConfig defaults,
-# which document that checkpoint. Not modelled: the MTP layer.
-_GLM52 = Preset(
-    "glm_moe_dsa",
-    {},
-    "transformers GlmMoeDsaConfig defaults (zai-org/GLM-5; GLM-5.2 assumed identical)",
-)
-PRESETS: dict[str, Preset] = {"Qwen3.6-27B": _QWEN36_27B, "GLM-5.2": _GLM52}
+# Preset name -> paper-scale model: a view of the model families' declarations
+# (``model_adapters.registry.presets``; each preset's numbers and sources are in its family's
+# adapter module).
+PRESETS: Mapping[str, Preset] = RegistryView("presets")
 
 
 @dataclass(frozen=True)
@@ -141,7 +92,7 @@ class ModelSpec:
             root_params=params - sum(layer.params for layer in layers),
             largest_param=max(p.numel() for p in model.parameters()),
             rotary_dim=_rotary_dim(adapter),
-            llama_norm=type(adapter).__name__ != "Qwen36Adapter",
+            llama_norm=type(adapter).llama_norm,
             state_dtype=adapter.dtype,
         )
 

@@ -1,0 +1,71 @@
+"""What a model family declares about itself, next to its adapter: the one place the rest of
+LongStraw (config, tiny models, planner, offload) learns about a family.
+
+Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``family``;
+``model_adapters.registry`` collects them and builds the tables other modules read
+(``DEFAULT_LORA_TARGETS``, ``TINY_CONFIGS``, ``PRESETS``, ``LAYER_TYPES``). This module
+imports nothing of LongStraw: anything may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A paper-scale model no one can download here: its transformers config, documented."""
+
+    model_type: str
+    config: dict[str, Any]
+    source: str
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: the ``config.model_type`` values its adapter serves and what the
+    rest of LongStraw asks about them.
+
+    - ``model_types``: the transformers ``config.model_type`` values the adapter serves.
+    - ``layer_kinds``: record kind (``LayerState.kind``) -> the ``OffloadPolicy`` field that
+      places it (``"attention"``, ``"recurrent"`` or ``"latent"``), for every kind its layers
+      keep.
+    - ``lora_targets``: model type -> module names LoRA adapts when ``lora.target_modules``
+      is null.
+    - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
+      (``AutoConfig.for_model(model_type, **kwargs)``) that make the toy model every test,
+      demo and benchmark builds (``longstraw_core.tiny_models``).
+    - ``presets``: name -> ``Preset``, paper-scale models the memory planner knows by name.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    layer_kinds: Mapping[str, str]
+    lora_targets: Mapping[str, list[str]]
+    tiny_configs: Mapping[str, dict[str, Any]]
+    presets: Mapping[str, Preset] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        served = set(self.model_types)
+        for table in ("lora_targets", "tiny_configs"):
+            unknown = sorted(set(getattr(self, table)) - served)
+            if unknown:
+                raise ValueError(
+                    f"family {self.name!r}: {table} for model types {unknown} "
+                    f"it does not serve {self.model_types}"
+                )
+        for preset_name, preset in self.presets.items():
+            if preset.model_type not in served:
+                raise ValueError(
+                    f"family {self.name!r}: preset {preset_name!r} has model type "
+                    f"{preset.model_type!r}, not one of {self.model_types}"
+                )
+        fields = {"attention", "recurrent", "latent"}
+        bad = sorted(set(self.layer_kinds.values()) - fields)
+        if bad:
+            raise ValueError(
+                f"family {self.name!r}: layer kinds placed by {bad}; offload "
+                f"fields are {sorted(fields)}"
+            )

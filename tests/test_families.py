@@ -1,0 +1,74 @@
+"""Model families: each adapter module's ``FAMILY`` is the one place its knowledge lives, and
+the tables other modules read are views of the registry."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from longstraw_core.config import DEFAULT_LORA_TARGETS
+from longstraw_core.offload import LAYER_TYPES
+from longstraw_core.plan.model import PRESETS, Preset
+from longstraw_core.tiny_models import TINY_CONFIGS
+from model_adapters import dense, glm52, qwen36, registry, supported_model_types
+from model_adapters.base import ModelAdapter
+from model_adapters.family import ModelFamily
+
+
+def test_each_shipped_family_is_declared_by_its_adapter_module() -> None:
+    families = registry.families()
+    assert [f.name for f in families] == ["dense", "qwen36", "glm52"]
+    for module, adapter in [
+        (dense, dense.DenseAdapter),
+        (qwen36, qwen36.Qwen36Adapter),
+        (glm52, glm52.GlmMoeDsaAdapter),
+    ]:
+        assert adapter.family is module.FAMILY
+        assert adapter.model_types == module.FAMILY.model_types
+    served = [t for f in families for t in f.model_types]
+    assert sorted(served) == supported_model_types()
+    assert all(registry.family_of(t) is f for f in families for t in f.model_types)
+    assert registry.family_of("gpt2") is None
+
+
+def test_the_former_tables_are_views_of_the_registry() -> None:
+    assert dict(DEFAULT_LORA_TARGETS) == registry.default_lora_targets()
+    assert dict(TINY_CONFIGS) == registry.tiny_configs()
+    assert dict(PRESETS) == registry.presets()
+    assert dict(LAYER_TYPES) == registry.layer_kinds()
+    assert list(PRESETS) == ["Qwen3.6-27B", "GLM-5.2"]
+    assert dict(LAYER_TYPES) == {
+        "full_attention": "attention",
+        "linear_attention": "recurrent",
+        "mla_dsa": "latent",
+    }
+    assert all(isinstance(p, Preset) for p in PRESETS.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_every_tiny_config_builds_its_config_class(model_type: str) -> None:
+    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type])
+    assert config.model_type == model_type
+
+
+def test_a_family_cannot_claim_what_another_declares() -> None:
+    def adapter_of(family: ModelFamily) -> type[ModelAdapter]:
+        return type("Clash", (), {"family": family, "model_types": family.model_types})
+
+    before = (registry.version(), dict(registry._ADAPTERS), list(registry._FAMILIES))
+    taken_type = ModelFamily("x", ("qwen3",), {}, {}, {})
+    taken_preset = ModelFamily(
+        "y", ("new_type",), {}, {}, {}, {"GLM-5.2": Preset("new_type", {}, "")}
+    )
+    moved_kind = ModelFamily("z", ("new_type",), {"mla_dsa": "attention"}, {}, {})
+    for family in (taken_type, taken_preset, moved_kind):
+        with pytest.raises(ValueError):
+            registry.register_adapter(adapter_of(family))
+    assert (registry.version(), dict(registry._ADAPTERS), list(registry._FAMILIES)) == before
+
+
+def test_a_family_declares_only_its_own_model_types() -> None:
+    with pytest.raises(ValueError, match="does not serve"):
+        ModelFamily("x", ("a",), {}, {"b": []}, {})
+    with pytest.raises(ValueError, match="offload fields"):
+        ModelFamily("x", ("a",), {"k": "elsewhere"}, {}, {})
