@@ -10,8 +10,6 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,21 +18,8 @@ from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
 from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from model_adapters.model_functions import RotaryFn, model_rotary_function
 from model_adapters.registry import register_adapter
-
-RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def model_rotary_function(attention: nn.Module) -> RotaryFn:
-    """The ``apply_rotary_pos_emb`` of the module that defines ``attention``'s class.
-
-    Using the model's own function keeps its RoPE variant (partial, interleaved, ...) exact.
-    """
-    module = inspect.getmodule(type(attention))
-    rotary = getattr(module, "apply_rotary_pos_emb", None)
-    if rotary is None:
-        raise TypeError(f"{type(attention).__name__}'s module has no apply_rotary_pos_emb")
-    return rotary
 
 
 def run_full_attention(

@@ -30,8 +30,6 @@ own indexer. The latent is never expanded into per-head keys and values (``docs/
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,9 +39,9 @@ from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
 from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from model_adapters.model_functions import RotaryFn, model_function
 from model_adapters.registry import register_adapter
 
-RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]
 
 # Elements of scratch per block (indexer scores, gathered latent rows): ~16 MB in fp32.
@@ -58,14 +56,6 @@ _INDEXER_ROPE = {
 def work_elements() -> int:
     """``_WORK_ELEMENTS`` as it is now (read when called: tests patch it), for the planner."""
     return _WORK_ELEMENTS
-
-
-def _module_function(module: nn.Module, name: str) -> RotaryFn:
-    """A function of the transformers module that defines ``module``'s class (its own RoPE)."""
-    function = getattr(inspect.getmodule(type(module)), name, None)
-    if function is None:
-        raise TypeError(f"the module of {type(module).__name__} has no {name}")
-    return function
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -457,8 +447,8 @@ class GlmMoeDsaAdapter(ModelAdapter):
         base = kv_b_proj.get_base_layer() if hasattr(kv_b_proj, "get_base_layer") else kv_b_proj
         if getattr(base, "bias", None) is not None:
             raise ValueError("kv_b_proj has a bias; weight absorption assumes none (as in GLM-5)")
-        self.rope = _module_function(first, "apply_rotary_pos_emb_interleave")
-        self.index_rope = _module_function(first, _INDEXER_ROPE[config.model_type])
+        self.rope = model_function(type(first), "apply_rotary_pos_emb_interleave")
+        self.index_rope = model_function(type(first), _INDEXER_ROPE[config.model_type])
 
     def new_layer_states(
         self, capacity: int, offload: OffloadPolicy | None = None

@@ -42,7 +42,6 @@ and the packages are present.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,8 @@ from longstraw_core.state import (
     RecurrentState,
 )
 from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records, writes_only
-from model_adapters.dense import RotaryFn, attend_with_state, model_rotary_function
+from model_adapters.dense import attend_with_state
+from model_adapters.model_functions import RotaryFn, model_function, model_rotary_function
 from model_adapters.registry import register_adapter
 
 LINEAR_ATTENTION = "linear_attention"
@@ -101,24 +101,6 @@ class DeltaNetKernels:
     def rule_for(self, length: int) -> DeltaRuleFn:
         """The delta-rule kernel for a span of ``length`` positions."""
         return self.step if length == 1 and self.step is not None else self.delta_rule
-
-
-@functools.cache
-def _model_function(deltanet_class: type, name: str) -> Callable:
-    """The pure-torch ``name`` of the module that defines ``deltanet_class``.
-
-    transformers wraps these functions so that they call flash-linear-attention or
-    causal-conv1d whenever the package is importable, even for CPU tensors; unwrapping gives
-    back the reference function, and the choice of kernel is made here instead.
-    """
-    module = inspect.getmodule(deltanet_class)
-    function = getattr(module, name, None)
-    if function is None:
-        raise TypeError(f"{deltanet_class.__name__}'s module has no {name}")
-    function = inspect.unwrap(function)
-    if function.__module__ != module.__name__:
-        raise TypeError(f"could not find the pure-torch {name} of {module.__name__}")
-    return function
 
 
 @functools.cache
@@ -188,9 +170,9 @@ def deltanet_kernels(
     pure-torch path steps single tokens with the model's recurrent function (the chunked
     one would pad each token to a whole chunk); fla's chunk kernel takes them as they come.
     """
-    conv, conv_name = _model_function(type(deltanet), "causal_conv1d_fn"), "torch"
-    rule = _model_function(type(deltanet), "torch_chunk_gated_delta_rule")
-    step = _model_function(type(deltanet), "torch_recurrent_gated_delta_rule")
+    conv, conv_name = model_function(type(deltanet), "causal_conv1d_fn", pure=True), "torch"
+    rule = model_function(type(deltanet), "torch_chunk_gated_delta_rule", pure=True)
+    step = model_function(type(deltanet), "torch_recurrent_gated_delta_rule", pure=True)
     rule_name = "torch"
     if device.type == "cuda":
         package_conv = _causal_conv1d_package()
