@@ -185,7 +185,6 @@ class ModelAdapter(ShardedPasses, ABC):
         """Empty per-layer records sized for ``capacity`` prompt positions, each allocated
         where ``offload`` keeps its layer type (``longstraw_core.offload.home_options``)."""
 
-    @abstractmethod
     def run_layers(
         self,
         hidden: torch.Tensor,
@@ -198,14 +197,48 @@ class ModelAdapter(ShardedPasses, ABC):
         Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
         span to their own records and see the prefix plus every position they hold. Each
-        layer's work goes through ``call_layer``, with the record it reads; the records come
-        from ``layer_records``.
+        layer's work (``layer_work``) goes through ``call_layer``, with the record it reads;
+        the records come from ``layer_records``.
 
         Returns the last layer's output, or ``None`` for a span that writes (a prefill chunk
         or its recompute): nothing reads that output, so the last layer computes only the
         state it writes (``writes_only``), which skips its MLP and, for attention, the
         queries' attention and output projection.
         """
+        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        carried = None
+        with self.layer_records(state, span) as records:
+            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
+            for index, (layer, record, branch_record) in enumerate(layers):
+                work = self.layer_work(
+                    index, layer, position_embeddings, record, span, branch_record,
+                    writes_only(span, index, self.decoder.layers), carried,
+                )  # fmt: skip
+                hidden, carried = self.layer_result(self.call_layer(layer, work, hidden, record))
+        return hidden
+
+    @abstractmethod
+    def layer_work(
+        self,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: Any,
+        span: Span,
+        branch_record: BranchRecord | None,
+        state_only: bool,
+        carried: Any,
+    ) -> Callable[[torch.Tensor], Any]:
+        """Decoder layer ``index``'s work as ``fn(hidden)`` (for ``call_layer``): it reads
+        ``record`` (and ``branch_record`` when decoding) at ``span``; ``state_only``: only
+        write the state (``writes_only``). ``carried``: what the previous layer's work passed
+        on (``layer_result``; ``None`` for the first layer). Everything but ``hidden`` is bound
+        now, so backward's recompute runs the same work."""
+
+    def layer_result(self, output: Any) -> tuple[torch.Tensor, Any]:
+        """A layer's work ``output`` as its hidden states and what it carries to the next
+        layer's work; by default the output is the hidden states and carries nothing."""
+        return output, None
 
     def layer_records(
         self, state: PrefixState, span: Span

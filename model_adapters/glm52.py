@@ -30,6 +30,7 @@ own indexer. The latent is never expanded into per-head keys and values (``docs/
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,8 +38,8 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
-from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from longstraw_core.state import BranchLatent, LatentKV
+from model_adapters.base import ModelAdapter, Span
 from model_adapters.model_functions import RotaryFn, model_function
 from model_adapters.registry import register_adapter
 
@@ -471,33 +472,37 @@ class GlmMoeDsaAdapter(ModelAdapter):
             )
         return records
 
-    def run_layers(
+    def layer_work(
         self,
-        hidden: torch.Tensor,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: PositionEmbeddings,
+        record: LatentKV,
         span: Span,
-        state: PrefixState,
-        branch: BranchCache | None = None,
-    ) -> torch.Tensor:
-        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        branch_record: BranchLatent | None,
+        state_only: bool,
+        carried: torch.Tensor | None,
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """The layer's work; ``carried``: the previous layer's DSA selection."""
         # Dense when the last query of the span sees no more than index_topk positions.
         dense = self.config.index_topk >= span.start + span.length
-        selection = None
-        with self.layer_records(state, span) as records:
-            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
-            for index, (layer, record, branch_record) in enumerate(layers):
-                work = functools.partial(
-                    self.decoder_layer,
-                    layer,
-                    position_embeddings,
-                    record,
-                    span,
-                    selection,
-                    dense,
-                    branch_record,
-                    writes_only(span, index, self.decoder.layers),
-                )
-                hidden, selection = self.call_layer(layer, work, hidden, record)
-        return hidden
+        return functools.partial(
+            self.decoder_layer,
+            layer,
+            position_embeddings,
+            record,
+            span,
+            carried,
+            dense,
+            branch_record,
+            state_only,
+        )
+
+    def layer_result(
+        self, output: tuple[torch.Tensor | None, torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's output and its DSA selection, which the next layer receives."""
+        return output
 
     def decoder_layer(
         self,

@@ -53,13 +53,12 @@ from torch import nn
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import (
     AttentionKV,
-    BranchCache,
     BranchKV,
     BranchRecurrent,
     PrefixState,
     RecurrentState,
 )
-from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records, writes_only
+from model_adapters.base import ModelAdapter, Span, as_token_ids
 from model_adapters.dense import attend_with_state
 from model_adapters.model_functions import RotaryFn, model_function, model_rotary_function
 from model_adapters.registry import register_adapter
@@ -394,29 +393,21 @@ class Qwen36Adapter(ModelAdapter):
             records.append(record)
         return records
 
-    def run_layers(
+    def layer_work(
         self,
-        hidden: torch.Tensor,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: AttentionKV | RecurrentState,
         span: Span,
-        state: PrefixState,
-        branch: BranchCache | None = None,
-    ) -> torch.Tensor:
-        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        with self.layer_records(state, span) as records:
-            layers = zip(
-                self.decoder.layers,
-                self.layer_types,
-                records,
-                branch_records(branch, state),
-                strict=True,
-            )
-            for index, (layer, kind, record, branch_record) in enumerate(layers):
-                work = functools.partial(
-                    self.decoder_layer, layer, kind, position_embeddings, record, span,
-                    branch_record, writes_only(span, index, self.decoder.layers),
-                )  # fmt: skip
-                hidden = self.call_layer(layer, work, hidden, record)
-        return hidden
+        branch_record: BranchKV | BranchRecurrent | None,
+        state_only: bool,
+        carried: None,
+    ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        return functools.partial(
+            self.decoder_layer, layer, self.layer_types[index], position_embeddings, record,
+            span, branch_record, state_only,
+        )  # fmt: skip
 
     def decoder_layer(
         self,
