@@ -2,9 +2,10 @@
 
 An adapter wraps a transformers causal LM (plain or PEFT-wrapped) and reuses its modules and
 parameter names, so checkpoints, LoRA and sharding keep working; it only drives the
-per-layer computation with an explicit ``PrefixState``. Subclasses implement three hooks:
-which state each layer keeps (``new_layer_states``), how one decoder layer runs over a span
-of positions (``run_layers``), and optional model checks (``check_model``).
+per-layer computation with an explicit ``PrefixState``. ``run_layers`` is the loop over the
+decoder layers; subclasses give which state each layer keeps (``new_layer_states``), one
+decoder layer's work over a span of positions (``layer_work``, with ``layer_result`` when a
+layer passes something on to the next), and optional model checks (``check_model``).
 
 Decoding (``longstraw_core.rollout``) runs the same ``run_layers`` on a batch of branches
 with a ``BranchCache``: each layer reads the shared prefix record and its own branch record.
