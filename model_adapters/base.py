@@ -1,55 +1,34 @@
-"""The adapter contract: prefill a prompt once without autograd, then score branches from it.
+"""The adapter engine: prefill a prompt once without autograd, then score branches from it.
 
 An adapter wraps a transformers causal LM (plain or PEFT-wrapped) and reuses its modules and
 parameter names, so checkpoints, LoRA and sharding keep working; it only drives the
-per-layer computation with an explicit ``PrefixState``. Subclasses implement three hooks:
-which state each layer keeps (``new_layer_states``), how one decoder layer runs over a span
-of positions (``run_layers``), and optional model checks (``check_model``).
+per-layer computation with an explicit ``PrefixState``. ``run_layers`` is the loop over the
+decoder layers; subclasses give which state each layer keeps (``new_layer_states``), one
+decoder layer's work over a span of positions (``layer_work``, with ``layer_result`` when a
+layer passes something on to the next), and optional model checks (``check_model``).
 
 Decoding (``longstraw_core.rollout``) runs the same ``run_layers`` on a batch of branches
 with a ``BranchCache``: each layer reads the shared prefix record and its own branch record.
 Scoring is the one-branch case without a cache: the branch's positions are the span itself.
 
-Sharding. ``run_layers`` drives a decoder layer's submodules, never the layer itself, so a
-sharded model (``longstraw_core.distributed.shard_model``) could not see where a layer's work
-starts and ends. Every layer's work therefore goes through ``call_layer`` and every pass over
-the model through ``_call_model``: plain calls in one process, the layer's and the root's
-registered FSDP forward methods when sharded. Ranks of a sharded model must also run the same
-number of passes of each kind (their collectives pair up), so the loops whose length depends
-on the data go through ``in_step``, which pads a rank's share with idle passes.
-
-Offload. ``prefill(..., offload=OffloadPolicy(...))`` keeps chosen layer types' state in CPU
-memory; ``run_layers`` takes each pass's records from ``layer_records``, which streams those
-layers to the device one at a time (``longstraw_core.offload``) and is ``state.layers``
-itself when nothing is offloaded.
-
-Activation checkpointing. With ``adapter.activation_checkpointing = True``, the passes that
-run with autograd (``score`` with grad enabled, and each chunk recompute of exact mode's
-``backprop_prompt``) wrap every decoder layer's work in ``torch.utils.checkpoint`` (the
-non-reentrant variant): the graph keeps only each layer's input, and backward recomputes one
-layer at a time. ``call_layer`` applies it inside the layer's work, so on a sharded model it
-runs inside the layer's FSDP forward method (torchtitan's order: FSDP gathers, then the
-checkpointed work). The recompute reads the layer's record through a ``LayerRecord`` that
-``layer_records`` hands out for those passes: its writes (a recomputed chunk's keys/values
-handed to the sweep, a recurrent state's update) are dropped, since the first run made them;
-an offloaded record's device copy, released after the layer's forward, goes into the
-checkpoint as an input, so the offload stream's saved-tensor hooks keep a handle to it and
-fetch it again when backward recomputes that layer. Gradients are unchanged: the recomputed
-forward only rebuilds the saved tensors of the first one's graph, whose nodes (with exact
-mode's ``dS`` sinks) are the ones backward runs.
+Every layer's work goes through ``call_layer`` and every pass over the model through
+``_call_model``, which run as FSDP forwards on a sharded model (``model_adapters.parallel``).
+``layer_records`` hands each pass its records: streamed to the device one layer at a time for
+offloaded layer types (``longstraw_core.offload``), and, with ``activation_checkpointing`` in
+a pass with autograd, wrapped for backward's layer recompute (``model_adapters.recompute``).
+``score``'s LM head runs in row chunks (``model_adapters.lm_head``); input checks are in
+``model_adapters.validation``. This module re-exports the names callers import from it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,16 +37,41 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from longstraw_core.exact import Produced, StateGrad, exact_state
-from longstraw_core.kinds.forwarding import ForwardedReads
 from longstraw_core.offload import OffloadPolicy, stream_layers
 from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 from model_adapters.family import ModelFamily
+from model_adapters.lm_head import head_chunk as _head_chunk
+from model_adapters.lm_head import head_log_probs, head_width, rows_per_chunk
+from model_adapters.parallel import Item, Parallel, ShardedPasses
+from model_adapters.recompute import LayerRecord, recomputable
+from model_adapters.recompute import checkpointed as _checkpointed
+from model_adapters.validation import (
+    as_token_ids,
+    check_decode_inputs,
+    check_positions,
+    check_prefill_options,
+    check_state,
+)
+
+__all__ = [
+    "HEAD_CHUNK_ELEMENTS",
+    "Item",
+    "LayerRecord",
+    "ModelAdapter",
+    "Parallel",
+    "Span",
+    "as_token_ids",
+    "branch_records",
+    "head_rows",
+    "token_progress",
+    "unwrap_causal_lm",
+    "writes_only",
+]
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
-Item = TypeVar("Item")
 # ``score`` runs the LM head in row chunks of at most this many logits (``[rows, vocab]``, at
 # least one row): about 256 MB in float32, instead of ``[T, vocab]`` for the whole branch
-# (2 GB per copy for 2048 tokens of a 248K vocabulary). See ``_head_log_probs``.
+# (2 GB per copy for 2048 tokens of a 248K vocabulary). Read when called (tests patch it).
 HEAD_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -125,58 +129,25 @@ def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     return base
 
 
-def as_token_ids(ids: torch.Tensor | Sequence[int], name: str, vocab_size: int) -> torch.Tensor:
-    """Validate a 1-D sequence of token ids; errors name the argument and the fix."""
-    ids = torch.as_tensor(ids)
-    if ids.dim() != 1:
-        raise ValueError(
-            f"{name} must be a 1-D tensor of token ids (one sequence), got shape "
-            f"{tuple(ids.shape)}; pass ids[0] for a batch of one"
-        )
-    if ids.numel() == 0:
-        raise ValueError(f"{name} is empty: it needs at least one token")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
-            "was it tokenized with another tokenizer?"
-        )
-    return ids.long()
+def head_rows(tokens: int, vocab: int) -> int:
+    """Rows per chunk of ``score``'s LM head: as few chunks as ``HEAD_CHUNK_ELEMENTS``
+    allows (one row at least), of equal size but the last."""
+    return rows_per_chunk(tokens, vocab, HEAD_CHUNK_ELEMENTS)
 
 
-class Parallel(Protocol):
-    """How a sharded model runs; ``longstraw_core.distributed.shard_model`` puts one on
-    ``ModelAdapter.parallel``."""
-
-    param_dtype: torch.dtype | None  # the dtype layers compute in, when it is not the params'
-
-    def run_model(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` as the root module's forward."""
-
-    def run_layer(
-        self,
-        layer: nn.Module,
-        fn: Callable[[torch.Tensor], Any],
-        hidden: torch.Tensor,
-        produced: Produced | None,
-    ) -> Any:
-        """``fn(hidden)`` as ``layer``'s forward; ``produced``: exact mode's recompute list."""
-
-    def most(self, count: int) -> int:
-        """The largest ``count`` over the ranks."""
-
-    def everywhere(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank."""
-
-    def reshard(self) -> None:
-        """Free every gathered parameter (the next pass gathers the current values)."""
+def _head_log_probs(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``score``'s LM head over ``hidden`` ``[T, width]`` in ``head_rows`` row chunks
+    (``model_adapters.lm_head.head_log_probs``), with this module's chunk and checkpoint."""
+    rows = head_rows(len(hidden), head_width(head, hidden))
+    return head_log_probs(head, hidden, targets, with_entropy, rows, _head_chunk, checkpoint)
 
 
-class ModelAdapter(ABC):
-    """Prefill once, score many branches: the per-architecture engine behind LongStraw."""
+class ModelAdapter(ShardedPasses, ABC):
+    """Prefill once, score many branches: the per-architecture engine behind LongStraw.
+
+    ``parallel`` and the passes over a sharded model come from ``ShardedPasses``."""
 
     # The family this adapter serves (``model_adapters.family``): the model types and what
     # config, tiny models, planner and offload read about them. ``model_types`` repeats the
@@ -186,8 +157,6 @@ class ModelAdapter(ABC):
     # The decoder's RMSNorm: Llama's ``weight * x.to(dtype)`` (True), or Qwen3.5's
     # ``(x * (1 + weight)).to(dtype)`` in fp32 (False). The planner sizes saved norms by it.
     llama_norm: ClassVar[bool] = True
-    # Set by ``longstraw_core.distributed.shard_model``. None: one process, plain calls.
-    parallel: Parallel | None = None
     # Recompute each decoder layer in backward instead of keeping its activations, in the
     # passes with autograd (``score`` with grad enabled, ``backprop_prompt``): a branch's
     # graph keeps one ``[T, hidden]`` input per layer plus one layer's graph during backward,
@@ -225,7 +194,6 @@ class ModelAdapter(ABC):
         """Empty per-layer records sized for ``capacity`` prompt positions, each allocated
         where ``offload`` keeps its layer type (``longstraw_core.offload.home_options``)."""
 
-    @abstractmethod
     def run_layers(
         self,
         hidden: torch.Tensor,
@@ -238,14 +206,48 @@ class ModelAdapter(ABC):
         Without ``branch`` (prefill, scoring, exact recompute) ``B`` is 1 and a branch span
         sees the prefix and itself. With ``branch`` (decoding), ``B`` branches each append the
         span to their own records and see the prefix plus every position they hold. Each
-        layer's work goes through ``call_layer``, with the record it reads; the records come
-        from ``layer_records``.
+        layer's work (``layer_work``) goes through ``call_layer``, with the record it reads;
+        the records come from ``layer_records``.
 
         Returns the last layer's output, or ``None`` for a span that writes (a prefill chunk
         or its recompute): nothing reads that output, so the last layer computes only the
         state it writes (``writes_only``), which skips its MLP and, for attention, the
         queries' attention and output projection.
         """
+        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        carried = None
+        with self.layer_records(state, span) as records:
+            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
+            for index, (layer, record, branch_record) in enumerate(layers):
+                work = self.layer_work(
+                    index, layer, position_embeddings, record, span, branch_record,
+                    writes_only(span, index, self.decoder.layers), carried,
+                )  # fmt: skip
+                hidden, carried = self.layer_result(self.call_layer(layer, work, hidden, record))
+        return hidden
+
+    @abstractmethod
+    def layer_work(
+        self,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: Any,
+        span: Span,
+        branch_record: BranchRecord | None,
+        state_only: bool,
+        carried: Any,
+    ) -> Callable[[torch.Tensor], Any]:
+        """Decoder layer ``index``'s work as ``fn(hidden)`` (for ``call_layer``): it reads
+        ``record`` (and ``branch_record`` when decoding) at ``span``; ``state_only``: only
+        write the state (``writes_only``). ``carried``: what the previous layer's work passed
+        on (``layer_result``; ``None`` for the first layer). Everything but ``hidden`` is bound
+        now, so backward's recompute runs the same work."""
+
+    def layer_result(self, output: Any) -> tuple[torch.Tensor, Any]:
+        """A layer's work ``output`` as its hidden states and what it carries to the next
+        layer's work; by default the output is the hidden states and carries nothing."""
+        return output, None
 
     def layer_records(
         self, state: PrefixState, span: Span
@@ -256,7 +258,7 @@ class ModelAdapter(ABC):
         records = stream_layers(state, span.start if span.write else None, self.device)
         if not self._checkpoints_layers():
             return records
-        return _recomputable(records, state.layers)
+        return recomputable(records, state.layers)
 
     def call_layer(
         self,
@@ -339,16 +341,7 @@ class ModelAdapter(ABC):
         a branch is the prompt's last token (``state.last_token``). Runs with whatever
         autograd mode is active (rollout: ``no_grad``).
         """
-        if branch.prefix_length != state.length:
-            raise ValueError(
-                f"branch cache was made for a prefix of {branch.prefix_length} positions, "
-                f"not this state's {state.length}; use adapter.new_branch_cache(state, ...)"
-            )
-        if input_ids.dim() != 2 or input_ids.shape[0] != branch.batch:
-            raise ValueError(
-                f"input_ids must be [{branch.batch}, T] for a cache of {branch.batch} branches, "
-                f"got {tuple(input_ids.shape)}"
-            )
+        check_decode_inputs(state, branch, input_ids)
         span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
 
         def step() -> torch.Tensor:
@@ -382,10 +375,7 @@ class ModelAdapter(ABC):
         mode's sweep reuses (``PrefixState.keep_attention_outputs``).
         """
         prompt_ids = as_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        if checkpoints not in (None, "device", "cpu"):
-            raise ValueError(f"checkpoints must be None, 'device' or 'cpu', got {checkpoints!r}")
+        check_prefill_options(chunk_size, checkpoints)
         offload = OffloadPolicy.parse(offload)
         self._check_positions(len(prompt_ids), 0)
         prompt_ids = prompt_ids.to(self.device)
@@ -509,278 +499,11 @@ class ModelAdapter(ABC):
         recompute, handed to the sweep)."""
         self.run_layers(self.embed_tokens(chunk[None]), span, state)
 
-    # --- sharded models: passes over the model, ranks in step --------------------------------
-
-    def _call_model(self, fn: Callable[[], Any]) -> Any:
-        """``fn()``, one pass over the model; on a sharded model it runs as the root module's
-        FSDP forward, which gathers the parameters outside the decoder layers."""
-        if self.parallel is None:
-            return fn()
-        return self.parallel.run_model(fn)
-
-    def in_step(self, items: Sequence[Item]) -> Iterator[Item | None]:
-        """``items``, then ``None`` while another rank still has items of this kind.
-
-        FSDP gathers and reduces parameters with collectives that every rank must join, so the
-        ranks of a sharded model run the same number of passes of each kind (prefill chunks,
-        replayed branches, sweep chunks) even when their groups differ. The most any rank has
-        is agreed before the first item; a ``None`` asks the caller for an idle pass of the
-        same kind (``idle_forward``, ``idle_branch``, a zero-gradient chunk recompute). In one
-        process: just ``items``.
-        """
-        extra = 0 if self.parallel is None else self.parallel.most(len(items)) - len(items)
-        yield from items
-        yield from itertools.repeat(None, extra)
-
-    def idle_forward(self) -> None:
-        """A pass that computes nothing and joins the collectives of a no-grad pass (a prefill
-        chunk, a decoding step, a reference score)."""
-        self._call_model(
-            lambda: [self.call_layer(layer, _nothing, None) for layer in self.decoder.layers]
-        )
-
-    def idle_branch(self, state: PrefixState, state_grad: StateGrad | None = None) -> None:
-        """A branch of weight zero: a one-token replay from ``state`` and its backward. Its
-        collectives are a replayed branch's (the same parameters gathered and reduced, in the
-        same order); it adds zeros to the gradients (and to ``state_grad``)."""
-        logps = self.score(state, state.last_token, state_grad=state_grad)
-        (logps.sum() * 0.0).backward()
-
-    def everywhere(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank of a sharded model (in one process: ``flag``);
-        a loop that stops on it stops on every rank at once."""
-        return flag if self.parallel is None else self.parallel.everywhere(flag)
-
-    def release_parameters(self) -> None:
-        """Free the parameters a sharded model still holds gathered (FSDP keeps the root's and
-        the last layer's after a no-grad pass), so that an optimizer step cannot leave them
-        stale. A backward frees them too. No-op in one process."""
-        if self.parallel is not None:
-            self.parallel.reshard()
-
     # --- checks -----------------------------------------------------------------------------
 
     def check_state(self, state: PrefixState) -> None:
-        if not isinstance(state, PrefixState):
-            raise ValueError(f"state must be a PrefixState from adapter.prefill, got {type(state)}")
-        if state.owner != self.owner_id:
-            raise ValueError(
-                "state was prefilled by another model; prefill the prompt with this adapter "
-                "(states cannot be shared between models)"
-            )
-        if state.device != self.device:
-            raise ValueError(
-                f"state is on {state.device} but the model is on {self.device}; "
-                f"move it with state.to({str(self.device)!r})"
-            )
+        """Refuse a state of another model, or on another device (``validation.check_state``)."""
+        check_state(state, self.owner_id, self.device)
 
     def _check_positions(self, prompt_length: int, response_length: int) -> None:
-        limit = self.max_positions
-        total = prompt_length + response_length
-        if limit is not None and total > limit:
-            raise ValueError(
-                f"prompt ({prompt_length} tokens) + response ({response_length} tokens) = "
-                f"{total} positions exceeds the model's limit of {limit} "
-                "(config.max_position_embeddings); shorten the prompt or use a model "
-                "configured for longer contexts"
-            )
-
-
-def _nothing(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
-
-
-# --- the LM head in row chunks -------------------------------------------------------------------
-
-
-def head_rows(tokens: int, vocab: int) -> int:
-    """Rows per chunk of ``score``'s LM head: as few chunks as ``HEAD_CHUNK_ELEMENTS``
-    allows (one row at least), of equal size but the last."""
-    limit = max(1, HEAD_CHUNK_ELEMENTS // max(vocab, 1))
-    chunks = max(1, -(-tokens // limit))
-    return -(-tokens // chunks)
-
-
-def _head_log_probs(
-    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log p(targets[t])`` ``[T]`` from the final normed ``hidden`` ``[T, width]``, and the
-    detached entropy of each distribution (``with_entropy``; else ``None``).
-
-    The logits ``[T, vocab]`` are computed ``head_rows`` rows at a time, so only one chunk's
-    are alive. With autograd and more than one chunk, each chunk runs under non-reentrant
-    ``torch.utils.checkpoint``: its graph keeps only its input rows (views of ``hidden``) and
-    backward recomputes its logits, one chunk at a time; a single chunk runs plainly (no
-    recompute), as do chunks without autograd. The math is the unchunked one, row by row.
-    """
-    rows = head_rows(len(hidden), _head_width(head, hidden))
-    if rows >= len(hidden):
-        return _head_chunk(head, with_entropy, hidden, targets)
-    recompute = torch.is_grad_enabled()
-    pieces = []
-    for rows_hidden, rows_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
-        if recompute:
-            pieces.append(_checkpointed_head_chunk(head, with_entropy, rows_hidden, rows_targets))
-        else:
-            pieces.append(_head_chunk(head, with_entropy, rows_hidden, rows_targets))
-    logps = torch.cat([logps for logps, _ in pieces])
-    entropy = torch.cat([entropy for _, entropy in pieces]) if with_entropy else None
-    return logps, entropy
-
-
-def _head_width(head: nn.Module, hidden: torch.Tensor) -> int:
-    """The number of logits ``head`` computes per row (its ``out_features``, or a probe's)."""
-    out = getattr(head, "out_features", None)
-    if isinstance(out, int):
-        return out
-    with torch.no_grad():
-        return head(hidden[:1]).shape[-1]
-
-
-def _head_chunk(
-    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of rows: ``log_softmax`` in ``promote_types(logits, float32)``, gathered
-    at ``targets``; the entropy under ``no_grad``. The logits and their promoted copy are
-    temporaries (freed as soon as ``log_softmax`` has run)."""
-    log_probs = torch.log_softmax(_promoted(head(hidden)), -1)
-    logps = log_probs.gather(-1, targets[:, None])[:, 0]
-    if not with_entropy:
-        return logps, None
-    with torch.no_grad():
-        product = log_probs.exp()
-        entropy = -product.mul_(log_probs).sum(-1)
-    return logps, entropy
-
-
-def _promoted(logits: torch.Tensor) -> torch.Tensor:
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
-def _checkpointed_head_chunk(
-    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_head_chunk`` under non-reentrant checkpointing: backward recomputes the chunk's
-    logits and ``log_softmax`` (not its entropy, which the first run returned)."""
-    calls = 0
-
-    def run(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        nonlocal calls
-        calls += 1
-        return _head_chunk(head, with_entropy and calls == 1, hidden, targets)
-
-    return checkpoint(run, hidden, targets, use_reentrant=False)
-
-
-# --- activation checkpointing --------------------------------------------------------------------
-
-
-class LayerRecord(ForwardedReads):
-    """One layer's record in a pass whose layers are checkpointed (``layer_records``).
-
-    Reads (the kinds' declared reads, ``ForwardedReads``) go to the record the pass gave (``record``: the state's own, an exact-mode view,
-    or the offload stream's device copy). Writes go there too, except while backward
-    recomputes the layer (``replaying``): the first run already handed them over, and a
-    second ``update`` of an exact-mode recurrent view would clear the ``dS`` its backward
-    is about to fill. ``streamed``: the record is the stream's short-lived copy (released
-    after the layer's forward), so the recompute reads a copy fetched again instead.
-    """
-
-    def __init__(self, record: Any, home: Any) -> None:
-        self._record = record
-        self._replay: Any = None
-        self.streamed = record is not home
-        self._names: list[str] = []
-        self._fields: dict[str, Any] = {}
-        self._type: type | None = None
-        if self.streamed:
-            home = home.reading()  # the stored record (behind an exact view)
-            reader = record.reading()  # the device copy
-            self._type = type(home)
-            for field in dataclasses.fields(home):
-                if field.init:
-                    value = getattr(reader, field.name)
-                    if isinstance(value, torch.Tensor):
-                        self._names.append(field.name)
-                    else:
-                        self._fields[field.name] = value
-
-    def _reads_target(self) -> Any:
-        return self._replay if self._replay is not None else self._record
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """A streamed record's tensors (the device copy), for the checkpoint to keep: the
-        offload hooks turn them into handles and fetch them again for the recompute."""
-        if not self.streamed:
-            return ()
-        reader = self._record.reading()
-        return tuple(getattr(reader, name) for name in self._names)
-
-    @contextmanager
-    def replaying(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Reads from ``tensors`` (the streamed copy fetched again) or the record itself,
-        writes dropped, while backward recomputes the layer."""
-        target = self._record
-        if self.streamed:
-            copy = self._type(**self._fields, **dict(zip(self._names, tensors, strict=True)))
-            target = self._record.with_record(copy)
-        self._replay = target
-        try:
-            yield
-        finally:
-            self._replay = None
-
-    def write(self, *args: Any) -> None:
-        if self._replay is None:
-            self._record.write(*args)
-
-    def update(self, *args: Any) -> None:
-        if self._replay is None:
-            self._record.update(*args)
-
-    def write_output(self, *args: Any) -> None:
-        self._reads_target().write_output(*args)
-
-
-class _RecomputableRecords:
-    """The records of a checkpointed pass, each as a ``LayerRecord`` (iterated once)."""
-
-    def __init__(self, records: Sequence[Any], homes: Sequence[Any]) -> None:
-        self.records, self.homes = records, homes
-
-    def __len__(self) -> int:
-        return len(self.homes)
-
-    def __iter__(self) -> Iterator[LayerRecord]:
-        for record, home in zip(self.records, self.homes, strict=True):
-            yield LayerRecord(record, home)
-
-
-@contextmanager
-def _recomputable(
-    records: AbstractContextManager[Sequence[Any]], homes: Sequence[Any]
-) -> Iterator[_RecomputableRecords]:
-    with records as layers:
-        yield _RecomputableRecords(layers, homes)
-
-
-def _checkpointed(
-    fn: Callable[[torch.Tensor], Any], record: LayerRecord, hidden: torch.Tensor
-) -> Any:
-    """``fn(hidden)`` under non-reentrant activation checkpointing.
-
-    The first call is the forward; a later one is backward's recompute, which reads
-    ``record`` replayed (writes dropped; a streamed record from its copy fetched again,
-    which the checkpoint received as inputs).
-    """
-    calls = 0
-
-    def run(hidden: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return fn(hidden)
-        with record.replaying(tensors):
-            return fn(hidden)
-
-    return checkpoint(run, hidden, *record.tensors(), use_reentrant=False)
+        check_positions(self.max_positions, prompt_length, response_length)

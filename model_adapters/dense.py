@@ -10,7 +10,6 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +18,10 @@ from torch import nn
 
 from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import AttentionKV, BranchCache, BranchKV, PrefixState
-from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from longstraw_core.state import AttentionKV, BranchKV
+from model_adapters.base import ModelAdapter, Span
 from model_adapters.family import ModelFamily
+from model_adapters.model_functions import RotaryFn, model_rotary_function
 from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -61,20 +61,6 @@ FAMILY = ModelFamily(
         "qwen2": dict(TINY_DENSE),
     },
 )
-
-RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def model_rotary_function(attention: nn.Module) -> RotaryFn:
-    """The ``apply_rotary_pos_emb`` of the module that defines ``attention``'s class.
-
-    Using the model's own function keeps its RoPE variant (partial, interleaved, ...) exact.
-    """
-    module = inspect.getmodule(type(attention))
-    rotary = getattr(module, "apply_rotary_pos_emb", None)
-    if rotary is None:
-        raise TypeError(f"{type(attention).__name__}'s module has no apply_rotary_pos_emb")
-    return rotary
 
 
 def run_full_attention(
@@ -196,23 +182,20 @@ class DenseAdapter(ModelAdapter):
             )
         return records
 
-    def run_layers(
+    def layer_work(
         self,
-        hidden: torch.Tensor,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: AttentionKV,
         span: Span,
-        state: PrefixState,
-        branch: BranchCache | None = None,
-    ) -> torch.Tensor:
-        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        with self.layer_records(state, span) as records:
-            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
-            for index, (layer, record, branch_record) in enumerate(layers):
-                work = functools.partial(
-                    self.decoder_layer, layer, position_embeddings, record, span, branch_record,
-                    writes_only(span, index, self.decoder.layers),
-                )  # fmt: skip
-                hidden = self.call_layer(layer, work, hidden, record)
-        return hidden
+        branch_record: BranchKV | None,
+        state_only: bool,
+        carried: None,
+    ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        return functools.partial(
+            self.decoder_layer, layer, position_embeddings, record, span, branch_record, state_only
+        )
 
     def decoder_layer(
         self,

@@ -30,7 +30,6 @@ own indexer. The latent is never expanded into per-head keys and values (``docs/
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,10 +39,11 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import BranchCache, BranchLatent, LatentKV, PrefixState
-from model_adapters.base import ModelAdapter, Span, branch_records, writes_only
+from longstraw_core.state import BranchLatent, LatentKV
+from model_adapters.base import ModelAdapter, Span
 from model_adapters.dense import MLP_TARGETS
 from model_adapters.family import ModelFamily, Preset
+from model_adapters.model_functions import RotaryFn, model_function
 from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -114,7 +114,7 @@ FAMILY = ModelFamily(
     presets={"GLM-5.2": _GLM52},
 )
 
-RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]
 
 # Elements of scratch per block (indexer scores, gathered latent rows): ~16 MB in fp32.
@@ -129,14 +129,6 @@ _INDEXER_ROPE = {
 def work_elements() -> int:
     """``_WORK_ELEMENTS`` as it is now (read when called: tests patch it), for the planner."""
     return _WORK_ELEMENTS
-
-
-def _module_function(module: nn.Module, name: str) -> RotaryFn:
-    """A function of the transformers module that defines ``module``'s class (its own RoPE)."""
-    function = getattr(inspect.getmodule(type(module)), name, None)
-    if function is None:
-        raise TypeError(f"the module of {type(module).__name__} has no {name}")
-    return function
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -529,8 +521,8 @@ class GlmMoeDsaAdapter(ModelAdapter):
         base = kv_b_proj.get_base_layer() if hasattr(kv_b_proj, "get_base_layer") else kv_b_proj
         if getattr(base, "bias", None) is not None:
             raise ValueError("kv_b_proj has a bias; weight absorption assumes none (as in GLM-5)")
-        self.rope = _module_function(first, "apply_rotary_pos_emb_interleave")
-        self.index_rope = _module_function(first, _INDEXER_ROPE[config.model_type])
+        self.rope = model_function(type(first), "apply_rotary_pos_emb_interleave")
+        self.index_rope = model_function(type(first), _INDEXER_ROPE[config.model_type])
 
     def new_layer_states(
         self, capacity: int, offload: OffloadPolicy | None = None
@@ -553,33 +545,37 @@ class GlmMoeDsaAdapter(ModelAdapter):
             )
         return records
 
-    def run_layers(
+    def layer_work(
         self,
-        hidden: torch.Tensor,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: PositionEmbeddings,
+        record: LatentKV,
         span: Span,
-        state: PrefixState,
-        branch: BranchCache | None = None,
-    ) -> torch.Tensor:
-        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
+        branch_record: BranchLatent | None,
+        state_only: bool,
+        carried: torch.Tensor | None,
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """The layer's work; ``carried``: the previous layer's DSA selection."""
         # Dense when the last query of the span sees no more than index_topk positions.
         dense = self.config.index_topk >= span.start + span.length
-        selection = None
-        with self.layer_records(state, span) as records:
-            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
-            for index, (layer, record, branch_record) in enumerate(layers):
-                work = functools.partial(
-                    self.decoder_layer,
-                    layer,
-                    position_embeddings,
-                    record,
-                    span,
-                    selection,
-                    dense,
-                    branch_record,
-                    writes_only(span, index, self.decoder.layers),
-                )
-                hidden, selection = self.call_layer(layer, work, hidden, record)
-        return hidden
+        return functools.partial(
+            self.decoder_layer,
+            layer,
+            position_embeddings,
+            record,
+            span,
+            carried,
+            dense,
+            branch_record,
+            state_only,
+        )
+
+    def layer_result(
+        self, output: tuple[torch.Tensor | None, torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's output and its DSA selection, which the next layer receives."""
+        return output
 
     def decoder_layer(
         self,

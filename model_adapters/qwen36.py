@@ -42,7 +42,6 @@ and the packages are present.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,22 +53,15 @@ from torch import nn
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import (
     AttentionKV,
-    BranchCache,
     BranchKV,
     BranchRecurrent,
     PrefixState,
     RecurrentState,
 )
-from model_adapters.base import ModelAdapter, Span, as_token_ids, branch_records, writes_only
-from model_adapters.dense import (
-    ATTENTION_TARGETS,
-    MLP_TARGETS,
-    TINY_DENSE,
-    RotaryFn,
-    attend_with_state,
-    model_rotary_function,
-)
+from model_adapters.base import ModelAdapter, Span, as_token_ids
+from model_adapters.dense import ATTENTION_TARGETS, MLP_TARGETS, TINY_DENSE, attend_with_state
 from model_adapters.family import ModelFamily, Preset
+from model_adapters.model_functions import RotaryFn, model_function, model_rotary_function
 from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -213,24 +205,6 @@ class DeltaNetKernels:
 
 
 @functools.cache
-def _model_function(deltanet_class: type, name: str) -> Callable:
-    """The pure-torch ``name`` of the module that defines ``deltanet_class``.
-
-    transformers wraps these functions so that they call flash-linear-attention or
-    causal-conv1d whenever the package is importable, even for CPU tensors; unwrapping gives
-    back the reference function, and the choice of kernel is made here instead.
-    """
-    module = inspect.getmodule(deltanet_class)
-    function = getattr(module, name, None)
-    if function is None:
-        raise TypeError(f"{deltanet_class.__name__}'s module has no {name}")
-    function = inspect.unwrap(function)
-    if function.__module__ != module.__name__:
-        raise TypeError(f"could not find the pure-torch {name} of {module.__name__}")
-    return function
-
-
-@functools.cache
 def _fla_chunk_gated_delta_rule() -> DeltaRuleFn | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -297,9 +271,9 @@ def deltanet_kernels(
     pure-torch path steps single tokens with the model's recurrent function (the chunked
     one would pad each token to a whole chunk); fla's chunk kernel takes them as they come.
     """
-    conv, conv_name = _model_function(type(deltanet), "causal_conv1d_fn"), "torch"
-    rule = _model_function(type(deltanet), "torch_chunk_gated_delta_rule")
-    step = _model_function(type(deltanet), "torch_recurrent_gated_delta_rule")
+    conv, conv_name = model_function(type(deltanet), "causal_conv1d_fn", pure=True), "torch"
+    rule = model_function(type(deltanet), "torch_chunk_gated_delta_rule", pure=True)
+    step = model_function(type(deltanet), "torch_recurrent_gated_delta_rule", pure=True)
     rule_name = "torch"
     if device.type == "cuda":
         package_conv = _causal_conv1d_package()
@@ -523,29 +497,21 @@ class Qwen36Adapter(ModelAdapter):
             records.append(record)
         return records
 
-    def run_layers(
+    def layer_work(
         self,
-        hidden: torch.Tensor,
+        index: int,
+        layer: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        record: AttentionKV | RecurrentState,
         span: Span,
-        state: PrefixState,
-        branch: BranchCache | None = None,
-    ) -> torch.Tensor:
-        position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        with self.layer_records(state, span) as records:
-            layers = zip(
-                self.decoder.layers,
-                self.layer_types,
-                records,
-                branch_records(branch, state),
-                strict=True,
-            )
-            for index, (layer, kind, record, branch_record) in enumerate(layers):
-                work = functools.partial(
-                    self.decoder_layer, layer, kind, position_embeddings, record, span,
-                    branch_record, writes_only(span, index, self.decoder.layers),
-                )  # fmt: skip
-                hidden = self.call_layer(layer, work, hidden, record)
-        return hidden
+        branch_record: BranchKV | BranchRecurrent | None,
+        state_only: bool,
+        carried: None,
+    ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        return functools.partial(
+            self.decoder_layer, layer, self.layer_types[index], position_embeddings, record,
+            span, branch_record, state_only,
+        )  # fmt: skip
 
     def decoder_layer(
         self,

@@ -1,0 +1,113 @@
+"""``score``'s LM head in row chunks: log-probabilities (and entropy) of the targets, with only
+one chunk's logits alive, each chunk recomputed in backward when there are several.
+
+The engine (``model_adapters.base``) owns the budget (``HEAD_CHUNK_ELEMENTS``) and passes the
+chunk function and the checkpoint it uses; this module holds the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+HeadOutput = tuple[torch.Tensor, torch.Tensor | None]
+ChunkFn = Callable[[nn.Module, bool, torch.Tensor, torch.Tensor], HeadOutput]
+
+
+def rows_per_chunk(tokens: int, vocab: int, elements: int) -> int:
+    """Rows per chunk of ``tokens`` rows of ``vocab`` logits: as few chunks as ``elements``
+    logits a chunk allow (one row at least), of equal size but the last."""
+    limit = max(1, elements // max(vocab, 1))
+    chunks = max(1, -(-tokens // limit))
+    return -(-tokens // chunks)
+
+
+def head_width(head: nn.Module, hidden: torch.Tensor) -> int:
+    """The number of logits ``head`` computes per row (its ``out_features``, or a probe's)."""
+    out = getattr(head, "out_features", None)
+    if isinstance(out, int):
+        return out
+    with torch.no_grad():
+        return head(hidden[:1]).shape[-1]
+
+
+def head_log_probs(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    rows: int,
+    chunk: ChunkFn | None = None,
+    run_checkpointed: Callable[..., Any] = checkpoint,
+) -> HeadOutput:
+    """``log p(targets[t])`` ``[T]`` from the final normed ``hidden`` ``[T, width]``, and the
+    detached entropy of each distribution (``with_entropy``; else ``None``).
+
+    The logits ``[T, vocab]`` are computed ``rows`` rows at a time (``chunk``: ``head_chunk``
+    unless given), so only one chunk's are alive. With autograd and more than one chunk, each
+    chunk runs under non-reentrant ``run_checkpointed`` (``torch.utils.checkpoint``): its
+    graph keeps only its input rows (views of ``hidden``) and backward recomputes its logits,
+    one chunk at a time; a single chunk runs plainly (no recompute), as do chunks without
+    autograd. The math is the unchunked one, row by row.
+    """
+    chunk = head_chunk if chunk is None else chunk
+    if rows >= len(hidden):
+        return chunk(head, with_entropy, hidden, targets)
+    recompute = torch.is_grad_enabled()
+    pieces = []
+    for rows_hidden, rows_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
+        if recompute:
+            pieces.append(
+                _checkpointed_chunk(
+                    chunk, run_checkpointed, head, with_entropy, rows_hidden, rows_targets
+                )
+            )
+        else:
+            pieces.append(chunk(head, with_entropy, rows_hidden, rows_targets))
+    logps = torch.cat([logps for logps, _ in pieces])
+    entropy = torch.cat([entropy for _, entropy in pieces]) if with_entropy else None
+    return logps, entropy
+
+
+def head_chunk(
+    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
+) -> HeadOutput:
+    """One chunk of rows: ``log_softmax`` in ``promote_types(logits, float32)``, gathered
+    at ``targets``; the entropy under ``no_grad``. The logits and their promoted copy are
+    temporaries (freed as soon as ``log_softmax`` has run)."""
+    log_probs = torch.log_softmax(_promoted(head(hidden)), -1)
+    logps = log_probs.gather(-1, targets[:, None])[:, 0]
+    if not with_entropy:
+        return logps, None
+    with torch.no_grad():
+        product = log_probs.exp()
+        entropy = -product.mul_(log_probs).sum(-1)
+    return logps, entropy
+
+
+def _promoted(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _checkpointed_chunk(
+    chunk: ChunkFn,
+    run_checkpointed: Callable[..., Any],
+    head: nn.Module,
+    with_entropy: bool,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+) -> HeadOutput:
+    """``chunk`` under non-reentrant checkpointing: backward recomputes the chunk's logits and
+    ``log_softmax`` (not its entropy, which the first run returned)."""
+    calls = 0
+
+    def run(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        nonlocal calls
+        calls += 1
+        return chunk(head, with_entropy and calls == 1, hidden, targets)
+
+    return run_checkpointed(run, hidden, targets, use_reentrant=False)

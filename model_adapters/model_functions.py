@@ -1,0 +1,41 @@
+"""Functions of the transformers module that defines a model's class (its own RoPE, its
+pure-torch kernels), so the adapters compute exactly what that model does."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def model_function(model_class: type, name: str, pure: bool = False) -> Callable:
+    """The function ``name`` of the module that defines ``model_class``.
+
+    ``pure``: the pure-torch function itself. transformers wraps some functions so that they
+    call flash-linear-attention or causal-conv1d whenever the package is importable, even for
+    CPU tensors; unwrapping gives back the reference function, and the caller chooses the
+    kernel instead.
+    """
+    module = inspect.getmodule(model_class)
+    function = getattr(module, name, None)
+    if function is None:
+        raise TypeError(f"{model_class.__name__}'s module has no {name}")
+    if pure:
+        function = inspect.unwrap(function)
+        if function.__module__ != module.__name__:
+            raise TypeError(f"could not find the pure-torch {name} of {module.__name__}")
+    return function
+
+
+def model_rotary_function(attention: nn.Module) -> RotaryFn:
+    """The ``apply_rotary_pos_emb`` of the module that defines ``attention``'s class.
+
+    Using the model's own function keeps its RoPE variant (partial, interleaved, ...) exact.
+    """
+    return model_function(type(attention), "apply_rotary_pos_emb")
