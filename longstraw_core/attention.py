@@ -184,7 +184,8 @@ def _unflatten_segments(flat: Sequence[torch.Tensor]) -> list[Segment]:
     return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What attention scores and sums accumulate in: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -482,7 +483,7 @@ def _torch_attention(
     """The torch backend's forward: ``out [B, H, Tq, Dv]`` in the dtype of ``q`` and the
     merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype)."""
     batch, heads, tq, _ = q.shape
-    q_rows = _group_rows(q, k.shape[1]).to(_accumulation_dtype(q.dtype))
+    q_rows = _group_rows(q, k.shape[1]).to(accumulation_dtype(q.dtype))
     positions = _branch_query_positions(q, k)
     out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
     q_folded = _fold_batch(q_rows)

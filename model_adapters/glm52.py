@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core.attention import segmented_attention
+from longstraw_core.attention import accumulation_dtype, segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchLatent, LatentKV
 from model_adapters.base import ModelAdapter, Span
@@ -129,10 +129,6 @@ _INDEXER_ROPE = {
 def work_elements() -> int:
     """``_WORK_ELEMENTS`` as it is now (read when called: tests patch it), for the planner."""
     return _WORK_ELEMENTS
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --- weight absorption -----------------------------------------------------------------------
@@ -431,7 +427,7 @@ class _SparseLatentAttention(torch.autograd.Function):
                 f"{tuple(prefix_latent.shape)}"
             )
         batch, length, heads, dim = queries.shape
-        dtype = _accumulation_dtype(queries.dtype)
+        dtype = accumulation_dtype(queries.dtype)
         output = queries.new_empty(batch, length, heads, value_dim)
         lse = queries.new_empty(batch, length, heads, dtype=dtype)
         for block in _query_blocks(positions, dim, heads):
