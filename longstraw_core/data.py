@@ -295,6 +295,10 @@ def sample_source(
             _task_sample, data.task, tokenizer, data.prompt_tokens, data.seed, data.depth,
             dict(data.task_kwargs),
         )  # fmt: skip
+        try:  # one sample up front: settings the task cannot meet fail before the model loads
+            generate(0)
+        except ValueError as error:
+            raise DataError(f"data.task={data.task} with these data settings: {error}") from None
         return SampleSource(generate, origin=f"task {data.task}", prompt_tokens=data.prompt_tokens)
     return scan_samples(
         data.path,

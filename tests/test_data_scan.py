@@ -261,3 +261,11 @@ def test_path_prompt_tokens_is_a_hard_maximum_without_the_task_tolerance(tmp_pat
     )
     with pytest.raises(ConfigError, match="with the task's length tolerance"):
         load_config(TINY, [f"data.prompt_tokens={fits}"])  # a task may run 1% over
+
+
+def test_task_settings_it_cannot_meet_fail_before_the_model_loads():
+    data = load_config(TINY, ["data.prompt_tokens=256"]).data
+    with pytest.raises(
+        DataError, match=r"data\.task=passkey_retrieval .*prompt_tokens=256 is too small"
+    ):
+        sample_source(data, load_tokenizer(None))
