@@ -271,18 +271,19 @@ class FSDPRun:
 # --- runs of several processes -------------------------------------------------------------------
 
 
-def require_sharding(world_size: int, fsdp: bool) -> None:
-    """Refuse a run of several processes that would not shard the model.
+def require_sharding(world_size: int, fsdp: bool, pipeline_stages: int = 1) -> None:
+    """Refuse a run of several processes that would not share the model.
 
-    Unsharded, each process would train its own copy of the model on its own groups and
-    nothing would average their gradients: ``world_size`` diverging runs that look like one.
+    Unsharded and unstaged, each process would train its own copy of the model on its own
+    groups and nothing would average their gradients: ``world_size`` diverging runs that look
+    like one. Pipeline stages share it (each owns its layers; replicas average gradients).
     """
-    if world_size > 1 and not fsdp:
+    if world_size > 1 and not fsdp and pipeline_stages == 1:
         raise ConfigError(
             "distributed.fsdp",
-            f"{world_size} processes run this recipe but the model is not sharded, so each "
-            "would train its own copy with nothing averaging their gradients; set "
-            "distributed.fsdp=true, or run a single process",
+            f"{world_size} processes run this recipe but the model is neither sharded nor "
+            "staged, so each would train its own copy with nothing averaging their gradients; "
+            "set distributed.fsdp=true or distributed.pipeline_stages, or run a single process",
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from longstraw_core import metrics as names
-from longstraw_core.exact import new_state_grad
+from longstraw_core.exact import StateGrad, new_state_grad
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
 from longstraw_core.offload import OffloadPolicy
@@ -239,6 +239,12 @@ def grpo_step(
         for index in range(len(responses))
         if not _contributes_nothing(weights[index], float(advantages[index]), config)
     ]
+    if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
+        total_loss, entropy_sum, branch_stats = _replay_on_stages(
+            adapter, state, responses, contributing, old_logps, ref_logps, advantages,
+            weights, config, loss_scale, state_grad,
+        )  # fmt: skip
+        replayed, contributing = len(contributing), []
     for index in adapter.in_step(contributing):
         if index is None:  # a sharded model's other rank still replays: join its collectives
             adapter.idle_branch(state, state_grad)
@@ -282,6 +288,39 @@ def grpo_step(
         branch_stats=reduce_branch_stats(branch_stats),
         **timings,
     )
+
+
+def _replay_on_stages(
+    adapter: ModelAdapter,
+    state: PrefixState,
+    responses: list[torch.Tensor],
+    contributing: list[int],
+    old_logps: list[torch.Tensor | None],
+    ref_logps: list[torch.Tensor | None],
+    advantages: torch.Tensor,
+    weights: list[float],
+    config: GRPOConfig,
+    loss_scale: float,
+    state_grad: StateGrad | None,
+) -> tuple[float, float, list[dict[str, Any]]]:
+    """The replay loop on pipeline stages: every contributing branch is a microbatch of the
+    stages' 1F1B schedule (``ModelAdapter.replay_branches``), its loss computed and
+    backpropagated on the last stage. Returns the group's loss, the entropy sum and the
+    branches' stats, which the last stage sends to every stage."""
+    totals, stats = [0.0, 0.0], []
+
+    def loss_of(m: int, logps: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+        index = contributing[m]
+        loss, branch_stats = branch_loss(
+            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
+        )
+        totals[0] += loss.item()
+        totals[1] += entropy.sum().item()
+        stats.append({key: value.detach().cpu() for key, value in branch_stats.items()})
+        return loss * loss_scale
+
+    adapter.replay_branches(state, [responses[i] for i in contributing], loss_of, state_grad)
+    return adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
 
 
 def _contributes_nothing(weight: float, advantage: float, config: GRPOConfig) -> bool:

@@ -129,18 +129,22 @@ def rollout(
     steps = 0
     with torch.no_grad(), bar:
         cache = adapter.new_branch_cache(state, group, max_new_tokens)
+        logps_dtype = torch.promote_types(adapter.dtype, torch.float32)
         for step in range(max_new_tokens):
-            logits = adapter.decode(state, cache, inputs)[:, -1]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            logits = adapter.decode(state, cache, inputs)
+            # On pipeline stages only the last one has logits: it samples, every stage gets
+            # the tokens (and whether the logits were finite).
+            finite, next_tokens, next_logps = _sample_on_last_stage(
+                adapter, logits, temperature, warpers, generator, group, logps_dtype
+            )
             # Sampling would fail on them (or worse); sharded, every rank stops together.
-            if not adapter.everywhere(bool(torch.isfinite(logits).all())):
+            if not adapter.everywhere(finite):
                 raise NonFiniteError(
                     f"rollout: non-finite logits at decode step {step}: the weights or the "
                     "prompt's state hold inf/NaN (diverged training?)"
                 )
-            next_tokens, next_logps = _sample(logits, temperature, warpers, generator)
             if logps is None:
-                logps = torch.zeros(group, max_new_tokens, dtype=logits.dtype, device=device)
+                logps = torch.zeros(group, max_new_tokens, dtype=logps_dtype, device=device)
             next_tokens = next_tokens.masked_fill(finished, pad_id)
             tokens[:, step] = next_tokens
             logps[:, step] = next_logps.masked_fill(finished, 0.0)
@@ -216,6 +220,42 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> list:
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
     return warpers
+
+
+def _sample_on_last_stage(
+    adapter: ModelAdapter,
+    logits: torch.Tensor | None,
+    temperature: float,
+    warpers: list,
+    generator: torch.Generator,
+    group: int,
+    logps_dtype: torch.dtype,
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Whether the step's logits are finite, the next tokens ``[B]`` and their log-probs.
+
+    In one process (or sharded) ``logits`` are this rank's. On pipeline stages the last stage
+    has them: it samples with its generator (the same draws as one process), and every stage
+    receives the tokens, log-probs and finiteness (the others' generators stay unused).
+    """
+    finite = tokens = logps = None
+    if logits is not None:
+        logits = logits[:, -1].to(logps_dtype)
+        finite = bool(torch.isfinite(logits).all())
+        tokens = torch.zeros(group, dtype=torch.long, device=logits.device)
+        logps = torch.zeros(group, dtype=logps_dtype, device=logits.device)
+        if finite:
+            tokens, logps = _sample(logits, temperature, warpers, generator)
+    if adapter.stage is None:
+        return finite, tokens, logps
+    link = adapter.stage.link
+    device = adapter.device
+    flag = link.from_last(
+        None if finite is None else torch.tensor([int(finite)], device=device),
+        like=torch.empty(1, dtype=torch.long, device=device),
+    )
+    tokens = link.from_last(tokens, like=torch.empty(group, dtype=torch.long, device=device))
+    logps = link.from_last(logps, like=torch.empty(group, dtype=logps_dtype, device=device))
+    return bool(flag.item()), tokens, logps
 
 
 def _sample(

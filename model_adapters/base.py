@@ -3,7 +3,7 @@
 An adapter wraps a transformers causal LM (plain or PEFT-wrapped) and reuses its modules and
 parameter names, so checkpoints, LoRA and sharding keep working; it only drives the
 per-layer computation with an explicit ``PrefixState``. ``run_layers`` is the loop over the
-decoder layers; subclasses give which state each layer keeps (``new_layer_states``), one
+decoder layers; subclasses give which state each layer keeps (``new_layer_state``), one
 decoder layer's work over a span of positions (``layer_work``, with ``layer_result`` when a
 layer passes something on to the next), and optional model checks (``check_model``).
 
@@ -45,6 +45,7 @@ from model_adapters.lm_head import head_log_probs, head_width, rows_per_chunk
 from model_adapters.parallel import Item, Parallel, ShardedPasses
 from model_adapters.recompute import LayerRecord, recomputable
 from model_adapters.recompute import checkpointed as _checkpointed
+from model_adapters.staged import StagedPasses
 from model_adapters.validation import (
     as_token_ids,
     check_decode_inputs,
@@ -144,10 +145,11 @@ def _head_log_probs(
     return head_log_probs(head, hidden, targets, with_entropy, rows, _head_chunk, checkpoint)
 
 
-class ModelAdapter(ShardedPasses, ABC):
+class ModelAdapter(ShardedPasses, StagedPasses, ABC):
     """Prefill once, score many branches: the per-architecture engine behind LongStraw.
 
-    ``parallel`` and the passes over a sharded model come from ``ShardedPasses``."""
+    ``parallel`` and the passes over a sharded model come from ``ShardedPasses``; ``stage``
+    and the passes on a pipeline stage from ``StagedPasses``."""
 
     # The family this adapter serves (``model_adapters.family``): the model types and what
     # config, tiny models, planner and offload read about them. ``model_types`` repeats the
@@ -187,12 +189,29 @@ class ModelAdapter(ShardedPasses, ABC):
     def check_model(self) -> None:
         """Refuse configurations the adapter cannot reproduce exactly (override to add)."""
 
-    @abstractmethod
     def new_layer_states(
         self, capacity: int, offload: OffloadPolicy | None = None
     ) -> list[LayerState]:
-        """Empty per-layer records sized for ``capacity`` prompt positions, each allocated
-        where ``offload`` keeps its layer type (``longstraw_core.offload.home_options``)."""
+        """Empty records sized for ``capacity`` prompt positions, one per decoder layer this
+        rank runs (every layer in one process; its own block on a pipeline stage)."""
+        return [
+            self.new_layer_state(index, self.decoder.layers[index], capacity, offload)
+            for index in self.owned_layers()
+        ]
+
+    @abstractmethod
+    def new_layer_state(
+        self, index: int, layer: nn.Module, capacity: int, offload: OffloadPolicy | None
+    ) -> LayerState:
+        """Decoder layer ``index``'s empty record for ``capacity`` prompt positions, allocated
+        where ``offload`` keeps its layer kind (``longstraw_core.offload.home_options``)."""
+
+    def owned_layers(self) -> range:
+        """The decoder layers this rank runs and keeps state for: all of them in one process
+        (or under FSDP), its own contiguous block on a pipeline stage."""
+        if self.stage is not None:
+            return self.stage.layers
+        return range(len(self.decoder.layers))
 
     def run_layers(
         self,
@@ -214,17 +233,32 @@ class ModelAdapter(ShardedPasses, ABC):
         state it writes (``writes_only``), which skips its MLP and, for attention, the
         queries' attention and output projection.
         """
+        return self.run_owned_layers(hidden, span, state, branch)[0]
+
+    def run_owned_layers(
+        self,
+        hidden: torch.Tensor,
+        span: Span,
+        state: PrefixState,
+        branch: BranchCache | None = None,
+        carried: Any = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """``run_layers`` over the layers this rank owns (``owned_layers``), starting from what
+        the previous layer ``carried`` (another stage's, on a pipeline); returns the output and
+        what the last owned layer carries on (``layer_result``)."""
         position_embeddings = self.decoder.rotary_emb(hidden, span.position_ids(hidden.device))
-        carried = None
+        layers = [self.decoder.layers[index] for index in self.owned_layers()]
         with self.layer_records(state, span) as records:
-            layers = zip(self.decoder.layers, records, branch_records(branch, state), strict=True)
-            for index, (layer, record, branch_record) in enumerate(layers):
+            owned = zip(
+                self.owned_layers(), layers, records, branch_records(branch, state), strict=True
+            )
+            for index, layer, record, branch_record in owned:
                 work = self.layer_work(
                     index, layer, position_embeddings, record, span, branch_record,
                     writes_only(span, index, self.decoder.layers), carried,
                 )  # fmt: skip
                 hidden, carried = self.layer_result(self.call_layer(layer, work, hidden, record))
-        return hidden
+        return hidden, carried
 
     @abstractmethod
     def layer_work(
@@ -304,17 +338,23 @@ class ModelAdapter(ShardedPasses, ABC):
 
     @property
     def device(self) -> torch.device:
+        if self.stage is not None:  # the embeddings may live on another stage
+            return self.stage.device
         return self.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the layers compute in (and the state is kept in)."""
+        if self.stage is not None:
+            return self.stage.dtype
         if self.parallel is not None and self.parallel.param_dtype is not None:
             return self.parallel.param_dtype  # FSDP mixed precision: params gathered in it
         return self.embed_tokens.weight.dtype
 
     @property
     def vocab_size(self) -> int:
+        if self.stage is not None:
+            return self.stage.vocab_size
         return self.embed_tokens.weight.shape[0]
 
     @property
@@ -335,7 +375,8 @@ class ModelAdapter(ShardedPasses, ABC):
     def decode(
         self, state: PrefixState, branch: BranchCache, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of the next ``T`` positions of every branch in ``branch``.
+        """Logits ``[B, T, vocab]`` of the next ``T`` positions of every branch in ``branch``
+        (on pipeline stages: on the last stage; the others return ``None``).
 
         ``input_ids`` ``[B, T]`` are appended to the branches' records; the first position of
         a branch is the prompt's last token (``state.last_token``). Runs with whatever
@@ -343,6 +384,10 @@ class ModelAdapter(ShardedPasses, ABC):
         """
         check_decode_inputs(state, branch, input_ids)
         span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
+        if self.stage is not None:  # the logits on the last stage, None on the others
+            logits = self._staged_decode(state, branch, input_ids, span)
+            branch.length += span.length
+            return logits
 
         def step() -> torch.Tensor:
             hidden = self.run_layers(self.embed_tokens(input_ids), span, state, branch)
@@ -392,6 +437,10 @@ class ModelAdapter(ShardedPasses, ABC):
         if keep_attention_outputs:
             state.keep_attention_outputs()
         bar = token_progress(len(stored), "prefill", progress)
+        if self.stage is not None:
+            with bar:
+                self._staged_prefill(stored, chunk_size, state, bar.update)
+            return state
         with torch.no_grad(), bar:
             for start in self.in_step(range(0, len(stored), chunk_size)):
                 if start is None:
@@ -429,6 +478,13 @@ class ModelAdapter(ShardedPasses, ABC):
         response_ids = response_ids.to(self.device)
         inputs = torch.cat([state.last_token, response_ids[:-1]])
         span = Span(start=state.length, length=len(inputs), write=False)
+        if self.stage is not None:
+            if state_grad is not None:
+                raise RuntimeError(
+                    "on pipeline stages exact mode's replay runs in grpo_step (replay_branches)"
+                )
+            logps, entropy = self._staged_score(state, inputs, response_ids, span, return_entropy)
+            return (logps, entropy) if return_entropy else logps
         reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
 
         def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -458,6 +514,10 @@ class ModelAdapter(ShardedPasses, ABC):
         chunk_size = int(state.meta["chunk_size"])
         starts = list(range(0, state.length, chunk_size))
         bar = token_progress(state.length, "prompt backward", progress)
+        if self.stage is not None:
+            with bar:
+                self._staged_sweep(state, state_grad, starts[::-1], chunk_size, bar.update)
+            return
         with torch.enable_grad(), bar:
             for start in self.in_step(starts[::-1]):
                 # A sharded model's other rank may have more chunks: join their collectives
@@ -485,8 +545,8 @@ class ModelAdapter(ShardedPasses, ABC):
                 # Outputs that depend on no trainable parameter (frozen early layers under
                 # LoRA, say) carry no gradient path and are left out.
                 pairs = [
-                    (out, torch.zeros_like(grad) if idle else grad)
-                    for out, grad in produced
+                    (out, torch.zeros_like(out) if idle else seed.resolve())
+                    for out, seed in produced
                     if out.requires_grad
                 ]
                 if pairs:

@@ -169,18 +169,13 @@ class DenseAdapter(ModelAdapter):
             )
         self.apply_rotary = model_rotary_function(self.decoder.layers[0].self_attn)
 
-    def new_layer_states(
-        self, capacity: int, offload: OffloadPolicy | None = None
-    ) -> list[AttentionKV]:
-        records = []
-        kv_heads = self.config.num_key_value_heads
+    def new_layer_state(
+        self, index: int, layer: nn.Module, capacity: int, offload: OffloadPolicy | None
+    ) -> AttentionKV:
         home = home_options(offload, AttentionKV.kind, self.device)
-        for layer in self.decoder.layers:
-            head_dim = layer.self_attn.head_dim
-            records.append(
-                AttentionKV.empty(kv_heads, capacity, head_dim, dtype=self.dtype, **home)
-            )
-        return records
+        kv_heads = self.config.num_key_value_heads
+        head_dim = layer.self_attn.head_dim
+        return AttentionKV.empty(kv_heads, capacity, head_dim, dtype=self.dtype, **home)
 
     def layer_work(
         self,

@@ -520,26 +520,20 @@ class GlmMoeDsaAdapter(ModelAdapter):
         self.rope = model_function(type(first), "apply_rotary_pos_emb_interleave")
         self.index_rope = model_function(type(first), _INDEXER_ROPE[config.model_type])
 
-    def new_layer_states(
-        self, capacity: int, offload: OffloadPolicy | None = None
-    ) -> list[LatentKV]:
-        records = []
-        home = home_options(offload, LatentKV.kind, self.device)
-        for layer in self.decoder.layers:
-            attention = layer.self_attn
-            indexer = attention.indexer
-            records.append(
-                LatentKV.empty(
-                    capacity,
-                    attention.kv_lora_rank,
-                    attention.qk_rope_head_dim,
-                    None if indexer is None else indexer.head_dim,
-                    attention.num_heads * (attention.qk_head_dim + attention.v_head_dim),
-                    dtype=self.dtype,
-                    **home,
-                )
-            )
-        return records
+    def new_layer_state(
+        self, index: int, layer: nn.Module, capacity: int, offload: OffloadPolicy | None
+    ) -> LatentKV:
+        attention = layer.self_attn
+        indexer = attention.indexer
+        return LatentKV.empty(
+            capacity,
+            attention.kv_lora_rank,
+            attention.qk_rope_head_dim,
+            None if indexer is None else indexer.head_dim,
+            attention.num_heads * (attention.qk_head_dim + attention.v_head_dim),
+            dtype=self.dtype,
+            **home_options(offload, LatentKV.kind, self.device),
+        )
 
     def layer_work(
         self,

@@ -468,34 +468,27 @@ class Qwen36Adapter(ModelAdapter):
     def max_positions(self) -> int | None:
         return getattr(self.text_config, "max_position_embeddings", None)
 
-    def new_layer_states(
-        self, capacity: int, offload: OffloadPolicy | None = None
-    ) -> list[AttentionKV | RecurrentState]:
-        records: list[AttentionKV | RecurrentState] = []
-        recurrent_home = home_options(offload, RecurrentState.kind, self.device)
-        attention_home = home_options(offload, AttentionKV.kind, self.device)
-        for layer, kind in zip(self.decoder.layers, self.layer_types, strict=True):
-            if kind == LINEAR_ATTENTION:
-                deltanet = layer.linear_attn
-                record = RecurrentState.empty(
-                    deltanet.conv_dim,
-                    deltanet.conv_kernel_size,
-                    deltanet.num_v_heads,
-                    deltanet.head_k_dim,
-                    deltanet.head_v_dim,
-                    dtype=self.dtype,
-                    **recurrent_home,
-                )
-            else:
-                record = AttentionKV.empty(
-                    self.text_config.num_key_value_heads,
-                    capacity,
-                    layer.self_attn.head_dim,
-                    dtype=self.dtype,
-                    **attention_home,
-                )
-            records.append(record)
-        return records
+    def new_layer_state(
+        self, index: int, layer: nn.Module, capacity: int, offload: OffloadPolicy | None
+    ) -> AttentionKV | RecurrentState:
+        if self.layer_types[index] == LINEAR_ATTENTION:
+            deltanet = layer.linear_attn
+            return RecurrentState.empty(
+                deltanet.conv_dim,
+                deltanet.conv_kernel_size,
+                deltanet.num_v_heads,
+                deltanet.head_k_dim,
+                deltanet.head_v_dim,
+                dtype=self.dtype,
+                **home_options(offload, RecurrentState.kind, self.device),
+            )
+        return AttentionKV.empty(
+            self.text_config.num_key_value_heads,
+            capacity,
+            layer.self_attn.head_dim,
+            dtype=self.dtype,
+            **home_options(offload, AttentionKV.kind, self.device),
+        )
 
     def layer_work(
         self,

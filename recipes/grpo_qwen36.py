@@ -56,6 +56,7 @@ from longstraw_core import (
     tracking,
 )
 from longstraw_core import metrics as names
+from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
 from longstraw_core.rewards import RewardError, RewardSet
 from longstraw_core.stop import GracefulStop, exit_after_stop
@@ -74,9 +75,13 @@ class Recipe:
         self.accelerator = Accelerator(
             cpu=not torch.cuda.is_available(), log_with=tracking.log_with(cfg.tracking)
         )
-        # One group per rank and step: rank r of n takes sample data_position + r.
+        # One group per replica and step: replica r of n takes sample data_position + r (a
+        # replica is one rank, or with distributed.pipeline_stages=S the S ranks of a pipeline).
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
-        distributed.require_sharding(self.world_size, cfg.distributed.fsdp)
+        distributed.require_sharding(
+            self.world_size, cfg.distributed.fsdp, cfg.distributed.pipeline_stages
+        )
+        self.topology = RunTopology.from_config(cfg.distributed, self.world_size, self.rank)
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
@@ -87,7 +92,7 @@ class Recipe:
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
-        self.adapter = ls.adapt(self.model)
+        self.adapter = self.topology.place(ls.adapt(self.model))  # its stage's layers only
         self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
         if cfg.distributed.fsdp:
             distributed.shard_model(
@@ -126,7 +131,8 @@ class Recipe:
         if self.cfg.lora.enabled:
             return ls.lora_reference(self.adapter)
         frozen = models.build_model(self.cfg.model, seed=self.cfg.train.seed)
-        return ls.adapt(frozen.to(self.accelerator.device).eval().requires_grad_(False))
+        frozen = frozen.to(self.accelerator.device).eval().requires_grad_(False)
+        return self.topology.place(ls.adapt(frozen))
 
     def _resume(self) -> checkpoint.ResumeInfo:
         """Restore the checkpoint; the config's optimizer settings win over the saved ones."""
@@ -163,10 +169,10 @@ class Recipe:
         cfg = self.cfg
         with GracefulStop() as stop:
             while self.step < cfg.train.steps:
-                index = self.data_position + self.rank
-                metrics = distributed.reduce_metrics(self.train_step(self.sample_at(index), index))
+                index = self.data_position + self.topology.replica
+                metrics = self.topology.reduce(self.train_step(self.sample_at(index), index))
                 self.step += 1
-                self.data_position += self.world_size
+                self.data_position += self.topology.replicas
                 metrics |= self.progress.step_done()
                 self.logger.log(self.step, metrics)
                 stopping = stop.requested()
@@ -215,8 +221,9 @@ class Recipe:
             return self._skip(str(error))
         # This group's share of the step's loss over every rank's responses (TRL's one batch).
         (loss_scale,) = distributed.group_loss_scales(
-            [[len(r) for r in out.responses]], self.grpo, [out.truncated]
-        )
+            [[len(r) for r in out.responses]], self.grpo, [out.truncated],
+            group=self.topology.replica_group(),
+        )  # fmt: skip
         completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
         with progress.phase("reward"):
             scored = self.rewards(completions, [sample] * len(completions))
@@ -244,7 +251,8 @@ class Recipe:
                 {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
                 for text, r in zip(completions, scored.rewards, strict=True)
             ]
-            self.logger.log_completions(self.step + 1, distributed.gather_rows(rows))
+            rows = distributed.gather_rows(self.topology.rows_to_log(rows))  # one per replica
+            self.logger.log_completions(self.step + 1, rows)
         state_bytes = {
             names.STATE_BYTES_BY_TYPE.format(k): v["bytes"] for k, v in state.summary().items()
         }
@@ -268,8 +276,8 @@ class Recipe:
         """Clip and step; a non-finite loss or gradient norm (on any rank) skips the update.
         Returns the gradient norm and why the update was skipped (None: it was not)."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.optim.max_grad_norm
-        norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf")))
+        # Replicas of a stage average their gradients; the clip uses the whole model's norm.
+        norm = self.topology.finish_gradients(parameters, self.cfg.optim.max_grad_norm)
         reason = guard.non_finite_reason(loss, norm)
         if distributed.any_rank(reason is not None):
             self.optimizer.zero_grad(set_to_none=True)
@@ -372,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             f"resume: the same command with train.resume_from=latest "
             f"(train.output_dir={cfg.train.output_dir})",
         )
-    if cfg.distributed.fsdp:  # a sharded run is done on every rank: skip gloo's teardown
+    if recipe.world_size > 1:  # a distributed run is done on every rank: skip gloo's teardown
         distributed.exit_ranks()
 
 

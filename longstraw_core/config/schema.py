@@ -165,6 +165,10 @@ class DistributedSection:
     fsdp: bool = False  # fully_shard per decoder layer (FSDP2)
     mixed_precision: str = "fp32"  # bf16: FSDP2 computes in bf16 over fp32 sharded params
     reshard_after_forward: bool = True  # False keeps gathered params: faster, more memory
+    # S: each of a prompt's S ranks owns 1/S of the layers, their weights and prefix state;
+    # the world is S stages x (world / S) replicas, each replica training its own prompt.
+    pipeline_stages: int = 1
+    stage_starts: list[int] | None = None  # each stage's first layer; null: balanced
 
 
 @dataclass

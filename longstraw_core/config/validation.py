@@ -285,6 +285,25 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
 def _check_distributed(cfg: RunConfig) -> None:
     dist = cfg.distributed
     _check_choice("distributed.mixed_precision", dist.mixed_precision, MIXED_PRECISION)
+    stages = dist.pipeline_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ConfigError(
+            "distributed.pipeline_stages",
+            f"must be a positive integer (1: no stages), got {stages!r}",
+        )
+    if stages > 1 and dist.fsdp:
+        raise ConfigError(
+            "distributed.pipeline_stages",
+            f"{stages} stages with distributed.fsdp=true is not supported yet: a stage keeps its "
+            "layers' weights whole and replicas average their gradients; set distributed.fsdp=false",
+        )
+    starts = dist.stage_starts
+    if starts is not None and (len(starts) != stages or list(starts)[:1] != [0]):
+        raise ConfigError(
+            "distributed.stage_starts",
+            f"{list(starts)} must list each of the {stages} stages' first layer, starting at 0 "
+            "(null: boundaries balanced by the planner)",
+        )
     if dist.mixed_precision == "bf16" and not dist.fsdp:
         raise ConfigError(
             "distributed.mixed_precision",

@@ -20,8 +20,8 @@ from longstraw_core.kinds.base import (
     ExactViewBase,
     Produced,
     RecordBase,
+    Seed,
     check_append,
-    grad_like,
     store,
     tensor_nbytes,
 )
@@ -265,5 +265,5 @@ class AttentionKVExactView(ExactViewBase):
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + keys.shape[1]
-        self.produced.append((keys, grad_like(self.grad.keys[:, start:end], keys)))
-        self.produced.append((values, grad_like(self.grad.values[:, start:end], values)))
+        self.produced.append((keys, Seed(self.grad.keys[:, start:end], keys)))
+        self.produced.append((values, Seed(self.grad.values[:, start:end], values)))

@@ -33,8 +33,30 @@ from longstraw_core.offload import StreamedRecord, copy_rows
 if TYPE_CHECKING:
     from longstraw_core.attention import AttentionOutput
 
-# (tensor produced by a recomputed chunk, gradient to backpropagate into it)
-Produced = list[tuple[torch.Tensor, torch.Tensor]]
+
+class Seed:
+    """The gradient to backpropagate into a tensor a recomputed chunk wrote: its ``dS``,
+    read when the chunk's backward runs (``resolve``), not when the chunk was recomputed.
+
+    On one rank the two follow each other. On a pipeline stage a chunk may be recomputed
+    before the backward of the chunk after it has added its share into this chunk's ``dS``
+    (the sweep's 1F1B schedule runs forwards ahead), so the value is read as late as it can.
+    ``clear``: zero the buffer once read (a recurrent record's one boundary buffer, which the
+    chunk's own backward then fills with the gradient of its start).
+    """
+
+    def __init__(self, buffer: torch.Tensor, like: torch.Tensor, clear: bool = False) -> None:
+        self.buffer, self.like, self.clear = buffer, like, clear
+
+    def resolve(self) -> torch.Tensor:
+        grad = grad_like(self.buffer, self.like)
+        if self.clear:
+            self.buffer.zero_()
+        return grad
+
+
+# (tensor produced by a recomputed chunk, its gradient when the chunk's backward runs)
+Produced = list[tuple[torch.Tensor, Seed]]
 
 
 # --- the contracts --------------------------------------------------------------------------

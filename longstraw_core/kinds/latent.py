@@ -19,8 +19,8 @@ from longstraw_core.kinds.base import (
     ExactViewBase,
     Produced,
     RecordBase,
+    Seed,
     check_append,
-    grad_like,
     store,
     tensor_nbytes,
 )
@@ -238,4 +238,4 @@ class LatentKVExactView(ExactViewBase):
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + latent.shape[0]
-        self.produced.append((latent, grad_like(self.grad.latent[start:end], latent)))
+        self.produced.append((latent, Seed(self.grad.latent[start:end], latent)))

@@ -21,8 +21,8 @@ from longstraw_core.kinds.base import (
     ExactViewBase,
     Produced,
     RecordBase,
+    Seed,
     attach_grad_sink,
-    grad_like,
     tensor_nbytes,
 )
 
@@ -218,5 +218,4 @@ class RecurrentExactView(ExactViewBase):
         if self.produced is None:
             raise RuntimeError("a branch must not write into the prefix state")
         for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
-            self.produced.append((output, grad_like(buffer, output)))
-            buffer.zero_()
+            self.produced.append((output, Seed(buffer, output, clear=True)))

@@ -85,13 +85,16 @@ class StageLayout:
         )
 
 
-def check_stage_count(stages: int, num_layers: int, world_size: int | None = None) -> None:
-    """Refuse ``stages`` that cannot be laid out, naming ``distributed.pipeline_stages``."""
+def check_stage_count(
+    stages: int, num_layers: int | None = None, world_size: int | None = None
+) -> None:
+    """Refuse ``stages`` that cannot be laid out over ``num_layers`` layers and ``world_size``
+    processes (each checked when given), naming ``distributed.pipeline_stages``."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise StageLayoutError(
             f"distributed.pipeline_stages={stages!r}: must be a positive integer (1: no stages)"
         )
-    if stages > num_layers:
+    if num_layers is not None and stages > num_layers:
         raise StageLayoutError(
             f"distributed.pipeline_stages={stages} is more than the model's {num_layers} "
             f"decoder layers: every stage owns at least one layer; use at most {num_layers}"

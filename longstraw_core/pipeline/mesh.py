@@ -1,0 +1,103 @@
+"""The world as S pipeline stages x D data-parallel replicas, and an adapter put on its stage.
+
+Ranks form a 2-D ``DeviceMesh`` ``("replica", "stage")`` of shape ``(D, S)``: global rank
+``d * S + s`` is stage ``s`` of replica ``d``, so a pipeline's stages are neighbouring ranks
+(one node's GPUs, linked by NVLink, for S up to 8). Each replica trains its own prompt; the
+stages of a replica exchange hidden states (``transport``), the replicas of a stage average
+their gradients (``gradients``).
+
+Typical use under ``torchrun``::
+
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    mesh = pipeline_mesh(stages=2)
+    adapter = stage_adapter(ls.adapt(model), mesh)  # before the optimizer is built
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from longstraw_core.pipeline.layout import (
+    StageLayout,
+    balanced_boundaries,
+    check_stage_count,
+)
+from longstraw_core.pipeline.stage import stage_model
+from longstraw_core.pipeline.transport import StageLink
+
+if TYPE_CHECKING:
+    from model_adapters.base import ModelAdapter
+
+REPLICA, STAGE = "replica", "stage"
+
+
+def pipeline_mesh(stages: int, device_type: str | None = None) -> DeviceMesh:
+    """The ``(replicas, stages)`` mesh over every rank of the default process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "pipeline stages need a process group: run under torchrun and call "
+            "torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world % stages:
+        raise ValueError(
+            f"distributed.pipeline_stages={stages!r} must divide the {world} processes "
+            "(the world is stages x data-parallel replicas)"
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (world // stages, stages), mesh_dim_names=(REPLICA, STAGE))
+
+
+def stage_link(mesh: DeviceMesh, device: torch.device) -> StageLink:
+    """This rank's link to the other stages of its replica."""
+    group = mesh.get_group(STAGE)
+    return StageLink(
+        ranks=dist.get_process_group_ranks(group),
+        stage=mesh.get_local_rank(STAGE),
+        group=group,
+        device=device,
+    )
+
+
+def replica_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The ranks holding the same stage in every replica (they average gradients)."""
+    return mesh.get_group(REPLICA)
+
+
+def default_layout(adapter: ModelAdapter, stages: int) -> StageLayout:
+    """Stage boundaries that balance each stage's prefix state (bytes per prompt position)
+    and weights (parameters), read from the adapter's own records and layers."""
+    from longstraw_core.plan.model import ModelSpec
+
+    spec = ModelSpec.from_model(adapter.causal_lm, adapter.config.model_type)
+    costs = [(layer.state_per_token, layer.params) for layer in spec.layers]
+    return balanced_boundaries(costs, stages)
+
+
+def stage_adapter(
+    adapter: ModelAdapter, mesh: DeviceMesh, starts: Sequence[int] | None = None
+) -> ModelAdapter:
+    """Put ``adapter`` on this rank's stage of ``mesh`` (``stage_model``), in place.
+
+    ``starts``: each stage's first layer (config ``distributed.stage_starts``); default: the
+    balanced ``default_layout``. Every rank must pass the same model and ``starts``.
+    """
+    stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
+    num_layers = len(adapter.decoder.layers)
+    check_stage_count(stages, num_layers)
+    if starts is not None:
+        layout = StageLayout.from_starts(starts, num_layers)
+        if layout.stages != stages:
+            raise ValueError(
+                f"distributed.stage_starts={list(starts)} gives {layout.stages} stages, but "
+                f"distributed.pipeline_stages={stages}"
+            )
+    else:
+        layout = default_layout(adapter, stages)
+    return stage_model(adapter, layout, stage_link(mesh, adapter.device))

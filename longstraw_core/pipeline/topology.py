@@ -1,0 +1,119 @@
+"""How a recipe's rank takes part in a run: which prompt it trains, which stage it runs.
+
+``RunTopology.from_config`` reads ``distributed.pipeline_stages`` and the world. One process
+and FSDP runs (S=1): every rank is its own replica (its own prompt each step), and FSDP
+averages the gradients. Pipeline runs (S>1): the world is S stages x D replicas; the S ranks
+of a replica train one prompt together, its stages exchanging hidden states, and the
+replicas of each stage average their gradients here. Recipes make the same few calls either
+way: ``place`` the adapter, take sample ``data_position + replica``, ``finish_gradients``
+before the optimizer step, ``reduce`` the metrics, ``rows_to_log`` for the completions table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from longstraw_core import metrics as names
+from longstraw_core.config import ConfigError
+from longstraw_core.distributed import reduce_metrics
+from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
+from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
+from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
+
+if TYPE_CHECKING:
+    from longstraw_core.config import DistributedSection
+    from model_adapters.base import ModelAdapter
+
+Row = TypeVar("Row")
+# Per-rank byte counts of what a stage holds: summed over a pipeline's stages.
+_STAGE_SUMS = (names.STATE_BYTES, names.STATE_GRAD_BYTES, names.ATTENTION_OUTPUT_BYTES)
+_PEAKS = (names.PEAK_MEMORY_BYTES, names.STEP_PEAK_MEMORY_BYTES)
+
+
+@dataclass
+class RunTopology:
+    """This rank's replica and stage (``replicas x stages`` = the world)."""
+
+    replicas: int
+    replica: int
+    stages: int = 1
+    stage: int = 0
+    mesh: DeviceMesh | None = None
+    stage_starts: Sequence[int] | None = None
+
+    @classmethod
+    def from_config(cls, distributed: DistributedSection, world: int, rank: int) -> RunTopology:
+        """Check ``distributed.pipeline_stages`` against the world, before any model loads."""
+        stages = distributed.pipeline_stages
+        try:
+            check_stage_count(stages, world_size=world)
+        except StageLayoutError as error:
+            raise ConfigError("distributed.pipeline_stages", str(error)) from None
+        if stages == 1:
+            return cls(replicas=world, replica=rank)
+        mesh = pipeline_mesh(stages)
+        return cls(
+            replicas=world // stages,
+            replica=mesh.get_local_rank(REPLICA),
+            stages=stages,
+            stage=mesh.get_local_rank(STAGE),
+            mesh=mesh,
+            stage_starts=distributed.stage_starts,
+        )
+
+    @property
+    def staged(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def place(self, adapter: ModelAdapter) -> ModelAdapter:
+        """Put ``adapter`` on this rank's stage (no-op without stages); a model with fewer
+        layers than stages is refused naming ``distributed.pipeline_stages``."""
+        if not self.staged:
+            return adapter
+        try:
+            return stage_adapter(adapter, self.mesh, self.stage_starts)
+        except StageLayoutError as error:
+            key = "distributed.stage_starts" if self.stage_starts else "distributed.pipeline_stages"
+            raise ConfigError(key, str(error)) from None
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose prompts make one optimizer step's batch, for one stage."""
+        return self.mesh.get_group(REPLICA) if self.staged else None
+
+    def finish_gradients(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float | None
+    ) -> float:
+        """Average the gradients over the replicas (stages; FSDP did it already) and clip by
+        the whole model's norm; returns that norm."""
+        parameters = list(parameters)
+        limit = max_norm or float("inf")
+        if not self.staged:
+            return float(torch.nn.utils.clip_grad_norm_(parameters, limit))
+        average_over_replicas(parameters, self.replica_group())
+        return float(clip_grad_norm(parameters, limit, self.mesh.get_group(STAGE)))
+
+    def reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """The step's metrics over the ranks: the mean over replicas; with stages, what a
+        stage holds summed over its pipeline first, and peak memory the largest rank's."""
+        if not self.staged:
+            return reduce_metrics(metrics)
+        stage_group = self.mesh.get_group(STAGE)
+        summed_keys = [k for k in metrics if k in _STAGE_SUMS or k.startswith("state_bytes/")]
+        pipeline = reduce_metrics({k: metrics[k] for k in summed_keys}, "sum", group=stage_group)
+        summed = reduce_metrics(pipeline)  # the mean over the replicas' pipelines
+        peaks = reduce_metrics({k: metrics[k] for k in _PEAKS if k in metrics}, "max")
+        return reduce_metrics(metrics) | summed | peaks
+
+    def rows_to_log(self, rows: Sequence[Row]) -> list[Row]:
+        """This rank's share of the completions table: its replica's rows, from one stage."""
+        return list(rows) if self.is_last_stage else []

@@ -1,0 +1,282 @@
+"""GRPO steps on pipeline stages (gloo CPU ranks), saved for comparison with one process.
+
+Run by ``tests/test_pipeline.py`` under torchrun::
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 \\
+        tests/pipeline_worker.py OUT_DIR STAGES CASE [CASE ...]
+
+The world is ``STAGES`` stages x ``world / STAGES`` replicas; replica ``d`` trains group
+``d`` of each step. For every case the ranks score a response before training (no grad),
+take ``STEPS`` AdamW steps (grpo_step, gradients averaged over the replicas, clipped by the
+whole model's norm), and rank 0 saves every stage's parameters, first-step gradients and
+optimizer state under the whole model's names, with the losses and each rank's prefix-state
+bytes. ``train_reference`` is the same training in one process, on the whole model; the
+test runs it and compares. The ``rollout`` case decodes greedily and with sampling.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from reference import with_lora
+
+import longstraw_core as ls
+from longstraw_core.distributed import group_loss_scales
+from longstraw_core.pipeline import (
+    average_over_replicas,
+    clip_grad_norm,
+    pipeline_mesh,
+    replica_group,
+    stage_adapter,
+)
+from longstraw_core.tiny_models import tiny_model
+
+CHUNK_SIZE = 8
+STEPS = 2
+LEARNING_RATE = 1e-3
+MAX_GRAD_NORM = 0.5  # small enough to clip: the clip's norm must be the whole model's
+
+
+DENSE_TARGETS = ["q_proj", "v_proj", "down_proj"]
+LORA_TARGETS = {"glm_moe_dsa": ["q_b_proj", "kv_b_proj", "o_proj"]}  # not the MoE experts
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    gradient: str
+    lora: bool = False
+    beta: float = 0.0
+    starts: tuple[int, ...] | None = None  # each stage's first layer (None: balanced)
+    keep_attention_outputs: bool = False
+    activation_checkpointing: bool = False
+    layers: int = 4
+
+
+CASES = {
+    "qwen3-detached": Case("qwen3", "detached"),
+    "qwen3-exact": Case("qwen3", "exact"),
+    "qwen3-lora-exact": Case("qwen3", "exact", lora=True),
+    "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04),
+    "qwen3-exact-kept-checkpointed": Case(
+        "qwen3", "exact", keep_attention_outputs=True, activation_checkpointing=True
+    ),
+    "qwen3_5_text-detached": Case("qwen3_5_text", "detached"),
+    "qwen3_5_text-exact": Case("qwen3_5_text", "exact"),
+    "qwen3_5_text-lora-exact": Case("qwen3_5_text", "exact", lora=True),
+    # Stage 1 starts at a layer that reuses layer 2's DSA selection: it crosses the boundary.
+    "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3)),
+    "glm_moe_dsa-lora-detached": Case("glm_moe_dsa", "detached", lora=True),
+    "glm_moe_dsa-exact-4": Case("glm_moe_dsa", "exact"),
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    prompt: torch.Tensor
+    responses: list[torch.Tensor]
+    rewards: list[float]
+
+
+def step_groups(step: int, count: int) -> list[Group]:
+    """The first ``count`` (1 or 2) groups of step ``step``: prompts of 2 to 5 chunks of 8
+    (long enough for GLM's sparse DSA selection); one reward at the mean, and at step 1 a
+    group of equal rewards, leave branches out of the replay."""
+    shapes = [
+        [(29, [5, 3, 7, 2], [1.0, 0.0, 0.4, 0.2]), (21, [4, 6], [0.0, 1.0])],
+        [(37, [3, 5, 4], [0.2, 0.9, 0.0]), (10, [6, 2, 4], [0.5, 0.5, 0.5])],
+    ][step]
+    generator = torch.Generator().manual_seed(100 + step)
+    groups = []
+    for prompt_length, lengths, rewards in shapes:
+        prompt = torch.randint(0, 512, (prompt_length,), generator=generator)
+        responses = [torch.randint(0, 512, (n,), generator=generator) for n in lengths]
+        groups.append(Group(prompt, responses, rewards))
+    return groups[:count]
+
+
+def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
+    """The tiny model of ``case`` in float64 (the same weights in every process)."""
+    model = tiny_model(case.model_type, dtype=torch.float64, seed=0, num_hidden_layers=case.layers)
+    model.train()
+    if case.lora:
+        model = with_lora(model, LORA_TARGETS.get(case.model_type, DENSE_TARGETS), std=0.05, seed=1)
+    adapter = ls.adapt(model)
+    adapter.activation_checkpointing = case.activation_checkpointing
+    return model, adapter
+
+
+def grpo_config(case: Case) -> ls.GRPOConfig:
+    return ls.GRPOConfig(
+        loss_type="dapo",
+        gradient=case.gradient,
+        beta=case.beta,
+        epsilon=0.2,
+        keep_attention_outputs=case.keep_attention_outputs,
+    )
+
+
+def probe_logps(adapter: ls.ModelAdapter) -> torch.Tensor:
+    """No-grad log-probs of a response to step 0's first prompt."""
+    group = step_groups(0, 1)[0]
+    with torch.no_grad():
+        state = adapter.prefill(group.prompt, chunk_size=CHUNK_SIZE)
+        return adapter.score(state, group.responses[0])
+
+
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=LEARNING_RATE, eps=1e-8, weight_decay=0.01)
+
+
+def by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """Parameters and AdamW state by parameter name (this rank's share)."""
+    state = {}
+    for name, parameter in model.named_parameters():
+        entry = {"value": parameter.detach().clone()}
+        for key, value in optimizer.state.get(parameter, {}).items():
+            entry[key] = value.clone() if torch.is_tensor(value) else value
+        state[name] = entry
+    return state
+
+
+def train_reference(case: Case, replicas: int) -> dict:
+    """One process, the whole model: the same steps over every replica's group."""
+    model, adapter = build(case)
+    logps = probe_logps(adapter)
+    optimizer, config = optimizer_for(model), grpo_config(case)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        groups = step_groups(step, replicas)
+        lengths = [[len(r) for r in group.responses] for group in groups]
+        for group, scale in zip(groups, group_loss_scales(lengths, config), strict=True):
+            result = ls.grpo_step(
+                adapter, group.prompt, group.responses, group.rewards, config=config,
+                chunk_size=CHUNK_SIZE, loss_scale=scale,
+                ref_adapter=ls.lora_reference(adapter) if case.beta else None,
+            )  # fmt: skip
+            losses.append(result.loss)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
+        if step == 0:
+            first_grads = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {
+        "logps": logps,
+        "losses": losses,
+        "grads": first_grads,
+        "state": by_name(model, optimizer),
+    }
+
+
+def train_staged(case: Case, stages: int) -> dict:
+    """This rank's stage of the same training; returns what rank 0 saves (on every rank)."""
+    mesh = pipeline_mesh(stages)
+    replicas, replica = mesh.size(0), mesh.get_local_rank(0)
+    model, adapter = build(case)
+    stage_adapter(adapter, mesh, starts=case.starts)
+    logps = probe_logps(adapter)
+    optimizer, config = optimizer_for(model), grpo_config(case)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses, first_grads, state_bytes = [], {}, 0
+    for step in range(STEPS):
+        group = step_groups(step, replicas)[replica]
+        (scale,) = group_loss_scales(
+            [[len(r) for r in group.responses]], config, group=replica_group(mesh)
+        )
+        state = adapter.prefill(group.prompt, chunk_size=CHUNK_SIZE, **config.prefill_options())
+        state_bytes = max(state_bytes, state.nbytes())
+        result = ls.grpo_step(
+            adapter, group.prompt, group.responses, group.rewards, config=config, state=state,
+            chunk_size=CHUNK_SIZE, loss_scale=scale,
+            ref_adapter=ls.lora_reference(adapter) if case.beta else None,
+        )  # fmt: skip
+        losses.append((replica, step, result.loss))
+        average_over_replicas(trainable, replica_group(mesh))
+        clip_grad_norm(trainable, MAX_GRAD_NORM, mesh.get_group(1))
+        if step == 0:
+            first_grads = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    mine = {
+        "logps": logps, "losses": losses, "grads": first_grads,
+        "state": by_name(model, optimizer), "state_bytes": state_bytes,
+        "layers": list(adapter.owned_layers()),
+    }  # fmt: skip
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return merge(everyone, replicas)
+
+
+def merge(parts: list[dict], replicas: int) -> dict:
+    """Every stage's share under the whole model's names (replica 0's stages: replicas are
+    equal after the gradient average, which the test checks through ``replica_states``)."""
+    stages = len(parts) // replicas
+    first = parts[:stages]
+    merged = {
+        "logps": [part["logps"] for part in parts],
+        "losses": sorted({loss for part in parts for loss in part["losses"]}),
+        "grads": {k: v for part in first for k, v in part["grads"].items()},
+        "state": {k: v for part in first for k, v in part["state"].items()},
+        "state_bytes": [part["state_bytes"] for part in parts],
+        "layers": [part["layers"] for part in parts],
+        "replica_states": [
+            {
+                k: v
+                for part in parts[d * stages : (d + 1) * stages]
+                for k, v in part["state"].items()
+            }
+            for d in range(replicas)
+        ],
+    }
+    return merged
+
+
+def rollout_case(stages: int) -> dict:
+    """Greedy and sampled rollouts of a tiny qwen3 on the stages."""
+    mesh = pipeline_mesh(stages)
+    _, adapter = build(Case("qwen3", "detached"))
+    stage_adapter(adapter, mesh)
+    prompt = step_groups(0, 1)[0].prompt
+    state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
+    greedy = ls.rollout(adapter, state, num_generations=2, max_new_tokens=10, temperature=0)
+    sampled = ls.rollout(
+        adapter, state, num_generations=3, max_new_tokens=10, eos_token_ids=list(range(0, 512, 5)),
+        seed=7,
+    )  # fmt: skip
+    return {
+        "greedy": [r.tolist() for r in greedy.responses],
+        "sampled": [r.tolist() for r in sampled.responses],
+        "sampled_logps": [lp.tolist() for lp in sampled.logps],
+    }
+
+
+def main(out_dir: str, stages: int, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    # A transfer or collective that no other rank joins fails after two minutes, not thirty.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    out = Path(out_dir)
+    for name in names:
+        result = rollout_case(stages) if name == "rollout" else train_staged(CASES[name], stages)
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}-S{stages}-W{dist.get_world_size()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip gloo's teardown (see tests/distributed_worker.py)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
