@@ -5,7 +5,8 @@
 - ``schedule``: the 1F1B schedule of the passes with autograd, and the forward-only one;
 - ``stage``: an adapter cut down to its stage (``stage_model``);
 - ``mesh``: the world as stages x replicas (``pipeline_mesh``, ``stage_adapter``);
-- ``gradients``: averaging over replicas, clipping by the whole model's norm.
+- ``gradients``: averaging over replicas, clipping by the whole model's norm;
+- ``topology``: what a recipe's rank does (its replica's prompt, its stage; ``RunTopology``).
 
 The adapter's passes on a stage are in ``model_adapters.staged``.
 """
@@ -25,10 +26,12 @@ from longstraw_core.pipeline.mesh import (
     stage_link,
 )
 from longstraw_core.pipeline.stage import OnAnotherStage, Stage, stage_model
+from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.pipeline.transport import StageLink
 
 __all__ = [
     "OnAnotherStage",
+    "RunTopology",
     "Stage",
     "StageLayout",
     "StageLayoutError",
