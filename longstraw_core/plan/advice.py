@@ -98,9 +98,10 @@ def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
     work = plan.work
     if not (work.rollout and work.offload is not None and work.offload.active):
         return []
+    spec = plan.stage_plans[plan.stage].spec if plan.per_stage else plan.spec  # its stage's
     per_step = sum(
         layer.state_fixed + layer.state_per_token * work.stored
-        for layer in plan.spec.layers
+        for layer in spec.layers
         if work.offloads(layer.record)
     )
     if not per_step:

@@ -9,7 +9,7 @@ from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import Workload
 from longstraw_core.plan.stages import full_attention_counts
 from longstraw_core.plan.timing import TimeEstimate
-from longstraw_core.plan.units import GIB, dtype_bytes, dtype_name, human_bytes, human_count
+from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
 def assumptions(plan: MemoryPlan) -> list[str]:
@@ -232,11 +232,6 @@ def _aligned(rows: list[tuple[str, ...]], title: str) -> str:
         ]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
-
-
-def gib(value: int | float | None) -> str:
-    """GiB with two decimals, ``-`` when unknown (the docs tables' cells)."""
-    return "-" if value is None else f"{value / GIB:.2f}"
 
 
 def render_text(plan: MemoryPlan) -> str:
