@@ -8,6 +8,8 @@ and names what to change (chunk size, offload, GPUs) when it does not fit::
         --prompt-tokens 2100000 --group 8 --gpus 8 --gpu-mem 96GiB
     python -m longstraw_core.plan --preset Qwen3.6-27B --prompt-tokens 2100000 --group 8 \\
         --gpus 8 --gpu-mem 96GiB --offload attention=cpu --resident-layers 2
+    python -m longstraw_core.plan --preset Qwen3.6-27B --prompt-tokens 2100000 --group 8 \\
+        --gpu-mem 96GiB --stages 8          # one prompt over 8 pipeline stages, with times
     python docs/tools/paper_tables.py   # the tables at paper scale: docs/memory_plans.md
 
 Where the numbers come from (so the plan cannot drift from the code):
@@ -33,17 +35,25 @@ What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` re
 NCCL buffers (~1-3 GiB, covered by ``memory.headroom``), allocator fragmentation, the
 kernels' internal scratch.
 
+Pipeline stages (``Workload.stages``, ``--stages``): each rank of a stage group holds only
+its stage's layers (weights, prefix state, dS, checkpoints), the embeddings on stage 0, the
+head on the last, and what a 1F1B schedule keeps in flight; the plan is the worst stage's,
+every stage's in ``MemoryPlan.per_stage``. ``stage_layout`` picks the boundaries (the runtime
+calls it too), ``estimate_time`` the seconds per phase on a stated GPU.
+
 Modules, each importing only those before it: ``units`` (byte sizes, number formats),
 ``model`` (presets, the model's layer specs, the workload), ``kernels`` (the attention
 kernels' scratch from their block budgets), ``activations`` (transients from tensor
-shapes), ``core`` (the pure plan: lines and phase peaks), ``sources`` (specs and workloads
-from presets, checkpoints and run configs), ``advice`` (fixes, ``plan_memory`` with advice,
-``check_fits``), ``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
+shapes), ``flops`` (forward FLOPs from shapes), ``stages`` (stage layouts, a stage's slice
+of the model, what is in flight), ``core`` (the pure plan: lines and phase peaks),
+``timing`` (seconds per phase), ``sources`` (specs and workloads from presets, checkpoints
+and run configs), ``advice`` (fixes, ``plan_memory`` with advice, ``check_fits``),
+``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
 ``docs/tools/paper_tables.py``.
 """
 
 from longstraw_core.plan.advice import MemoryPlanError, check_fits, fixes_for, plan_memory
-from longstraw_core.plan.core import Line, MemoryPlan, compute_plan
+from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
 from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
 from longstraw_core.plan.sources import (
@@ -54,20 +64,28 @@ from longstraw_core.plan.sources import (
     spec_for_preset,
     workload_from_config,
 )
+from longstraw_core.plan.stages import layer_costs, stage_layout, stage_spec
+from longstraw_core.plan.timing import Hardware, PhaseTime, TimeEstimate, estimate_time
 
 __all__ = [
     "PRESETS",
+    "Hardware",
     "LayerSpec",
     "Line",
     "MemoryPlan",
     "MemoryPlanError",
     "ModelSpec",
+    "PhaseTime",
     "Preset",
     "Scenario",
+    "TimeEstimate",
     "Workload",
     "check_fits",
     "compute_plan",
+    "estimate_time",
     "fixes_for",
+    "layer_costs",
+    "pipeline_plan",
     "plan_for_config",
     "plan_memory",
     "print_plan",
@@ -76,5 +94,7 @@ __all__ = [
     "scenario_workload",
     "spec_for_config",
     "spec_for_preset",
+    "stage_layout",
+    "stage_spec",
     "workload_from_config",
 ]

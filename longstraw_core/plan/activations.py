@@ -213,7 +213,19 @@ class Activations:
             layers = sum(self.checkpoint_kept(layer, tokens, prefix) for layer in self.spec.layers)
         else:
             layers = sum(self.layer(layer, tokens, prefix) for layer in self.spec.layers)
-        return layers + self.head(tokens) + self.rotary(tokens)
+        return layers + self.head_graph(tokens) + self.rotary(tokens)
+
+    def head_graph(self, tokens: int) -> int:
+        return self.head(tokens) if self.spec.has_head else 0  # earlier stages: no head
+
+    def head_working(self, tokens: int) -> int:
+        return self.head_peak(tokens) if self.spec.has_head else 0
+
+    def split_last(self) -> tuple[list[LayerSpec], LayerSpec | None]:
+        """(layers run whole, the model's last layer, which only writes its state, or None
+        on a stage that ends before the model does)."""
+        *layers, last = self.spec.layers
+        return (layers, last) if self.spec.has_head else ([*layers, last], None)
 
     def chunk_graph(self, tokens: int, start: int) -> int:
         """Everything one recomputed prompt chunk keeps for its backward (bytes)."""
@@ -223,9 +235,10 @@ class Activations:
                 for layer in self.spec.layers
             )
             return kept + self.rotary(tokens) + INT64 * tokens
-        *layers, last = self.spec.layers
+        layers, last = self.split_last()
         saved = sum(self.layer(layer, tokens, start) for layer in layers)
-        saved += self.last_layer_state_only(last, tokens)
+        if last is not None:
+            saved += self.last_layer_state_only(last, tokens)
         return saved + self.rotary(tokens) + INT64 * tokens
 
     # --- activation checkpointing ------------------------------------------------------------
@@ -272,7 +285,7 @@ class Activations:
         layers = self.spec.layers
         kept = [self.checkpoint_kept(layer, tokens, prefix) for layer in layers]
         rotary = self.rotary(tokens)
-        peak = sum(kept) + rotary + self.head(tokens) + self.head_peak(tokens)
+        peak = sum(kept) + rotary + self.head_graph(tokens) + self.head_working(tokens)
         for index, layer in enumerate(layers):
             before = sum(kept[:index]) + rotary
             peak = max(peak, before + self.forward_working(layer, tokens, prefix))
@@ -293,7 +306,7 @@ class Activations:
         for index, layer in enumerate(layers):
             before = sum(kept[:index]) + sum(written[:index]) + fixed  # in its forward
             after = before + sum(written[index:])  # in its backward: every layer wrote
-            last = index == len(layers) - 1
+            last = index == len(layers) - 1 and self.spec.has_head
             if last:
                 forward = self.state_only_working(layer, tokens, start)
                 graph = self.last_layer_state_only(layer, tokens)

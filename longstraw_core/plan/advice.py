@@ -98,9 +98,10 @@ def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
     work = plan.work
     if not (work.rollout and work.offload is not None and work.offload.active):
         return []
+    spec = plan.stage_plans[plan.stage].spec if plan.per_stage else plan.spec  # its stage's
     per_step = sum(
         layer.state_fixed + layer.state_per_token * work.stored
-        for layer in plan.spec.layers
+        for layer in spec.layers
         if work.offloads(layer.record)
     )
     if not per_step:
@@ -194,7 +195,32 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
         break
     if not work.activation_checkpointing:
         fixes += _checkpointing_fix(plan)
+    if work.stages > 1:
+        fixes += _stages_fix(plan)
     return fixes
+
+
+def _stages_fix(plan: MemoryPlan) -> list[Fix]:
+    """More pipeline stages (and GPUs: as many replicas), so each rank holds fewer layers:
+    the fewest that fit, with the largest chunk that fits if the chunk alone does not."""
+    spec, work = plan.spec, plan.work
+    layers = len(spec.layers)
+    counts = sorted({*(work.stages * 2**k for k in range(1, 8)), layers})
+    for stages in (count for count in counts if work.stages < count <= layers):
+        trial = dataclasses.replace(
+            work, stages=stages, gpus=stages * work.replicas, stage_starts=None
+        )
+        fixed = compute_plan(spec, trial)
+        keys = f"distributed.pipeline_stages={stages}"
+        if not fixed.fits:
+            chunk = largest_chunk(spec, trial)
+            if chunk is None:
+                continue
+            fixed = compute_plan(spec, dataclasses.replace(trial, chunk_size=chunk))
+            keys += f" train.chunk_size={chunk}"
+        label = f"spread each prompt over {stages} stages ({trial.gpus} GPUs)"
+        return [Fix(label, keys, fixed)]
+    return []
 
 
 def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
@@ -306,6 +332,8 @@ def error_message(plan: MemoryPlan) -> str:
         f"{work.headroom:g})) for {work.prompt_tokens:,} prompt tokens, G={work.group}, "
         f"{work.gpus} GPU(s)"
     )
+    if work.stages > 1:
+        head += f" as {work.stages} pipeline stages (worst: stage {plan.stage})"
     fixes = fixes_for(plan)
     if fixes:
         return head + ": " + " or ".join(f"{fix.label}: {fix.keys}" for fix in fixes)

@@ -13,7 +13,7 @@ from longstraw_core.offload import OffloadPolicy
 from longstraw_core.plan.advice import error_message, plan_memory
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import PRESETS
-from longstraw_core.plan.output import print_plan, render_markdown
+from longstraw_core.plan.output import print_plan, print_time, render_markdown
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
     Scenario,
@@ -21,6 +21,9 @@ from longstraw_core.plan.sources import (
     scenario_workload,
     spec_for_preset,
 )
+from longstraw_core.plan.timing import Hardware, estimate_time
+
+_H20 = Hardware()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +66,75 @@ def _parser() -> argparse.ArgumentParser:
         "grpo.keep_attention_outputs, off for a preset)",
     )
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
+    stages = parser.add_argument_group("pipeline stages (one prompt over several GPUs)")
+    stages.add_argument(
+        "--stages",
+        type=int,
+        help="pipeline stages S: each rank of a stage group holds its layers' weights and "
+        "prefix state; GPUs = S x replicas (default: distributed.pipeline_stages, or 1)",
+    )
+    stages.add_argument(
+        "--stage-starts",
+        help="each stage's first layer, e.g. 0,8,16 (default: distributed.stage_starts, or "
+        "the balanced layout)",
+    )
+    timing = parser.add_argument_group("time estimate (printed with --time, and always with S > 1)")
+    timing.add_argument("--time", action="store_true", help="print seconds per phase")
+    timing.add_argument("--gpu-name", default=_H20.name, help=f"default: {_H20.name}")
+    timing.add_argument(
+        "--tflops", type=float, default=_H20.tflops, help="dense bf16 TFLOP/s (H20: 148)"
+    )
+    timing.add_argument("--hbm-tbps", type=float, default=_H20.hbm_tbps, help="TB/s (H20: 4.0)")
+    timing.add_argument(
+        "--link-gbps", type=float, default=_H20.link_gbps, help="GB/s between stages (NVLink: 900)"
+    )
+    timing.add_argument(
+        "--pcie-gbps", type=float, default=_H20.pcie_gbps, help="GB/s host <-> GPU (PCIe 5: 64)"
+    )
+    timing.add_argument(
+        "--mfu",
+        type=float,
+        default=_H20.mfu,
+        help=f"fraction of the FLOP peak (default {_H20.mfu})",
+    )
+    timing.add_argument(
+        "--bandwidth-efficiency",
+        type=float,
+        default=_H20.bandwidth_efficiency,
+        help=f"fraction of the bandwidth peaks (default {_H20.bandwidth_efficiency})",
+    )
+    timing.add_argument(
+        "--link-latency-us",
+        type=float,
+        default=_H20.latency_us,
+        help=f"microseconds a message between stages (default {_H20.latency_us:g})",
+    )
     return parser
+
+
+def hardware_from(args: argparse.Namespace) -> Hardware:
+    """The GPU the time estimate assumes (the CLI's flags; defaults: an H20)."""
+    return Hardware(
+        name=args.gpu_name,
+        tflops=args.tflops,
+        hbm_tbps=args.hbm_tbps,
+        link_gbps=args.link_gbps,
+        pcie_gbps=args.pcie_gbps,
+        mfu=args.mfu,
+        bandwidth_efficiency=args.bandwidth_efficiency,
+        latency_us=args.link_latency_us,
+    )
+
+
+def _stage_starts(args: argparse.Namespace) -> tuple[int, ...] | None:
+    if not args.stage_starts:
+        return None
+    try:
+        return tuple(int(part) for part in args.stage_starts.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--stage-starts {args.stage_starts!r}: comma-separated layer indices, e.g. 0,8,16"
+        ) from None
 
 
 def _offload_arg(args: argparse.Namespace) -> OffloadPolicy | None:
@@ -86,10 +157,11 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         scenario = Scenario(
             args.preset,
             args.prompt_tokens or 131072,
-            args.gpus or 1,
+            args.gpus or args.stages or 1,
             args.gpu_mem or "96GiB",
             32 if args.lora_rank is None else args.lora_rank,
             PRESET_LORA_TARGETS[args.preset],
+            args.stages or 1,
         )
         work = scenario_workload(scenario, args.group or 8, args.gradient or "exact")
         if args.gpu_mem is None:
@@ -112,8 +184,11 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
             gpu_mem=args.gpu_mem,
             offload=offload,
             device=args.device,
+            stages=args.stages,
         )
     changes: dict[str, Any] = {}
+    if args.stage_starts:
+        changes["stage_starts"] = _stage_starts(args)
     if args.response_tokens:
         changes["response_tokens"] = args.response_tokens
     if args.chunk_size:
@@ -151,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_plan(plan)
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(plan) + "\n")
+    if args.time or plan.work.stages > 1:
+        print_time(estimate_time(plan.spec, plan.work, hardware_from(args)))
     if plan.fits is False:
         print(f"error: {error_message(plan)}", file=sys.stderr)
         return 1

@@ -1,19 +1,22 @@
 """The plan: every memory line of one GRPO step per rank, and the peak of each phase.
 
 Pure: a plan from a model spec and a workload, nothing else (no advice, no printing);
-``advice`` builds on it.
+``advice`` builds on it. With pipeline stages (``Workload.stages > 1``) every stage gets its
+own plan (its layers' weights and state, its share of the root, the microbatches in flight
+on it under a 1F1B schedule) and the plan is the worst stage's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from longstraw_core.pipeline.layout import StageLayout
 from longstraw_core.plan.activations import Activations
-from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.model import PHASES, LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
-
-PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 
 
 @dataclass(frozen=True)
@@ -29,13 +32,22 @@ class Line:
 @dataclass
 class MemoryPlan:
     """The predicted memory of one GRPO step, per rank: rows, phase peaks, and the advice
-    ``advice.plan_memory`` adds (empty from ``compute_plan``)."""
+    ``advice.plan_memory`` adds (empty from ``compute_plan``). With stages: the rows and
+    peaks of stage ``stage`` (the worst), every stage's own plan in ``per_stage``."""
 
     spec: ModelSpec
     work: Workload
     lines: list[Line]
     phases: dict[str, int]
     advice: list[str] = field(default_factory=list)
+    layout: StageLayout | None = None  # the stages' layers (None: one stage)
+    stage: int = 0
+    per_stage: tuple[MemoryPlan, ...] = ()
+
+    @property
+    def stage_plans(self) -> tuple[MemoryPlan, ...]:
+        """Every stage's plan (one stage: this plan)."""
+        return self.per_stage or (self,)
 
     @property
     def peak(self) -> int:
@@ -63,16 +75,38 @@ class MemoryPlan:
 
 
 def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
-    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec`` (no advice)."""
+    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec`` (no advice);
+    with stages, the worst stage's (``pipeline_plan``)."""
     _check_workload(work)
+    if work.stages > 1:
+        return pipeline_plan(spec, work)
     parts = MemoryParts(spec, work)
     return MemoryPlan(spec, work, parts.lines(), parts.phases())
+
+
+def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
+    """Every stage's plan, each on its slice of the model (``stages.stage_spec``), and the
+    worst stage's as the plan. FSDP shards a stage over its replicas: with one replica it
+    is off (nothing to shard). One stage: the same rows and peaks as today's plan."""
+    _check_workload(work)
+    layout = layout_for(spec, work)
+    inner = work
+    if work.stages > 1 and work.replicas == 1 and work.fsdp:
+        inner = dataclasses.replace(work, fsdp=False)
+    plans = []
+    for stage in range(layout.stages):
+        sub = stage_spec(spec, layout, stage)
+        parts = MemoryParts(sub, inner, stage=stage)
+        plans.append(MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage))
+    worst = max(plans, key=lambda plan: plan.peak)
+    per_stage = tuple(plans)
+    return MemoryPlan(spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage)
 
 
 def _check_workload(work: Workload) -> None:
     if work.prompt_tokens < 2:
         raise ValueError(f"prompt_tokens={work.prompt_tokens}: a prompt has at least 2 tokens")
-    for name in ("group", "response_tokens", "chunk_size", "gpus"):
+    for name in ("group", "response_tokens", "chunk_size", "gpus", "stages"):
         if getattr(work, name) < 1:
             raise ValueError(f"{name}={getattr(work, name)}: must be at least 1")
     if work.gradient not in ("detached", "exact"):
@@ -81,11 +115,12 @@ def _check_workload(work: Workload) -> None:
         raise ValueError(f"device={work.device!r}: 'cuda' or 'cpu' (which kernels to model)")
 
 
-class MemoryParts:
-    """The pieces of the step's memory on one rank, and the phases that add them up."""
+class MemoryParts(InFlight):
+    """The pieces of the step's memory on one rank, and the phases that add them up
+    (``stage``: which pipeline stage of ``work.stages`` ``spec``, its slice, is)."""
 
-    def __init__(self, spec: ModelSpec, work: Workload) -> None:
-        self.spec, self.work = spec, work
+    def __init__(self, spec: ModelSpec, work: Workload, stage: int = 0) -> None:
+        self.spec, self.work, self.stage = spec, work, stage
         self.act = Activations(spec, work)
         self.cb = dtype_bytes(work.compute_dtype)
         self.pb = dtype_bytes(work.param_dtype)
@@ -161,7 +196,7 @@ class MemoryParts:
         lse = max(self.cb, FP32)  # the kernels' accumulation dtype
         size = sum(
             layer.dims["heads"] * (layer.dims["head_dim"] * self.cb + lse) * self.work.stored
-            for layer in self.spec.layers[:-1]
+            for layer in self.act.split_last()[0]
             if layer.record == "full_attention"
         )
         return (0, size) if self.work.offloads("full_attention") else (size, 0)
@@ -214,12 +249,13 @@ class MemoryParts:
         work = self.work
         tokens = min(work.chunk_size, work.stored)
         prefix = max(work.stored - tokens, 0)
-        *layers, last = self.spec.layers
+        layers, last = self.act.split_last()
         working = max(
             (self.act.forward_working(layer, tokens, prefix) for layer in layers),
             default=0,
         )
-        working = max(working, self.act.state_only_working(last, tokens, prefix))
+        if last is not None:
+            working = max(working, self.act.state_only_working(last, tokens, prefix))
         return tokens * self.cb * self.spec.hidden + working
 
     def branch_transient(self) -> int:
@@ -235,7 +271,7 @@ class MemoryParts:
             )
             for layer in self.spec.layers
         )
-        return graph + max(self.act.head_peak(tokens), working)
+        return graph + max(self.act.head_working(tokens), working)
 
     def sweep_transient(self) -> int:
         """Exact mode's recompute of the last chunk (the longest prefix) with autograd: its
@@ -252,7 +288,7 @@ class MemoryParts:
         if work.activation_checkpointing:
             return produced + self.act.checkpointed_chunk_peak(tokens, start)
         graph = self.act.chunk_graph(tokens, start)
-        *layers, last = self.spec.layers
+        layers, last = self.act.split_last()
         working = max(
             (
                 max(
@@ -263,9 +299,11 @@ class MemoryParts:
             ),
             default=0,
         )
-        last_working = self.act.state_only_working(last, tokens, start)
-        if last.mixer != "deltanet":  # its backward: the key/value projections only
-            last_working = max(last_working, self.act.weight_grad_scratch(last))
+        last_working = 0
+        if last is not None:
+            last_working = self.act.state_only_working(last, tokens, start)
+            if last.mixer != "deltanet":  # its backward: the key/value projections only
+                last_working = max(last_working, self.act.weight_grad_scratch(last))
         return graph + produced + max(working, last_working)
 
     def rollout_transient(self) -> int:
@@ -276,7 +314,7 @@ class MemoryParts:
             group * (layer.state_per_token * new + layer.state_fixed * (not layer.state_per_token))
             for layer in self.spec.layers
         )
-        logits = 3 * group * self.spec.vocab * FP32
+        logits = 3 * group * self.spec.vocab * FP32 if self.spec.has_head else 0
         step = max(self.act.decode_scratch(layer, group, work.stored) for layer in self.spec.layers)
         tokens = 2 * group * new * INT64  # sampled tokens, behaviour log-probs
         return caches + logits + step + tokens
@@ -297,6 +335,25 @@ class MemoryParts:
             if name in self.work.lora_targets
         ]
         return max(shapes, default=0)
+
+    # --- pipeline stages ------------------------------------------------------------------
+
+    def pipeline_lines(self) -> list[Line]:
+        work = self.work
+        branches = self.in_flight(work.group)
+        note = f"{branches - 1} of G={work.group} more wait for their backward (S - s = "
+        note += f"{work.stages - self.stage})"
+        lines = [Line("in-flight branch graphs (1F1B)", self.waiting_branches(), note=note)]
+        if self.exact:
+            chunks = self.in_flight(self.sweep_chunks())
+            note = f"{chunks - 1} more prompt chunks of {self.sweep_chunks()} wait for backward"
+            name = "in-flight sweep chunk graphs (1F1B)"
+            lines.append(Line(name, self.waiting_chunks(), note=note))
+        buffers = self.stage_buffers()
+        phase = max(buffers, key=buffers.__getitem__)
+        note = f"hidden states (tokens x hidden) to/from {self.links()} neighbour(s), largest in {phase}"
+        lines.append(Line("stage hidden-state buffers", buffers[phase], note=note))
+        return lines
 
     # --- the table and the phases ---------------------------------------------------------
 
@@ -346,6 +403,8 @@ class MemoryParts:
         if work.rollout:
             lines.append(Line("rollout caches + step (transient)", self.rollout_transient()))
         lines.append(Line("optimizer step (transient)", self.optimizer_transient()))
+        if work.stages > 1:
+            lines += self.pipeline_lines()
         return lines
 
     def phases(self) -> dict[str, int]:
@@ -379,6 +438,12 @@ class MemoryParts:
                 base + backward + self.streamed(work.stored - chunk) + self.sweep_transient()
             )
         phases["optimizer"] = base + self.gradients() + self.optimizer_transient()
+        if work.stages > 1:
+            buffers = self.stage_buffers()
+            phases = {name: value + buffers[name] for name, value in phases.items()}
+            phases["replay"] += self.waiting_branches()
+            if "sweep" in phases:
+                phases["sweep"] += self.waiting_chunks()
         return {name: phases[name] for name in PHASES if name in phases}
 
     def _param_note(self) -> str:

@@ -19,6 +19,7 @@ from model_adapters.family import Preset
 # (``model_adapters.registry.presets``; each preset's numbers and sources are in its family's
 # adapter module).
 PRESETS: Mapping[str, Preset] = RegistryView("presets")
+PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ModelSpec:
     rotary_dim: int
     llama_norm: bool  # x.to(fp32) ... weight * x.to(dtype) (Qwen3, GLM); else Qwen3.5's
     state_dtype: torch.dtype
+    # False for a pipeline stage's slice that ends before the model does: its last layer runs
+    # whole (only the model's last layer merely writes its state) and it has no LM head.
+    has_head: bool = True
 
     @classmethod
     def from_config(cls, config: Any, name: str, state_dtype: torch.dtype) -> ModelSpec:
@@ -211,6 +215,10 @@ def _rotary_dim(adapter: Any) -> int:
 class Workload:
     """One GRPO step as the planner sees it (from a ``RunConfig`` or the CLI).
 
+    ``stages > 1``: each group's prompt is spread over ``stages`` pipeline stages (rank ``s``
+    of a stage group owns a contiguous block of layers, their weights and their prefix
+    state); the plan is then the worst stage's (``core.compute_plan``).
+
     ``device``: which kernels to model: ``"cuda"`` (flash-attn, flash-linear-attention) or
     ``"cpu"`` (the pure-torch paths the CPU runs). ``param_dtype``: the parameters' dtype
     (``model.dtype``); the layers compute, and keep their state, in ``compute_dtype``.
@@ -236,6 +244,8 @@ class Workload:
     rollout: bool = True
     activation_checkpointing: bool = False  # ModelAdapter.activation_checkpointing
     keep_attention_outputs: bool = False  # GRPOConfig.keep_attention_outputs (exact mode)
+    stages: int = 1  # distributed.pipeline_stages: gpus = stages x data-parallel replicas
+    stage_starts: tuple[int, ...] | None = None  # distributed.stage_starts (None: balanced)
 
     @property
     def stored(self) -> int:
@@ -243,8 +253,14 @@ class Workload:
         return max(self.prompt_tokens - 1, 0)
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: groups of ``stages`` ranks, each training its own prompt."""
+        return max(self.gpus // self.stages, 1)
+
+    @property
     def shards(self) -> int:
-        return self.gpus if self.fsdp else 1
+        """Ranks FSDP shards a stage's parameters over: its replicas (all GPUs at S=1)."""
+        return self.replicas if self.fsdp else 1
 
     @property
     def usable(self) -> int | None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from longstraw_core.plan.advice import offload_keys
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import Workload
+from longstraw_core.plan.stages import full_attention_counts
+from longstraw_core.plan.timing import TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
@@ -17,6 +21,8 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         if work.fsdp
         else "one process: nothing sharded"
     )
+    if work.stages > 1:
+        sharded = _stage_note(work)
     kernels = (
         "CUDA kernels: flash-attn (16-bit, equal head dims; MLA's latent uses the torch loop), "
         "flash-linear-attention for Gated DeltaNet"
@@ -39,6 +45,22 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         "AdamW moments in the trainable parameters' dtype; counted: tensor memory only "
         "(no CUDA context, NCCL buffers, fragmentation: that is what memory.headroom is for)",
     ]
+
+
+def _stage_note(work: Workload) -> str:
+    fsdp = (
+        f"FSDP2 shards each stage's parameters, gradients and moments over its {work.replicas} "
+        "replicas"
+        if work.fsdp and work.replicas > 1
+        else "nothing sharded (one replica: no FSDP)"
+    )
+    return (
+        f"{work.stages} pipeline stages x {work.replicas} data-parallel replica(s) = "
+        f"{work.stages * work.replicas} GPUs: a rank holds its stage's layers (weights, "
+        "prefix state, dS, checkpoints, activations), the embeddings on stage 0, the final "
+        "norm and LM head on the last; 1F1B keeps up to S - s branches (replay) and prompt "
+        f"chunks (exact sweep) in flight on stage s; {fsdp}"
+    )
 
 
 def _head_chunk_elements() -> int:
@@ -84,11 +106,132 @@ def _title(plan: MemoryPlan) -> str:
     if work.offload is not None and work.offload.active:
         offload = ", offload " + offload_keys(work.offload).replace("offload.", "")
     checkpointing = ", activation checkpointing" if work.activation_checkpointing else ""
-    return (
+    title = (
         f"{plan.spec.name}: {work.prompt_tokens:,} prompt tokens, G={work.group}, "
         f"{work.response_tokens} response tokens, chunk {work.chunk_size}, "
         f"{work.gradient}{checkpointing}, {work.gpus} GPU(s){offload}"
     )
+    if plan.layout is not None and work.stages > 1:
+        layers = plan.layout.layers_of(plan.stage)
+        title += (
+            f", {work.stages} stages x {work.replicas} replica(s); worst stage {plan.stage} "
+            f"(layers {layers.start}-{layers.stop - 1})"
+        )
+    return title
+
+
+def stage_rows(plan: MemoryPlan) -> list[tuple[str, ...]]:
+    """One row per stage: its layers, what it holds, its peak and its phase."""
+    if plan.layout is None:
+        return []
+    attention = full_attention_counts(plan.spec, plan.layout)
+    rows = []
+    for stage in plan.stage_plans:
+        layers = plan.layout.layers_of(stage.stage)
+        state = sum(line.device for line in stage.lines if line.name.startswith("prefix state"))
+        grads = sum(line.device for line in stage.lines if line.name == "dS (exact)")
+        rows.append(
+            (
+                str(stage.stage),
+                f"{layers.start}-{layers.stop - 1}",
+                str(attention[stage.stage]),
+                human_bytes(stage.line("parameters").device),
+                human_bytes(state),
+                human_bytes(grads) if grads else "",
+                human_bytes(stage.peak),
+                stage.peak_phase,
+            )
+        )
+    return rows
+
+
+STAGE_HEADER = ("stage", "layers", "full attn", "parameters", "prefix state", "dS", "peak", "in")
+
+
+def render_stages_text(plan: MemoryPlan) -> str:
+    """The per-stage table as aligned text (empty with one stage)."""
+    rows = stage_rows(plan)
+    if not rows:
+        return ""
+    return _aligned([STAGE_HEADER, *rows], "per stage")
+
+
+def render_stages_markdown(plan: MemoryPlan) -> str:
+    rows = stage_rows(plan)
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(STAGE_HEADER) + " |", "|" + "---|" * len(STAGE_HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+TIME_HEADER = ("phase", "seconds", "share", "bound", "PFLOP", "between stages", "PCIe")
+
+
+def time_rows(estimate: TimeEstimate) -> list[tuple[str, ...]]:
+    """Phase -> seconds (and what bounds it, its FLOPs and traffic), then the total."""
+    total = estimate.total
+    rows = [
+        (
+            phase.name,
+            f"{phase.seconds:,.1f}",
+            f"{phase.seconds / total:.1%}" if total else "-",
+            phase.bound,
+            f"{phase.flops / 1e15:,.1f}",
+            f"{phase.link_bytes / 1e9:,.1f} GB" if phase.link_bytes else "",
+            f"{phase.pcie_bytes / 1e9:,.0f} GB" if phase.pcie_bytes else "",
+        )
+        for phase in estimate.phases
+    ]
+    flops = sum(phase.flops for phase in estimate.phases)
+    rows.append(("step", f"{total:,.1f}", "100.0%", "", f"{flops / 1e15:,.1f}", "", ""))
+    return rows
+
+
+def time_assumptions(estimate: TimeEstimate) -> list[str]:
+    """What the time estimate assumes, in words (printed under its table)."""
+    work = estimate.work
+    return [
+        estimate.hardware.describe(),
+        f"one stage group of {estimate.layout.stages} GPU(s) training one prompt "
+        f"({work.replicas} replica(s) run theirs side by side); stages "
+        f"{estimate.layout.describe()}",
+        "per stage a roofline (the slowest of FLOPs, HBM bytes, PCIe bytes); prefill and "
+        "sweep (K + S - 1)/K x the slowest stage, replay (G + S - 1) x one branch on the "
+        "slowest stage (1F1B), rollout the stages in turn for each token; transfers overlap "
+        "compute but for the pipeline's fill",
+        "FLOPs from shapes: 2 x active parameters per token, causal attention 4 x heads x "
+        "head_dim per query-key pair, MLA absorbed over its top-k, the DSA indexer over every "
+        f"earlier key; backward: input gradients (weight gradients too: "
+        f"{'yes' if not work.lora_rank else 'no, LoRA'}), attention 2.5x its forward",
+        "not counted: kernel launches and Python, rewards and sampling, FSDP gathers, "
+        "checkpoint I/O, the reference model (beta = 0), imbalance between MoE experts",
+    ]
+
+
+def render_time_text(estimate: TimeEstimate) -> str:
+    head = f"time per step ({estimate.hardware.name}, {estimate.layout.stages} stage(s))"
+    out = [_aligned([TIME_HEADER, *time_rows(estimate)], head)]
+    out += [f"phase {p.name}: {p.note}" for p in estimate.phases]
+    out += [f"assumes: {line}" for line in time_assumptions(estimate)]
+    return "\n".join(out)
+
+
+def render_time_markdown(estimate: TimeEstimate) -> str:
+    lines = ["| " + " | ".join(TIME_HEADER) + " |", "|---|" + "---:|" * 5 + "---:|"]
+    lines += ["| " + " | ".join(row) + " |" for row in time_rows(estimate)]
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]], title: str) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = [title]
+    for row in rows:
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out)
 
 
 def render_text(plan: MemoryPlan) -> str:
@@ -98,6 +241,8 @@ def render_text(plan: MemoryPlan) -> str:
     out = [_title(plan)]
     for row in rows:
         out.append(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]}")
+    stages = render_stages_text(plan)
+    out += [stages] if stages else []
     out += [f"advice: {line}" for line in plan.advice]
     out += [f"assumes: {line}" for line in assumptions(plan)]
     return "\n".join(out)
@@ -107,6 +252,8 @@ def render_markdown(plan: MemoryPlan) -> str:
     lines = [f"**{_title(plan)}**", "", "| | device | CPU | note |", "|---|---:|---:|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table_rows(plan)]
     lines.append("")
+    stages = render_stages_markdown(plan)
+    lines += [stages, ""] if stages else []
     lines += [f"- advice: {line}" for line in plan.advice]
     return "\n".join(lines)
 
@@ -128,7 +275,39 @@ def print_plan(plan: MemoryPlan) -> None:
         table.add_row(*row, style=style, end_section=index == len(plan.lines) - 1)
     console = Console(width=max(120, Console().width))
     console.print(table)
+    _print_rows(console, STAGE_HEADER, stage_rows(plan), "per stage")
     for line in plan.advice:
         console.print(f"advice: {line}")
     for line in assumptions(plan):
         console.print(f"[dim]assumes: {line}[/dim]")
+
+
+def print_time(estimate: TimeEstimate) -> None:
+    """The time estimate's table with ``rich`` when installed, plain text otherwise."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        print(render_time_text(estimate))
+        return
+    console = Console(width=max(120, Console().width))
+    title = f"time per step ({estimate.hardware.name}, {estimate.layout.stages} stage(s))"
+    _print_rows(console, TIME_HEADER, time_rows(estimate), title)
+    for phase in estimate.phases:
+        console.print(f"phase {phase.name}: {phase.note}")
+    for line in time_assumptions(estimate):
+        console.print(f"[dim]assumes: {line}[/dim]")
+
+
+def _print_rows(
+    console: Any, header: tuple[str, ...], rows: list[tuple[str, ...]], title: str
+) -> None:
+    if not rows:
+        return
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for index, name in enumerate(header):
+        table.add_column(name, justify="left" if index == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

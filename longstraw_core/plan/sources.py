@@ -42,7 +42,8 @@ PRESET_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Scenario:
-    """One paper-scale setting: a preset, a prompt length, GPUs, LoRA or full."""
+    """One paper-scale setting: a preset, a prompt length, GPUs, LoRA or full, and the
+    pipeline stages each group's prompt is spread over (``gpus = stages x replicas``)."""
 
     preset: str
     prompt_tokens: int
@@ -50,6 +51,7 @@ class Scenario:
     gpu_mem: str
     lora_rank: int
     lora_targets: tuple[str, ...]
+    stages: int = 1
 
 
 def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload:
@@ -74,6 +76,7 @@ def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload
         budget=parse_bytes(scenario.gpu_mem),
         headroom=0.05,
         activation_checkpointing=True,  # as the shipped GPU configs set it
+        stages=scenario.stages,
     )
 
 
@@ -145,13 +148,17 @@ def workload_from_config(
     offload: OffloadPolicy | str | dict | None = None,
     device: str | None = None,
     model_type: str | None = None,
+    stages: int | None = None,
+    stage_starts: tuple[int, ...] | None = None,
 ) -> Workload:
     """The step a ``RunConfig`` runs, with the CLI's overrides (``None``: from the config).
 
     The budget is ``gpu_mem`` or ``memory.gpu_mem``; ``gpus`` (or ``memory.gpus``) ranks
     shard the parameters when ``distributed.fsdp`` is on. Kernels are CUDA's when a budget
     is known, the CPU's otherwise (``device`` overrides). Without ``gpus`` or
-    ``memory.gpus``, a launched run counts its ranks (``WORLD_SIZE``).
+    ``memory.gpus``, a launched run counts its ranks (``WORLD_SIZE``). Pipeline stages:
+    ``stages`` or ``distributed.pipeline_stages`` (1 when the key is absent), boundaries
+    ``stage_starts`` or ``distributed.stage_starts`` (None: balanced).
     """
     from longstraw_core.config import lora_targets
     from longstraw_core.memory import parse_bytes
@@ -187,7 +194,15 @@ def workload_from_config(
         budget=budget,
         headroom=getattr(memory, "headroom", 0.0) if budget is not None else 0.0,
         activation_checkpointing=_activation_checkpointing(cfg),
+        stages=stages or int(getattr(cfg.distributed, "pipeline_stages", None) or 1),
+        stage_starts=_stage_starts(cfg, stage_starts),
     )
+
+
+def _stage_starts(cfg: Any, override: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The CLI's stage starts, else the config's ``distributed.stage_starts`` (if any)."""
+    starts = override if override is not None else getattr(cfg.distributed, "stage_starts", None)
+    return None if starts is None else tuple(int(start) for start in starts)
 
 
 def _activation_checkpointing(cfg: Any) -> bool:

@@ -1,0 +1,404 @@
+"""How long each phase of one GRPO step takes on a stated GPU: a roofline per stage, pipelined.
+
+Why: memory decides whether a step runs; time decides whether it is worth running. The
+estimate shows where a step's time goes (prefill's quadratic attention, rollout's reads of
+the whole prefix state per generated token, the pipeline's bubbles) before anything runs.
+
+Per stage and phase the work is a roofline: the largest of its FLOPs over ``flops x mfu``,
+its HBM bytes over ``hbm x bandwidth_efficiency``, and its host traffic (offloaded state)
+over ``pcie x bandwidth_efficiency``. The stages then combine as each phase's schedule does:
+
+- prefill, exact sweep: ``K`` prompt chunks through ``S`` stages, ``(K + S - 1) / K`` x the
+  slowest stage's total (chunks of equal cost on average);
+- rollout: every generated token passes the stages one after another (the sum of the stages'
+  times, plus ``S`` hops: ``S - 1`` forward, the sampled token back to the first stage);
+- replay: ``G`` branches through a 1F1B pipeline, ``(G + S - 1)`` x the slowest stage's
+  forward + backward of one branch (a bubble of ``S - 1``);
+- optimizer: AdamW over the slowest stage's trainable parameters (memory-bound), and the
+  gradients' all-reduce over ``D`` replicas.
+
+Hidden states crossing stages are counted per phase (bytes, and bytes over the link's
+bandwidth); they overlap compute (sent asynchronously) except for the pipeline's fill, ``S - 1``
+hops of one microbatch, which the phase's time includes. Pure: ``estimate_time`` reads a spec,
+a workload and a ``Hardware`` only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from longstraw_core.pipeline.layout import StageLayout
+from longstraw_core.plan.flops import (
+    Flops,
+    active_params,
+    expert_params,
+    head_flops,
+    layer_flops,
+)
+from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.stages import layout_for, root_split
+from longstraw_core.plan.units import FP32, dtype_bytes
+
+# flash-attn's backward: five matmuls (scores recomputed, dP, dV, dQ, dK) to the forward's two.
+ATTENTION_BACKWARD = 2.5
+ADAM_ACCESSES = 7  # AdamW reads parameter, gradient and both moments and writes three back
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU and its links (defaults: an NVIDIA H20, 8 to a node on NVLink, PCIe 5 x16)."""
+
+    name: str = "H20"
+    tflops: float = 148.0  # dense bf16 tensor-core peak, TFLOP/s
+    hbm_tbps: float = 4.0  # HBM bandwidth, TB/s
+    link_gbps: float = 900.0  # between stages (NVLink), GB/s
+    pcie_gbps: float = 64.0  # host <-> device, GB/s
+    mfu: float = 0.4  # fraction of the FLOP peak the kernels reach (GEMMs and attention alike)
+    bandwidth_efficiency: float = 0.8  # fraction of the HBM, link and PCIe peaks reached
+    latency_us: float = 10.0  # one point-to-point message between stages
+
+    @property
+    def flop_rate(self) -> float:
+        return self.tflops * 1e12 * self.mfu
+
+    @property
+    def hbm_rate(self) -> float:
+        return self.hbm_tbps * 1e12 * self.bandwidth_efficiency
+
+    @property
+    def link_rate(self) -> float:
+        return self.link_gbps * 1e9 * self.bandwidth_efficiency
+
+    @property
+    def pcie_rate(self) -> float:
+        return self.pcie_gbps * 1e9 * self.bandwidth_efficiency
+
+    def hop(self, size: float) -> float:
+        """Seconds to send ``size`` bytes from one stage to the next."""
+        return self.latency_us * 1e-6 + size / self.link_rate
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.tflops:g} TFLOP/s dense bf16 x MFU {self.mfu:g}, HBM "
+            f"{self.hbm_tbps:g} TB/s, stage links {self.link_gbps:g} GB/s, PCIe "
+            f"{self.pcie_gbps:g} GB/s (bandwidths x {self.bandwidth_efficiency:g}), "
+            f"{self.latency_us:g} us a message"
+        )
+
+
+@dataclass(frozen=True)
+class Work:
+    """One stage's work in one phase (or one microbatch or step of it)."""
+
+    flops: float = 0.0
+    hbm: float = 0.0  # bytes
+    pcie: float = 0.0  # bytes
+
+    def seconds(self, hw: Hardware) -> tuple[float, str]:
+        """The roofline: the slowest resource, and its name."""
+        times = {
+            "compute": self.flops / hw.flop_rate,
+            "HBM": self.hbm / hw.hbm_rate,
+            "PCIe": self.pcie / hw.pcie_rate,
+        }
+        bound = max(times, key=times.__getitem__)
+        return times[bound], bound
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase of the step: its seconds and what bounds them, its FLOPs (all stages of one
+    group), the bytes crossing stages and PCIe, and what the stages exchange."""
+
+    name: str
+    seconds: float
+    bound: str
+    flops: float
+    link_bytes: float
+    pcie_bytes: float
+    note: str
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """The phases of one step of one stage group (``D`` replicas run theirs side by side)."""
+
+    spec: ModelSpec
+    work: Workload
+    hardware: Hardware
+    layout: StageLayout
+    phases: tuple[PhaseTime, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(phase.seconds for phase in self.phases)
+
+    def phase(self, name: str) -> PhaseTime:
+        return next(phase for phase in self.phases if phase.name == name)
+
+
+def estimate_time(
+    spec: ModelSpec, work: Workload, hardware: Hardware | None = None
+) -> TimeEstimate:
+    """Seconds per phase of one GRPO step of ``work`` on ``spec`` on ``hardware``."""
+    hw = hardware or Hardware()
+    layout = layout_for(spec, work)
+    model = StepModel(spec, work, hw, layout)
+    phases = [model.prefill(), model.rollout(), model.replay()]
+    if work.gradient == "exact":
+        phases.append(model.sweep())
+    phases.append(model.optimizer())
+    return TimeEstimate(spec, work, hw, layout, tuple(phases))
+
+
+class StepModel:
+    """The per-stage work of each phase, and the schedules that combine the stages."""
+
+    def __init__(self, spec: ModelSpec, work: Workload, hw: Hardware, layout: StageLayout):
+        self.spec, self.work, self.hw, self.layout = spec, work, hw, layout
+        self.cb = dtype_bytes(work.compute_dtype)
+        self.stages = layout.stages
+        self.full = not work.lora_rank  # the base's weights train: backward also computes dW
+        self.embedding, self.head = root_split(spec)
+
+    # --- per stage ----------------------------------------------------------------------------
+
+    def layers(self, stage: int) -> list[LayerSpec]:
+        return [self.spec.layers[i] for i in self.layout.layers_of(stage)]
+
+    def last(self, stage: int) -> bool:
+        return stage == self.stages - 1
+
+    def forward(self, stage: int, tokens: float, prefix: float, head: bool) -> Flops:
+        total = Flops()
+        for layer in self.layers(stage):
+            total = total + layer_flops(self.spec, layer, tokens, prefix)
+        if head and self.last(stage):
+            total = total + head_flops(self.spec, tokens)
+        return total
+
+    def backward(self, forward: Flops) -> float:
+        """A backward's FLOPs: input gradients through every matmul (and weight gradients
+        when the base trains; LoRA's own are noise), the attention's ``ATTENTION_BACKWARD``;
+        the DSA indexer has no gradient."""
+        return forward.matmul * (2 if self.full else 1) + forward.mixing * ATTENTION_BACKWARD
+
+    def without_attention(self, stage: int, tokens: float, prefix: float) -> Flops:
+        """A forward that reuses the kept full-attention outputs (``keep_attention_outputs``):
+        full attention's scores and values skipped; MLA and DeltaNet unaffected."""
+        total = Flops()
+        for layer in self.layers(stage):
+            flops = layer_flops(self.spec, layer, tokens, prefix)
+            if layer.record == "full_attention":
+                flops = Flops(flops.matmul, 0.0, flops.indexer)
+            total = total + flops
+        return total
+
+    def weight_bytes(self, stage: int, group: int | None = None) -> float:
+        """Weights a pass reads (compute dtype; LoRA adapters fp32): every expert, or for a
+        decode step of ``group`` tokens only the experts they can reach (``group x top_k``)."""
+        size = 0.0
+        for layer in self.layers(stage):
+            params = layer.params
+            if group is not None and layer.mlp == "moe":
+                m = layer.mlp_dims
+                reached = min(m["experts"], group * m["top_k"])
+                params = active_params(self.spec, layer) - m["top_k"] * expert_params(
+                    self.spec, layer
+                )
+                params += reached * expert_params(self.spec, layer)
+            size += params
+        # the embedding is read by rows (a chunk's tokens): noise next to the layers
+        size += self.head * self.last(stage) + self.lora_params(stage) * FP32 / self.cb
+        return size * self.cb
+
+    def lora_params(self, stage: int) -> float:
+        if not self.work.lora_rank:
+            return 0.0
+        return sum(
+            self.work.lora_rank * (inp + out)
+            for layer in self.layers(stage)
+            for name, (inp, out) in layer.linear_shapes.items()
+            if name in self.work.lora_targets
+        )
+
+    def trainable(self, stage: int) -> float:
+        if self.work.lora_rank:
+            return self.lora_params(stage)
+        root = self.embedding * (stage == 0) + self.head * self.last(stage)
+        if self.stages == 1:
+            root = self.spec.root_params
+        return sum(layer.params for layer in self.layers(stage)) + root
+
+    def state_bytes(self, stage: int, positions: float, offloaded: bool | None = None) -> float:
+        """The stage's prefix state at ``positions`` (only its offloaded, or only its
+        resident, records when ``offloaded`` is given)."""
+        return sum(
+            layer.state_fixed + layer.state_per_token * positions
+            for layer in self.layers(stage)
+            if offloaded is None or self.work.offloads(layer.record) == offloaded
+        )
+
+    def grad_bytes(self, stage: int, positions: float, offloaded: bool) -> float:
+        """Exact mode's dS of the stage's offloaded (or resident) records."""
+        return sum(
+            layer.grad_fixed + layer.grad_per_token * positions
+            for layer in self.layers(stage)
+            if self.work.offloads(layer.record) == offloaded
+        )
+
+    def decode_reads(self, stage: int, context: float) -> tuple[float, float]:
+        """(HBM, PCIe) bytes one decode step of the G branches reads of the prefix state:
+        all K/V (the branches share it: their queries are rows of one batch), the DSA
+        indexer's keys and the selected latents, each branch's recurrent state (read and
+        written) and its own cache."""
+        group, hbm, pcie = self.work.group, 0.0, 0.0
+        mean_new = self.work.response_tokens / 2
+        for layer in self.layers(stage):
+            d = layer.dims
+            if layer.mixer == "mla":
+                latent = (d["kv_rank"] + d["rope_dim"]) * self.cb
+                index = d["index_dim"] * self.cb * d["indexer"]
+                keys = min(context, d["index_topk"])
+                size = index * context + group * keys * latent
+            elif layer.state_per_token:
+                size = layer.state_fixed + layer.state_per_token * context
+            else:
+                size = 0.0
+            if self.work.offloads(layer.record):
+                pcie += size
+            else:
+                hbm += size
+            cache = layer.state_per_token * mean_new if layer.state_per_token else 0
+            hbm += group * (cache + 2 * layer.state_fixed * (not layer.state_per_token))
+        return hbm, pcie
+
+    # --- the phases ---------------------------------------------------------------------------
+
+    def chunks(self) -> int:
+        return max(math.ceil(self.work.stored / self.work.chunk_size), 1)
+
+    def pipelined(self, works: list[Work], microbatches: int, size: float) -> tuple[float, str]:
+        """``microbatches`` through the stages, each stage doing ``works[s]`` in all: the
+        slowest stage's share per microbatch (or the link's, if slower), ``M + S - 1`` times,
+        plus the fill's ``S - 1`` hops."""
+        times = [work.seconds(self.hw) for work in works]
+        slowest, bound = max(times)
+        step = slowest / microbatches
+        if self.stages > 1 and self.hw.hop(size) > step:
+            step, bound = self.hw.hop(size), "link"
+        fill = (self.stages - 1) * self.hw.hop(size) if self.stages > 1 else 0.0
+        return (microbatches + self.stages - 1) * step + fill, bound
+
+    def prefill(self) -> PhaseTime:
+        work, n, chunks = self.work, self.work.stored, self.chunks()
+        chunk = min(work.chunk_size, n)
+        works = []
+        for s in range(self.stages):
+            flops = self.forward(s, n, 0, head=False).total
+            # weights once per chunk; the state written once and read once per chunk (about
+            # half of it on average): a lower bound (the kernels tile it)
+            hbm = chunks * self.weight_bytes(s) + self.state_bytes(s, n, False) * (1 + chunks / 2)
+            pcie = self.state_bytes(s, n, True) * (1 + chunks / 2)
+            works.append(Work(flops, hbm, pcie))
+        seconds, bound = self.pipelined(works, chunks, chunk * self.spec.hidden * self.cb)
+        link = (self.stages - 1) * n * self.spec.hidden * self.cb
+        note = (
+            f"{chunks} chunks of {chunk}, no autograd; each stage writes its own layers' "
+            "state; stage s -> s+1: each chunk's hidden states (chunk x hidden)"
+        )
+        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
+        return PhaseTime("prefill", seconds, bound, flops, link, pcie, note)
+
+    def rollout(self) -> PhaseTime:
+        work, hw = self.work, self.hw
+        group, new, n = work.group, work.response_tokens, work.stored
+        context = n + new / 2  # the mean decode step
+        step, bounds, flops, pcie = 0.0, set(), 0.0, 0.0
+        for s in range(self.stages):
+            forward = self.forward(s, new, n, head=True).total * group / new
+            hbm, host = self.decode_reads(s, context)
+            seconds, bound = Work(forward, hbm + self.weight_bytes(s, group), host).seconds(hw)
+            step, flops, pcie = step + seconds, flops + forward * new, pcie + host * new
+            bounds.add(bound)
+        size = group * self.spec.hidden * self.cb
+        if self.stages > 1:
+            step += self.stages * hw.hop(size)
+        note = (
+            f"{new} steps of G={group} tokens, each through the stages in turn; stage s -> s+1: "
+            "G x hidden per step; the last stage samples and sends the G tokens to stage 0"
+        )
+        link = new * (self.stages - 1) * size if self.stages > 1 else 0.0
+        bound = "/".join(sorted(bounds))
+        return PhaseTime("rollout", new * step, bound, flops, link, pcie, note)
+
+    def replay(self) -> PhaseTime:
+        work, n, tokens = self.work, self.work.stored, self.work.response_tokens
+        group = work.group
+        works = []
+        for s in range(self.stages):
+            forward = self.forward(s, tokens, n, head=True)
+            flops = forward.total + self.backward(forward)
+            if work.activation_checkpointing:
+                flops += forward.total  # each layer recomputed in its backward
+            elif self.last(s):
+                flops += head_flops(self.spec, tokens).total  # the head is always recomputed
+            passes = 3 if work.activation_checkpointing else 2
+            hbm = passes * self.weight_bytes(s) + 2 * self.state_bytes(s, n, False)
+            pcie = 2 * self.state_bytes(s, n, True)
+            works.append(Work(flops * group, hbm * group, pcie * group))
+        size = tokens * self.spec.hidden * self.cb
+        seconds, bound = self.pipelined(works, group, 2 * size)
+        link = 2 * (self.stages - 1) * group * size
+        note = (
+            f"G={group} branches of {tokens} tokens as microbatches, 1F1B; stage s -> s+1: a "
+            "branch's hidden states, s+1 -> s: their gradients; the loss on the last stage"
+        )
+        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
+        return PhaseTime("replay", seconds, bound, flops, link, pcie, note)
+
+    def sweep(self) -> PhaseTime:
+        work, n, chunks = self.work, self.work.stored, self.chunks()
+        chunk = min(work.chunk_size, n)
+        works = []
+        for s in range(self.stages):
+            forward = self.forward(s, n, 0, head=False)
+            recompute = forward
+            if work.keep_attention_outputs:
+                recompute = self.without_attention(s, n, 0)
+            flops = recompute.total + self.backward(forward)
+            if work.activation_checkpointing:
+                flops += recompute.total
+            passes = 3 if work.activation_checkpointing else 2
+            # per chunk: the prefix's state read in forward and backward and its dS read and
+            # written (half the prompt on average, twice each)
+            hbm = passes * chunks * self.weight_bytes(s)
+            hbm += chunks * (self.state_bytes(s, n, False) + self.grad_bytes(s, n, False))
+            pcie = chunks * (self.state_bytes(s, n, True) + self.grad_bytes(s, n, True))
+            works.append(Work(flops, hbm, pcie))
+        size = chunk * self.spec.hidden * self.cb
+        seconds, bound = self.pipelined(works, chunks, 2 * size)
+        link = 2 * (self.stages - 1) * n * self.spec.hidden * self.cb
+        note = (
+            f"{chunks} chunks in reverse, recomputed with autograd and backpropagated, 1F1B; "
+            "stage s -> s+1: a chunk's hidden states, s+1 -> s: their gradients; dS stays local"
+        )
+        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
+        return PhaseTime("sweep", seconds, bound, flops, link, pcie, note)
+
+    def optimizer(self) -> PhaseTime:
+        work, hw = self.work, self.hw
+        size = FP32 if work.lora_rank else dtype_bytes(work.param_dtype)
+        shards = work.shards
+        slowest = max(self.trainable(s) for s in range(self.stages))
+        seconds = ADAM_ACCESSES * size * slowest / shards / hw.hbm_rate
+        link, replicas = 0.0, work.replicas
+        if replicas > 1:
+            link = 2 * (replicas - 1) / replicas * slowest * size  # ring all-reduce
+            seconds += link / hw.link_rate
+        note = (
+            f"AdamW over the largest stage's trainable parameters; gradients all-reduced "
+            f"over {replicas} replica(s)"
+        )
+        return PhaseTime("optimizer", seconds, "HBM", 0.0, link, 0.0, note)

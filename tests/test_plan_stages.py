@@ -1,0 +1,386 @@
+"""The planner on pipeline stages: layouts, per-stage memory, the paper verdicts, time, CLI.
+
+One prompt over S stages: each rank holds its stage's layers (weights, prefix state, dS),
+the embeddings on stage 0, the head on the last, and what a 1F1B schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from longstraw_core.config import load_config
+from longstraw_core.offload import OffloadPolicy
+from longstraw_core.pipeline import StageLayoutError
+from longstraw_core.plan import (
+    Hardware,
+    ModelSpec,
+    Scenario,
+    Workload,
+    compute_plan,
+    estimate_time,
+    pipeline_plan,
+    plan_for_config,
+    scenario_workload,
+    spec_for_preset,
+    stage_layout,
+)
+from longstraw_core.plan.advice import fixes_for, largest_chunk
+from longstraw_core.plan.cli import main
+from longstraw_core.plan.sources import PRESET_LORA_TARGETS
+from longstraw_core.plan.stages import full_attention_counts, layer_costs, stage_spec
+from longstraw_core.plan.units import GIB
+
+ROOT = Path(__file__).resolve().parents[1]
+_QWEN = PRESET_LORA_TARGETS["Qwen3.6-27B"]
+_GLM = PRESET_LORA_TARGETS["GLM-5.2"]
+QWEN_21 = Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 32, _QWEN, stages=8)
+QWEN_446 = Scenario("Qwen3.6-27B", 4_460_000, 8, "96GiB", 32, _QWEN, stages=8)
+GLM_21 = Scenario("GLM-5.2", 2_100_000, 32, "96GiB", 32, _GLM, stages=32)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> ModelSpec:
+    return spec_for_preset("Qwen3.6-27B")
+
+
+@pytest.fixture(scope="module")
+def glm() -> ModelSpec:
+    return spec_for_preset("GLM-5.2")
+
+
+def _work(scenario: Scenario, group: int, gradient: str, **changes: object) -> Workload:
+    return dataclasses.replace(scenario_workload(scenario, group, gradient), **changes)
+
+
+# --- stage layouts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8, 16])
+def test_qwen36_full_attention_layers_spread_evenly(qwen: ModelSpec, stages: int) -> None:
+    """64 layers, one in four full attention: an even split, 16 / S full-attention layers
+    on every stage, in both gradient modes."""
+    for gradient in ("detached", "exact"):
+        layout = stage_layout(qwen, stages, gradient=gradient)
+        size = 64 // stages
+        assert layout.boundaries == tuple(range(0, 65, size))
+        assert full_attention_counts(qwen, layout) == [16 // stages] * stages
+
+
+def test_qwen36_on_8_stages_has_two_full_attention_layers_each(qwen: ModelSpec) -> None:
+    layout = stage_layout(qwen, 8)
+    assert layout.describe() == "0-7 | 8-15 | 16-23 | 24-31 | 32-39 | 40-47 | 48-55 | 56-63"
+    assert full_attention_counts(qwen, layout) == [2] * 8
+
+
+@pytest.mark.parametrize("stages", [1, 3, 5, 7, 31, 64])
+def test_every_stage_owns_layers(qwen: ModelSpec, stages: int) -> None:
+    layout = stage_layout(qwen, stages)
+    assert layout.stages == stages and layout.num_layers == 64
+    assert all(len(layout.layers_of(s)) >= 1 for s in range(stages))
+    counts = full_attention_counts(qwen, layout)
+    assert max(counts) - min(counts) <= 1 + (stages > 16)  # as even as 16 layers allow
+
+
+def test_glm52_on_32_stages_is_balanced(glm: ModelSpec) -> None:
+    """78 layers (3 dense, 75 MoE) on 32 stages: no stage has more than three MoE layers
+    (the fewest possible), none is empty, and the stages below the largest are even too."""
+    layout = stage_layout(glm, 32)
+    moe = [sum(glm.layers[i].mlp == "moe" for i in layout.layers_of(s)) for s in range(32)]
+    assert max(moe) == 3 and sum(moe) == 75
+    assert all(len(layout.layers_of(s)) >= 1 for s in range(32))
+    assert sorted(set(moe[1:])) == [2, 3] and moe[0] == 0  # the dense layers together
+    assert all(len(layout.layers_of(s)) in (2, 3) for s in range(32))
+
+
+def test_glm52_on_every_layer_and_on_8_stages(glm: ModelSpec) -> None:
+    assert stage_layout(glm, 78).boundaries == tuple(range(79))
+    layout = stage_layout(glm, 8)
+    sizes = [len(layout.layers_of(s)) for s in range(8)]
+    assert sum(sizes) == 78 and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("name", "stages"), [("Qwen3.6-27B", 65), ("GLM-5.2", 79)])
+def test_more_stages_than_layers_is_refused_naming_the_key(name: str, stages: int) -> None:
+    spec = spec_for_preset(name)
+    with pytest.raises(StageLayoutError, match=r"distributed\.pipeline_stages"):
+        stage_layout(spec, stages)
+    work = _work(QWEN_21, 8, "detached", stages=stages, gpus=stages)
+    with pytest.raises(ValueError, match=r"distributed\.pipeline_stages"):
+        compute_plan(spec, work)
+
+
+def test_stages_must_divide_the_gpus(qwen: ModelSpec) -> None:
+    with pytest.raises(ValueError, match=r"pipeline_stages=3 does not divide the 8"):
+        compute_plan(qwen, _work(QWEN_21, 8, "detached", stages=3))
+
+
+def test_stage_starts_override_the_layout(qwen: ModelSpec) -> None:
+    plan = compute_plan(qwen, _work(QWEN_21, 8, "detached", stages=2, stage_starts=(0, 40)))
+    assert plan.layout is not None and plan.layout.boundaries == (0, 40, 64)
+    with pytest.raises(ValueError, match=r"distributed\.stage_starts"):
+        compute_plan(qwen, _work(QWEN_21, 8, "detached", stages=4, stage_starts=(0, 40)))
+
+
+def test_layer_costs_carry_state_params_and_both_kinds_of_compute(qwen: ModelSpec) -> None:
+    costs = layer_costs(qwen)
+    full = [c for c, layer in zip(costs, qwen.layers, strict=True) if layer.mixer != "deltanet"]
+    linear = [c for c, layer in zip(costs, qwen.layers, strict=True) if layer.mixer == "deltanet"]
+    assert all(c[0] > 0 and c[3] > 0 for c in full)  # K/V per position, quadratic compute
+    assert all(c[0] == 0 and c[3] == 0 for c in linear)  # fixed-size state, linear compute
+    assert all(c[1] > 0 and c[2] > 0 for c in costs)
+    exact = layer_costs(qwen, "exact")
+    assert all(e[0] == 3 * d[0] for e, d in zip(exact, costs, strict=True))  # + fp32 dS
+
+
+# --- per-stage memory ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gradient", ["detached", "exact"])
+def test_one_stage_equals_todays_plan(qwen: ModelSpec, gradient: str) -> None:
+    """The per-stage machinery with one stage (the whole model as its slice, nothing in
+    flight, no neighbours) gives today's rows and peaks exactly."""
+    for changes in (
+        {},
+        {"offload": OffloadPolicy.parse({"attention": "cpu"})},
+        {"activation_checkpointing": False, "chunk_size": 2048, "keep_attention_outputs": True},
+    ):
+        scenario = dataclasses.replace(QWEN_21, stages=1)
+        work = _work(scenario, 8, gradient, **changes)
+        if work.keep_attention_outputs and gradient != "exact":
+            continue
+        today, staged = compute_plan(qwen, work), pipeline_plan(qwen, work)
+        assert staged.lines == today.lines and staged.phases == today.phases
+        assert staged.stage_plans[0].lines == today.lines
+
+
+def test_one_stage_equals_todays_plan_for_tiny_models() -> None:
+    for name in ("qwen36/tiny_grpo_cpu.yaml", "glm52/tiny_grpo_cpu.yaml"):
+        cfg = load_config(ROOT / "configs" / name, [], check_paths=False)
+        spec, work = plan_for_config(cfg)
+        assert work.stages == 1
+        today, staged = compute_plan(spec, work), pipeline_plan(spec, work)
+        assert (staged.lines, staged.phases) == (today.lines, today.phases)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_each_stage_holds_its_share_of_the_state(qwen: ModelSpec, stages: int) -> None:
+    """Prefix state and dS per stage ~ total / S; the stages' parameters add up to the
+    model's (embeddings on the first, the head on the last)."""
+    work = _work(QWEN_21, 8, "exact", stages=stages, gpus=stages)
+    whole = compute_plan(qwen, dataclasses.replace(work, stages=1, gpus=1, fsdp=False))
+    plan = compute_plan(qwen, work)
+
+    def total(p: object, prefix: str) -> int:
+        return sum(line.device for line in p.lines if line.name.startswith(prefix))
+
+    for name in ("prefix state", "dS"):
+        share = total(whole, name) / stages
+        for stage in plan.stage_plans:
+            assert abs(total(stage, name) - share) <= 0.01 * share, (name, stage.stage)
+    assert sum(stage.spec.params for stage in plan.stage_plans) == qwen.params
+    params = [stage.line("parameters").device for stage in plan.stage_plans]
+    assert params[0] == pytest.approx(params[-1], rel=0.01)  # embeddings / norm + head
+    if stages > 2:
+        assert params[0] > params[1] * 1.2
+    assert plan.peak == max(stage.peak for stage in plan.stage_plans)
+    assert plan.stage == max(plan.stage_plans, key=lambda s: s.peak).stage
+
+
+def test_1f1b_keeps_s_minus_s_microbatches_in_flight(qwen: ModelSpec) -> None:
+    plan = compute_plan(qwen, _work(QWEN_21, 8, "exact"))
+    first, last = plan.stage_plans[0], plan.stage_plans[-1]
+    assert "7 of G=8 more" in first.line("in-flight branch graphs (1F1B)").note
+    assert last.line("in-flight branch graphs (1F1B)").device == 0
+    assert last.line("in-flight sweep chunk graphs (1F1B)").device == 0
+    assert first.line("in-flight sweep chunk graphs (1F1B)").device > 0
+    small = compute_plan(qwen, _work(QWEN_21, 2, "detached"))  # G=2: at most 2 in flight
+    assert "1 of G=2 more" in small.stage_plans[0].line("in-flight branch graphs (1F1B)").note
+    # only the last stage has the LM head: its logits in rollout and in the branch graph
+    rollout = [p.line("rollout caches + step (transient)").device for p in plan.stage_plans]
+    assert rollout[-1] - rollout[1] == 3 * 8 * qwen.vocab * 4  # [G, vocab] fp32 logits
+    assert plan.stage_plans[0].phases["rollout"] > 0
+    # the first and last stages have one neighbour, the others two
+    notes = [p.line("stage hidden-state buffers").note for p in plan.stage_plans]
+    assert [int(note.split("to/from ")[1][0]) for note in notes] == [1, 2, 2, 2, 2, 2, 2, 1]
+    buffers = [p.line("stage hidden-state buffers").device for p in plan.stage_plans]
+    assert buffers[1] == 2 * (8 - 1 + 1) * 8192 * qwen.hidden * 2  # sweep: 7 + 1 chunks
+
+
+def test_a_stage_slice_that_ends_before_the_model_runs_its_last_layer_whole(
+    qwen: ModelSpec,
+) -> None:
+    layout = stage_layout(qwen, 2)
+    first, last = stage_spec(qwen, layout, 0), stage_spec(qwen, layout, 1)
+    assert not first.has_head and last.has_head
+    assert first.root_params + last.root_params == qwen.root_params
+    assert len(first.layers) + len(last.layers) == len(qwen.layers)
+
+
+def test_fsdp_shards_a_stage_over_its_replicas(qwen: ModelSpec) -> None:
+    """8 GPUs as 4 stages x 2 replicas: FSDP shards a stage's parameters in two; as 8 x 1
+    there is nothing to shard, and no FSDP lines."""
+    two = compute_plan(qwen, _work(QWEN_21, 8, "detached", stages=4))
+    one = compute_plan(qwen, _work(QWEN_21, 8, "detached", stages=8))
+    assert two.work.replicas == 2 and one.work.replicas == 1
+    assert "sharded /2" in two.line("parameters").note
+    assert "FSDP gathered parameters" in {line.name for line in two.lines}
+    assert "FSDP gathered parameters" not in {line.name for line in one.lines}
+
+
+# --- the paper configurations, state on the GPUs ---------------------------------------------
+
+
+@pytest.mark.parametrize("gradient", ["detached", "exact"])
+@pytest.mark.parametrize("group", [2, 8])
+def test_qwen36_lora_at_2_1m_fits_8_x_96gb_on_8_stages_without_offload(
+    qwen: ModelSpec, group: int, gradient: str
+) -> None:
+    plan = compute_plan(qwen, _work(QWEN_21, group, gradient))
+    assert plan.work.offload is None and plan.cpu_bytes == 0
+    assert plan.fits and plan.stage == 0
+    assert plan.peak < (30 if gradient == "detached" else 75) * GIB
+    today = compute_plan(qwen, _work(QWEN_21, group, gradient, stages=1))
+    assert not today.fits  # one stage needs the K/V offloaded
+
+
+def test_qwen36_lora_at_4_46m_on_8_x_96gb_which_mode_fits(qwen: ModelSpec) -> None:
+    """Detached with activation checkpointing fits (any chunk up to 65536); without
+    checkpointing it does not; exact does not in any mode (dS alone is 64 GiB a stage),
+    but does on 16 stages."""
+    detached = _work(QWEN_446, 8, "detached")
+    assert compute_plan(qwen, detached).fits
+    assert largest_chunk(qwen, detached) == 65536
+    assert not compute_plan(
+        qwen, dataclasses.replace(detached, activation_checkpointing=False)
+    ).fits
+    for checkpointing in (True, False):
+        for keep in (False, True):
+            work = _work(
+                QWEN_446,
+                8,
+                "exact",
+                activation_checkpointing=checkpointing,
+                keep_attention_outputs=keep,
+            )
+            assert not compute_plan(qwen, work).fits
+            assert largest_chunk(qwen, work) is None
+    exact = compute_plan(qwen, _work(QWEN_446, 8, "exact"))
+    assert exact.line("dS (exact)").device > 60 * GIB
+    wider = [fix for fix in fixes_for(exact) if "pipeline_stages" in fix.keys]
+    assert wider[0].keys == "distributed.pipeline_stages=16" and wider[0].plan.fits
+
+
+@pytest.mark.parametrize("group", [2, 8])
+def test_glm52_lora_at_2_1m_on_32_x_96gb_on_32_stages(glm: ModelSpec, group: int) -> None:
+    """The paper's configuration, which one stage per GPU cannot fit at all: detached fits
+    as configured; exact fits with 4096-token chunks (the 1F1B sweep keeps up to 32 chunk
+    graphs in flight on the first stages)."""
+    detached = compute_plan(glm, _work(GLM_21, group, "detached"))
+    assert detached.fits and detached.cpu_bytes == 0
+    exact = _work(GLM_21, group, "exact")
+    assert not compute_plan(glm, exact).fits
+    assert largest_chunk(glm, exact) == 4096
+    assert compute_plan(glm, dataclasses.replace(exact, chunk_size=4096)).fits
+    assert not compute_plan(glm, _work(GLM_21, group, "detached", stages=1)).fits
+
+
+# --- the time model --------------------------------------------------------------------------
+
+
+def test_prefill_pipelines_over_stages(qwen: ModelSpec) -> None:
+    """Prefill: (K + S - 1) / K x the slowest stage; with 257 chunks two stages take about
+    half of one stage's time, eight about an eighth."""
+    times = {}
+    for stages in (1, 2, 8):
+        work = _work(QWEN_21, 8, "detached", stages=stages, gpus=stages)
+        times[stages] = estimate_time(qwen, work).phase("prefill").seconds
+    chunks = 257
+    assert times[2] / times[1] == pytest.approx((chunks + 1) / chunks / 2, rel=0.01)
+    assert times[8] / times[1] == pytest.approx((chunks + 7) / chunks / 8, rel=0.02)
+
+
+def test_the_pipelining_formulas(qwen: ModelSpec) -> None:
+    """Replay: (G + S - 1) x one branch on a stage; the sweep like the prefill; rollout
+    passes the stages in turn, so stages do not shorten it."""
+    one = estimate_time(qwen, _work(QWEN_21, 8, "exact", stages=1, gpus=1))
+    eight = estimate_time(qwen, _work(QWEN_21, 8, "exact"))
+    replay = one.phase("replay").seconds * (8 + 8 - 1) / (8 * 8)
+    assert eight.phase("replay").seconds == pytest.approx(replay, rel=0.05)
+    sweep = one.phase("sweep").seconds * (257 + 7) / 257 / 8
+    assert eight.phase("sweep").seconds == pytest.approx(sweep, rel=0.05)
+    assert eight.phase("rollout").seconds == pytest.approx(one.phase("rollout").seconds, rel=0.01)
+    assert eight.phase("rollout").seconds > one.phase("rollout").seconds  # + the hops
+    assert eight.phase("prefill").link_bytes == 7 * 2_099_999 * 5120 * 2
+
+
+def test_the_time_model_follows_its_inputs(qwen: ModelSpec) -> None:
+    work = _work(QWEN_21, 8, "detached")
+    base = estimate_time(qwen, work)
+    faster = estimate_time(qwen, work, Hardware(tflops=296.0))
+    assert faster.phase("prefill").seconds == pytest.approx(base.phase("prefill").seconds / 2)
+    offloaded = dataclasses.replace(
+        work, stages=1, gpus=1, offload=OffloadPolicy.parse({"attention": "cpu"})
+    )
+    slow = estimate_time(qwen, offloaded)
+    assert slow.phase("rollout").bound == "PCIe"  # the K/V over PCIe for every token
+    assert slow.phase("rollout").pcie_bytes > 2048 * 128 * GIB
+    assert base.total < 0.5 * 6785  # well under the paper's measured step
+    assert base.phase("prefill").seconds / base.total > 0.7  # still mostly prefill
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+_QWEN_ARGS = ["--preset", "Qwen3.6-27B", "--prompt-tokens", "2100000", "--gpu-mem", "96GiB"]
+
+
+def test_cli_stages_prints_the_worst_stage_every_stage_and_the_time(capsys) -> None:
+    assert main([*_QWEN_ARGS, "--group", "8", "--stages", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "8 stages x 1 replica(s); worst stage 0 (layers 0-7)" in out
+    assert "per stage" in out and "56-63" in out
+    assert "in-flight sweep chunk graphs (1F1B)" in out
+    assert "time per step (H20, 8 stage(s))" in out and "prefill" in out
+    assert "fits" in out
+
+
+def test_cli_time_flags_and_stage_starts(capsys) -> None:
+    args = [*_QWEN_ARGS, "--stages", "2", "--gpus", "2", "--stage-starts", "0,40"]
+    args += ["--gradient", "detached", "--tflops", "989", "--gpu-name", "H100"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "(layers 0-39)" in out and "time per step (H100, 2 stage(s))" in out
+    assert main([*_QWEN_ARGS, "--time"]) in (0, 1)  # one stage: the time only with --time
+    assert "time per step (H20, 1 stage(s))" in capsys.readouterr().out
+
+
+def test_cli_refuses_bad_stage_counts_naming_the_key(capsys) -> None:
+    assert main([*_QWEN_ARGS, "--stages", "65"]) == 2
+    assert "distributed.pipeline_stages=65" in capsys.readouterr().err
+    assert main([*_QWEN_ARGS, "--stages", "3", "--gpus", "8"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_cli_stages_over_a_run_config(capsys) -> None:
+    config = str(ROOT / "configs/qwen36/tiny_grpo_cpu.yaml")
+    assert main(["--config", config, "--stages", "2", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages x 1 replica(s)" in out and "time per step" in out
+
+
+@pytest.mark.slow
+def test_docs_pipeline_tables_are_current() -> None:
+    """docs/pipeline_plans.md's generated block is what the generator writes today."""
+    import importlib.util
+
+    path = ROOT / "docs/tools/paper_tables.py"
+    module_spec = importlib.util.spec_from_file_location("paper_tables", path)
+    assert module_spec is not None and module_spec.loader is not None
+    tables = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(tables)
+    block = tables.pipeline_tables()
+    assert block in (ROOT / "docs/pipeline_plans.md").read_text()
+    assert "| Qwen3.6-27B LoRA, 4.46M, 8 x 96GiB | 8 x 1 | detached, checkpointed" in block
