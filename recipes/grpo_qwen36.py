@@ -81,7 +81,9 @@ class Recipe:
         distributed.require_sharding(
             self.world_size, cfg.distributed.fsdp, cfg.distributed.pipeline_stages
         )
-        self.topology = RunTopology.from_config(cfg.distributed, self.world_size, self.rank)
+        self.topology = RunTopology.from_config(
+            cfg.distributed, self.world_size, self.rank, gradient=cfg.grpo.gradient
+        )
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)

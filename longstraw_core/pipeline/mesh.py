@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longstraw_core.pipeline.layout import (
     StageLayout,
-    balanced_boundaries,
     check_stage_count,
 )
 from longstraw_core.pipeline.stage import stage_model
@@ -70,23 +69,28 @@ def replica_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh.get_group(REPLICA)
 
 
-def default_layout(adapter: ModelAdapter, stages: int) -> StageLayout:
-    """Stage boundaries that balance each stage's prefix state (bytes per prompt position)
-    and weights (parameters), read from the adapter's own records and layers."""
+def default_layout(adapter: ModelAdapter, stages: int, gradient: str = "detached") -> StageLayout:
+    """The planner's stage boundaries for ``adapter``'s model (``plan.stage_layout``: each
+    stage's prefix state, weights and compute balanced), read from the adapter's own records
+    and layers; ``gradient="exact"`` counts exact mode's ``dS`` with the state."""
+    from longstraw_core.plan import stage_layout
     from longstraw_core.plan.model import ModelSpec
 
     spec = ModelSpec.from_model(adapter.causal_lm, adapter.config.model_type)
-    costs = [(layer.state_per_token, layer.params) for layer in spec.layers]
-    return balanced_boundaries(costs, stages)
+    return stage_layout(spec, stages, gradient=gradient)
 
 
 def stage_adapter(
-    adapter: ModelAdapter, mesh: DeviceMesh, starts: Sequence[int] | None = None
+    adapter: ModelAdapter,
+    mesh: DeviceMesh,
+    starts: Sequence[int] | None = None,
+    gradient: str = "detached",
 ) -> ModelAdapter:
     """Put ``adapter`` on this rank's stage of ``mesh`` (``stage_model``), in place.
 
     ``starts``: each stage's first layer (config ``distributed.stage_starts``); default: the
-    balanced ``default_layout``. Every rank must pass the same model and ``starts``.
+    planner's balanced ``default_layout`` for the ``gradient`` mode. Every rank must pass the
+    same model, ``starts`` and ``gradient``.
     """
     stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
     num_layers = len(adapter.decoder.layers)
@@ -99,5 +103,5 @@ def stage_adapter(
                 f"distributed.pipeline_stages={stages}"
             )
     else:
-        layout = default_layout(adapter, stages)
+        layout = default_layout(adapter, stages, gradient)
     return stage_model(adapter, layout, stage_link(mesh, adapter.device))

@@ -46,10 +46,14 @@ class RunTopology:
     stage: int = 0
     mesh: DeviceMesh | None = None
     stage_starts: Sequence[int] | None = None
+    gradient: str = "detached"  # the gradient mode the stage boundaries are balanced for
 
     @classmethod
-    def from_config(cls, distributed: DistributedSection, world: int, rank: int) -> RunTopology:
-        """Check ``distributed.pipeline_stages`` against the world, before any model loads."""
+    def from_config(
+        cls, distributed: DistributedSection, world: int, rank: int, gradient: str = "detached"
+    ) -> RunTopology:
+        """Check ``distributed.pipeline_stages`` against the world, before any model loads;
+        ``gradient``: the run's ``grpo.gradient`` (exact mode balances ``dS`` too)."""
         stages = distributed.pipeline_stages
         try:
             check_stage_count(stages, world_size=world)
@@ -65,6 +69,7 @@ class RunTopology:
             stage=mesh.get_local_rank(STAGE),
             mesh=mesh,
             stage_starts=distributed.stage_starts,
+            gradient=gradient,
         )
 
     @property
@@ -81,7 +86,7 @@ class RunTopology:
         if not self.staged:
             return adapter
         try:
-            return stage_adapter(adapter, self.mesh, self.stage_starts)
+            return stage_adapter(adapter, self.mesh, self.stage_starts, self.gradient)
         except StageLayoutError as error:
             key = "distributed.stage_starts" if self.stage_starts else "distributed.pipeline_stages"
             raise ConfigError(key, str(error)) from None
