@@ -19,6 +19,11 @@ Backends:
   segment. Backward calls the kernel per key chunk with the *merged* ``out`` and ``lse``
   (the ring-attention identity), which yields that chunk's exact gradients.
 
+It stays one module (about 800 lines) on purpose: each backend is the forward and backward
+of one ``autograd.Function``, which must be read together (backward recomputes from what
+forward saved), and both backends share the entry point's checks, the segment merging and the
+block budgets that tests patch here.
+
 NOTE: what has been run. The torch backend is tested on CPU (float64 against a plain
 softmax reference, gradcheck, a no-copy check). The flash backend's wrapper logic (layouts,
 batch folding, merging, chunked backward) is tested on CPU against a pure-torch stand-in for

@@ -1,0 +1,25 @@
+"""``CheckpointError`` and the wording of its messages: every problem a checkpoint can have
+is one error type that names the file, what is wrong and, where there is one, the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_SHOWN = 5  # keys or files named in an error message
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file, what is wrong and,
+    where there is one, the fix."""
+
+
+def listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown if len(items) <= _SHOWN else f"{shown}, ... ({len(items)} in all)"
+
+
+def unreadable(path: Path, error: BaseException) -> CheckpointError:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return CheckpointError(
+        f"{path}: cannot be read ({type(error).__name__}: {first_line}): the file is damaged"
+    )

@@ -1,0 +1,56 @@
+"""Synthetic long-context tasks in the spirit of RULER: verifiable, deterministic, any length.
+
+Each generator builds one ``Sample`` whose prompt, rendered for the given tokenizer (through
+its chat template when ``chat=True`` and it has one), is within ``tolerance`` (1%) of
+``prompt_tokens`` tokens. The prompt is an instruction, a haystack of seeded filler sentences
+from a fixed word list (no downloads, no digits, no capitals but a sentence's first letter,
+so needles cannot be confused with filler) with the needle sentences inserted at sentence
+boundaries at the requested depth (a fraction of the haystack's tokens, 0 = start, 1 = end),
+and a question asking for the answer inside ``<answer></answer>`` tags.
+
+    tok = load_tokenizer(None)
+    s = passkey_retrieval(tok, prompt_tokens=16_384, depth=0.25, seed=7)
+    stream = make_task_stream("kv_chain", tok, 131_072, seed=0, start=1000, hops=4)
+
+Length fitting is cheap at a million tokens: the filler's token cost is estimated from the
+per-word costs of its few hundred distinct word forms, then the whole prompt is tokenized
+once per pass and the filler budget corrected; a few passes suffice.
+Import from here; the modules hold one job each:
+
+- ``haystack``: the filler text, the haystack with its needles, and ``fit_prompt`` (length
+  fitting); knows nothing of the tasks.
+- ``sample``: ``Sample`` and what every generator builds with (seeded keys, numbers,
+  variable names, needle depths; ``make_sample``, ``fit_multi``).
+- ``generators``: the task families, one function each.
+- ``streams``: the registry ``TASKS`` and the deterministic streams (``sample_at``,
+  ``make_task_stream``).
+"""
+
+from longstraw_core.tasks.generators import (
+    kv_chain,
+    multi_needle,
+    passkey_retrieval,
+    uuid_retrieval,
+    variable_tracking,
+)
+from longstraw_core.tasks.haystack import FILLER_WORDS, MAX_FIT_PASSES
+from longstraw_core.tasks.sample import ANSWER_INSTRUCTION, KEY_WORDS, Depth, Sample
+from longstraw_core.tasks.streams import TASKS, TaskFn, make_task_stream, sample_at
+
+__all__ = [
+    "ANSWER_INSTRUCTION",
+    "FILLER_WORDS",
+    "KEY_WORDS",
+    "MAX_FIT_PASSES",
+    "TASKS",
+    "Depth",
+    "Sample",
+    "TaskFn",
+    "kv_chain",
+    "make_task_stream",
+    "multi_needle",
+    "passkey_retrieval",
+    "sample_at",
+    "uuid_retrieval",
+    "variable_tracking",
+]
