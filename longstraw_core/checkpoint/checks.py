@@ -28,6 +28,7 @@ from longstraw_core.checkpoint.reading import (
     weight_files,
 )
 from longstraw_core.checkpoint.resolution import earlier_hint
+from longstraw_core.pipeline.stage import staged_model
 
 
 def check_before_loading(
@@ -92,7 +93,7 @@ def _check_weight_shapes(directory: Path, model: PreTrainedModel) -> None:
     saved: dict[str, tuple[int, ...]] = {}
     for name in files:
         saved |= header_shapes(saved_dir / name)
-    expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    expected = _whole_shapes(model)
     missing = untied_missing(model, sorted(set(expected) - set(saved)), set(saved))
     unexpected = sorted(set(saved) - set(expected))
     problem = _mismatch(missing, unexpected, saved, expected)
@@ -111,8 +112,8 @@ def _check_adapter_shapes(directory: Path, model: PeftModel) -> None:
         return
     saved = header_shapes(file)
     expected = {
-        saved_adapter_name(name, model): tuple(param.shape)
-        for name, param in model.named_parameters()
+        saved_adapter_name(name, model): shape
+        for name, shape in _whole_shapes(model).items()
         if "lora_" in name
     }
     missing = sorted(set(expected) - set(saved))
@@ -123,6 +124,15 @@ def _check_adapter_shapes(directory: Path, model: PeftModel) -> None:
             f"{file}: the adapters do not match the model ({problem}): resume with the lora "
             "settings (r, target_modules) and the model of the run that saved them"
         )
+
+
+def _whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict entry's shape, of the whole model even on a pipeline stage (which
+    holds only its layers; ``StagedModel.shapes``)."""
+    record = staged_model(model)
+    if record is not None:
+        return dict(record.shapes)
+    return {name: tuple(value.shape) for name, value in model.state_dict().items()}
 
 
 def _mismatch(
@@ -149,11 +159,16 @@ def _mismatch(
 
 def check_optimizer_state(path: Path, state: Any, optimizer: torch.optim.Optimizer) -> None:
     """The saved state has this optimizer's groups and parameter counts."""
+    check_optimizer_count(path, state, [len(group["params"]) for group in optimizer.param_groups])
+
+
+def check_optimizer_count(path: Path, state: Any, built: list[int]) -> None:
+    """The saved state has parameter groups of ``built`` parameters (a staged model counts
+    the whole model's, ``StagedModel.trainable``)."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
     if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
         raise CheckpointError(f"{path}: not an optimizer state_dict")
     saved = [len(group["params"]) for group in groups]
-    built = [len(group["params"]) for group in optimizer.param_groups]
     if saved != built:
         raise CheckpointError(
             f"{path}: the optimizer state has parameter groups of {saved} parameters; this "

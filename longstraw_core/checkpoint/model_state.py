@@ -1,6 +1,6 @@
 """Model, optimizer and scheduler state of a model in one process: written with
 ``save_pretrained`` and ``torch.save``, read back only once every file is read and checked.
-A sharded model's state goes through ``sharded`` instead."""
+A sharded model's state goes through ``sharded`` instead, a staged one's through ``staged``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from longstraw_core.checkpoint.reading import (
     untied_missing,
 )
 from longstraw_core.checkpoint.sharded import is_sharded, load_sharded
+from longstraw_core.checkpoint.staged import is_staged, load_staged, save_staged_adapters
 
 
 def save_state(
@@ -36,6 +37,8 @@ def save_state(
     # reading the model's own, which are shards.
     if model_state is None:
         model.save_pretrained(directory / "model")
+    elif isinstance(model, PeftModel) and is_staged(model):  # gathered from the stages
+        save_staged_adapters(directory / "model", model, model_state)
     else:
         model.save_pretrained(directory / "model", state_dict=model_state)
     torch.save(optimizer_state, directory / "optimizer.pt")
@@ -55,6 +58,8 @@ def load_state(
         scheduler_state = torch_load(directory / "scheduler.pt", directory)
     if is_sharded(model):
         load_sharded(directory, model, optimizer)
+    elif is_staged(model):
+        load_staged(directory, model, optimizer)
     else:
         lora = isinstance(model, PeftModel)
         weights = (read_adapters if lora else read_weights)(directory / "model")

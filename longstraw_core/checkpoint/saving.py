@@ -28,6 +28,7 @@ from longstraw_core.checkpoint.ranks import gather, on_rank0
 from longstraw_core.checkpoint.resolution import prune, refuse_existing, set_aside_incomplete
 from longstraw_core.checkpoint.rng import rng_file, rng_state
 from longstraw_core.checkpoint.sharded import gather_state
+from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
 from longstraw_core.failpoints import failpoint
 
 
@@ -59,7 +60,8 @@ def save_checkpoint(
     # Serialised first: an ``extra`` that is not strict JSON fails before gigabytes are written.
     trainer_state = trainer_state_json(step, data_position, extra or {})
     on_rank0(lambda: refuse_existing(root, step))
-    model_state, optimizer_state = gather_state(model, optimizer)
+    gather_whole = gather_staged_state if is_staged(model) else gather_state
+    model_state, optimizer_state = gather_whole(model, optimizer)
     rng_states = gather(rng_state())
     on_rank0(
         lambda: _write_checkpoint(

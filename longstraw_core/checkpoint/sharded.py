@@ -57,7 +57,7 @@ def gather_state(
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     if this_rank() != 0:
         return model_state, {}
-    index = {name: i for i, name in enumerate(_optimizer_names(model, optimizer))}
+    index = {name: i for i, name in enumerate(optimizer_names(model, optimizer))}
     return model_state, {
         "state": {index[name]: value for name, value in optimizer_state["state"].items()},
         "param_groups": [
@@ -132,7 +132,7 @@ def _full_weights(directory: Path, model: PreTrainedModel) -> dict[str, torch.Te
     return weights
 
 
-def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each of the optimizer's parameters, in ``optimizer.state_dict()`` order."""
     names = {param: name for name, param in model.named_parameters()}
     return [names[param] for group in optimizer.param_groups for param in group["params"]]
@@ -142,7 +142,7 @@ def _optimizer_state_by_name(
     state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as DCP keys it: by parameter name instead of index."""
-    names = _optimizer_names(model, optimizer)  # counts checked by check_optimizer_state
+    names = optimizer_names(model, optimizer)  # counts checked by check_optimizer_state
     return {
         "state": {names[index]: value for index, value in state["state"].items()},
         "param_groups": [

@@ -9,7 +9,9 @@ so a stage's ``state_dict`` is its share of the whole model's, under the whole m
 checkpoints written by any number of stages load into any other.
 
 Every pass of the adapter then runs on its own layers and prefix state and talks to the
-neighbouring stages (``model_adapters.staged``). Build the optimizer after staging.
+neighbouring stages (``model_adapters.staged``). Build the optimizer after staging. The
+model keeps a ``StagedModel`` (``staged_model(model)``): the whole model's names and shapes,
+which checkpoints of the stage check and index by.
 """
 
 from __future__ import annotations
@@ -53,6 +55,26 @@ class Stage:
     @property
     def is_last(self) -> bool:
         return self.link.is_last
+
+
+# The attribute ``stage_model`` leaves on the model it cuts down (``staged_model`` reads it).
+_STAGED = "_longstraw_staged"
+
+
+@dataclass(frozen=True)
+class StagedModel:
+    """What a checkpoint of a staged model needs to know of the whole model it was cut from:
+    the stage, every state-dict entry's shape, and the trainable parameters' names in the
+    whole model's order (an optimizer state's parameter indices count in that order)."""
+
+    stage: Stage
+    shapes: dict[str, tuple[int, ...]]
+    trainable: tuple[str, ...]
+
+
+def staged_model(model: nn.Module) -> StagedModel | None:
+    """The ``StagedModel`` of a model ``stage_model`` cut down (``None``: a whole model)."""
+    return getattr(model, _STAGED, None)
 
 
 class OnAnotherStage(nn.Module):
@@ -106,6 +128,11 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
         dtype=adapter.dtype,
         vocab_size=adapter.vocab_size,
     )
+    record = StagedModel(
+        stage=stage,
+        shapes={name: tuple(value.shape) for name, value in adapter.model.state_dict().items()},
+        trainable=tuple(n for n, p in adapter.model.named_parameters() if p.requires_grad),
+    )
     owned = stage.layers
     for index in range(len(layers)):
         if index not in owned:
@@ -118,6 +145,7 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
         norm = _replace(adapter, adapter.decoder.norm, "the final norm", last)
         assert norm is adapter.decoder.norm
     adapter.stage = stage
+    setattr(adapter.model, _STAGED, record)
     return adapter
 
 

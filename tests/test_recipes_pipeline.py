@@ -1,0 +1,132 @@
+"""The recipes on pipeline stages: ``torchrun ... distributed.pipeline_stages=S``.
+
+CPU ranks (gloo) run the real entry point on the tiny Qwen3.6 (four layers) and GLM-5.2
+toys. A run on two stages trains like one process (the same samples; after one step the
+weights and AdamW state within float32 rounding of the clip's norm, which the stages sum in
+another order; float64 equality is ``tests/test_pipeline.py``'s); a stopped and resumed two-stage run equals an uninterrupted one bit for bit;
+its checkpoint (the single-process layout) resumes on one process and on four stages and
+ends where the two-stage run does; misconfigurations stop before training, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import launch
+import pytest
+import torch
+from test_recipes_distributed import QWEN, ROOT, SMALL, assert_same_optimizer_state, tensors
+
+pytestmark = pytest.mark.multiprocess
+
+STAGED = ["distributed.pipeline_stages=2", "train.save_every=1"]
+CASES = {  # name: (recipe, config, overrides, the (stages, ranks) a checkpoint resumes on)
+    "qwen36-full-exact": ("grpo_qwen36.py", QWEN, ["grpo.gradient=exact"], [(1, 1), (4, 4)]),
+    "qwen36-lora-exact": (
+        "grpo_qwen36.py", "configs/qwen36/tiny_lora_grpo_cpu.yaml", ["grpo.gradient=exact"],
+        [(1, 1)],
+    ),
+}  # fmt: skip
+
+
+def run(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int) -> str:
+    """The recipe with the small settings: under torchrun on ``ranks`` ranks, or (``ranks``
+    = 1) as a plain single process."""
+    args = ["--config", str(ROOT / config_path), *SMALL, f"train.output_dir={output_dir}"]
+    if ranks == 1:
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / recipe), *args, *overrides],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        returncode, log = done.returncode, done.stdout + done.stderr
+    else:
+        returncode, log = launch.torchrun(ROOT / "recipes" / recipe, *args, *overrides, ranks=ranks)
+    assert returncode == 0, f"run failed ({returncode}):\n{log[-5000:]}"
+    return log
+
+
+def assert_close(
+    first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], tolerance: float
+) -> None:
+    """Every tensor within ``tolerance`` of the other's largest entry: the stages sum the
+    clip's norm in another order, so float32 rounding differs; AdamW then magnifies it in
+    tiny gradient entries (m / sqrt(v)), which a second step shows."""
+    assert first.keys() == second.keys()
+    for name in first:
+        scale = float(second[name].abs().max())
+        assert float((first[name] - second[name]).abs().max()) <= tolerance * scale, name
+
+
+def optimizer_moments(directory: Path) -> dict[int, dict[str, torch.Tensor]]:
+    return torch.load(directory / "optimizer.pt", weights_only=True)["state"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_path, case):
+    recipe, config_path, extra, resume_on = CASES[case]
+    one, staged, stopped = tmp_path / "one", tmp_path / "staged", tmp_path / "stopped"
+    log = run(recipe, config_path, staged, "train.steps=2", *STAGED, *extra, ranks=2)
+    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    run(recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, ranks=1)
+    final = tensors(staged / "step-000002/model")
+    assert any(
+        not torch.equal(tensors(staged / "step-000001/model")[n], final[n]) for n in final
+    ), "the second step changed nothing"
+    # One step: the gradients' float32 rounding; two: AdamW's magnification of it.
+    assert_close(tensors(staged / "step-000001/model"), tensors(one / "step-000001/model"), 1e-6)
+    assert_close(final, tensors(one / "step-000002/model"), 1e-3)
+    for index, moments in optimizer_moments(one / "step-000001").items():
+        for key, value in moments.items():
+            saved = optimizer_moments(staged / "step-000001")[index][key]
+            assert float((saved - value).abs().max()) <= 1e-5 * float(value.abs().max())
+
+    # Stopped after step 1 and resumed on two stages: bit-equal to the uninterrupted run.
+    run(recipe, config_path, stopped, "train.steps=1", *STAGED, *extra, ranks=2)
+    for stages, ranks in resume_on:  # the same step-1 checkpoint, other stage counts
+        other = tmp_path / f"resumed-S{stages}"
+        shutil.copytree(stopped, other)
+        overrides = [f"distributed.pipeline_stages={stages}", "train.save_every=1"]
+        run(recipe, config_path, other, "train.steps=2", "train.resume_from=latest",
+            *overrides, *extra, ranks=ranks)  # fmt: skip
+        assert_close(tensors(other / "step-000002/model"), final, 1e-3)
+        state = json.loads((other / "step-000002" / "trainer_state.json").read_text())
+        assert (state["step"], state["data_position"]) == (2, 2)  # one replica: one sample a step
+    run(recipe, config_path, stopped, "train.steps=2", "train.resume_from=latest", *STAGED,
+        *extra, ranks=2)  # fmt: skip
+    resumed = tensors(stopped / "step-000002/model")
+    assert resumed.keys() == final.keys()
+    for name in final:
+        assert torch.equal(resumed[name], final[name]), name
+    assert_same_optimizer_state(staged / "step-000002", stopped / "step-000002")
+
+
+def test_bad_stage_settings_stop_before_training(tmp_path):
+    """Three stages on two processes, five stages for a four-layer model, FSDP with stages."""
+    cases = [
+        (2, ["distributed.pipeline_stages=3"], "does not divide the 2 processes"),
+        (1, ["distributed.pipeline_stages=2", "distributed.fsdp=true"], "not supported yet"),
+        (1, ["distributed.stage_starts=[0, 2]"], "distributed.stage_starts"),
+    ]
+    for ranks, overrides, message in cases:
+        args = ["--config", str(ROOT / QWEN), *SMALL, f"train.output_dir={tmp_path / 'run'}"]
+        if ranks == 1:
+            import subprocess
+            import sys
+
+            done = subprocess.run(
+                [sys.executable, str(ROOT / "recipes" / "grpo_qwen36.py"), *args, *overrides],
+                cwd=ROOT, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            returncode, log = done.returncode, done.stdout + done.stderr
+        else:
+            returncode, log = launch.torchrun(
+                ROOT / "recipes" / "grpo_qwen36.py", *args, *overrides, ranks=ranks
+            )
+        assert returncode != 0 and message in log, (overrides, log[-3000:])
+        assert "distributed.pipeline_stages" in log or "distributed.stage_starts" in log
+        assert not (tmp_path / "run" / "latest").exists()
