@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import launch
@@ -31,21 +33,22 @@ CASES = {  # name: (recipe, config, overrides, the (stages, ranks) a checkpoint 
 }  # fmt: skip
 
 
-def run(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int) -> str:
-    """The recipe with the small settings: under torchrun on ``ranks`` ranks, or (``ranks``
-    = 1) as a plain single process."""
-    args = ["--config", str(ROOT / config_path), *SMALL, f"train.output_dir={output_dir}"]
-    if ranks == 1:
-        import subprocess
-        import sys
+def launch_recipe(recipe: str, *args: str, ranks: int) -> tuple[int, str]:
+    """``recipe args`` under torchrun on ``ranks`` ranks, or (``ranks`` = 1) as a plain
+    single process; ``(returncode, log)``."""
+    if ranks > 1:
+        return launch.torchrun(ROOT / "recipes" / recipe, *args, ranks=ranks)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / recipe), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
 
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "recipes" / recipe), *args, *overrides],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        returncode, log = done.returncode, done.stdout + done.stderr
-    else:
-        returncode, log = launch.torchrun(ROOT / "recipes" / recipe, *args, *overrides, ranks=ranks)
+
+def run(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int) -> str:
+    """The recipe with the small settings, which must succeed; its log."""
+    args = ["--config", str(ROOT / config_path), *SMALL, f"train.output_dir={output_dir}"]
+    returncode, log = launch_recipe(recipe, *args, *overrides, ranks=ranks)
     assert returncode == 0, f"run failed ({returncode}):\n{log[-5000:]}"
     return log
 
@@ -114,19 +117,7 @@ def test_bad_stage_settings_stop_before_training(tmp_path):
     ]
     for ranks, overrides, message in cases:
         args = ["--config", str(ROOT / QWEN), *SMALL, f"train.output_dir={tmp_path / 'run'}"]
-        if ranks == 1:
-            import subprocess
-            import sys
-
-            done = subprocess.run(
-                [sys.executable, str(ROOT / "recipes" / "grpo_qwen36.py"), *args, *overrides],
-                cwd=ROOT, capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-            returncode, log = done.returncode, done.stdout + done.stderr
-        else:
-            returncode, log = launch.torchrun(
-                ROOT / "recipes" / "grpo_qwen36.py", *args, *overrides, ranks=ranks
-            )
+        returncode, log = launch_recipe("grpo_qwen36.py", *args, *overrides, ranks=ranks)
         assert returncode != 0 and message in log, (overrides, log[-3000:])
         assert "distributed.pipeline_stages" in log or "distributed.stage_starts" in log
         assert not (tmp_path / "run" / "latest").exists()
