@@ -18,6 +18,9 @@ offloaded layer types (``longstraw_core.offload``), and, with ``activation_check
 a pass with autograd, wrapped for backward's layer recompute (``model_adapters.recompute``).
 ``score``'s LM head runs in row chunks (``model_adapters.lm_head``); input checks are in
 ``model_adapters.validation``. This module re-exports the names callers import from it.
+On pipeline stages (``stage`` set) each public pass hands over to its staged form in
+``model_adapters.staged``. The module stays whole, a little over 500 lines: it is the
+public passes, each read with its one-process, sharded and staged forms.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ own indexer. The latent is never expanded into per-head keys and values (``docs/
   and indexer keys stay shared (the batch is folded into the query axis against them).
 - Everything else is the model's own modules (norms, projections, RoPE functions, router,
   experts, shared experts), so LoRA and checkpoints keep working.
+
+This module is the family's one home (its declaration, the indexer, both attention paths
+and their backward, the layer): longer than most, because splitting it would scatter one
+family over several rooms, which ``docs/design.md`` ("Adding a model family") rules out.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ models' own forward and their cache. The flash-linear-attention and causal-conv1
 written from those packages' sources without a GPU (the argument handling is tested on CPU
 with stand-ins); ``tests/test_qwen36_adapter.py`` compares them with the torch path when CUDA
 and the packages are present.
+
+This module is the family's one home (its declaration, the DeltaNet conv and delta rule with
+their kernels, the gated attention, the layer): longer than most, because splitting it would
+scatter one family over several rooms, which ``docs/design.md`` ("Adding a model family")
+rules out.
 """
 
 from __future__ import annotations
