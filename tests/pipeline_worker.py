@@ -57,6 +57,7 @@ class Case:
     keep_attention_outputs: bool = False
     activation_checkpointing: bool = False
     layers: int = 4
+    offload: str | None = None  # "cpu": every record in host memory, streamed per layer
 
 
 CASES = {
@@ -71,6 +72,7 @@ CASES = {
     "qwen3_5_text-exact": Case("qwen3_5_text", "exact"),
     "qwen3_5_text-lora-exact": Case("qwen3_5_text", "exact", lora=True),
     # Stage 1 starts at a layer that reuses layer 2's DSA selection: it crosses the boundary.
+    "qwen3_5_text-exact-offloaded": Case("qwen3_5_text", "exact", offload="cpu"),
     "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3)),
     "glm_moe_dsa-lora-detached": Case("glm_moe_dsa", "detached", lora=True),
     "glm_moe_dsa-exact-4": Case("glm_moe_dsa", "exact"),
@@ -193,7 +195,9 @@ def train_staged(case: Case, stages: int) -> dict:
         (scale,) = group_loss_scales(
             [[len(r) for r in group.responses]], config, group=replica_group(mesh)
         )
-        state = adapter.prefill(group.prompt, chunk_size=CHUNK_SIZE, **config.prefill_options())
+        state = adapter.prefill(
+            group.prompt, chunk_size=CHUNK_SIZE, offload=case.offload, **config.prefill_options()
+        )
         state_bytes = max(state_bytes, state.nbytes())
         result = ls.grpo_step(
             adapter, group.prompt, group.responses, group.rewards, config=config, state=state,
