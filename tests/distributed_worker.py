@@ -84,11 +84,18 @@ def step_groups(step: int) -> list[Group]:
         [(29, [5, 3, 7, 2], [1.0, 0.0, 0.4, 0.2]), (13, [4, 6], [0.0, 1.0])],
         [(10, [6, 2, 4], [0.5, 0.5, 0.5]), (37, [3, 5, 4], [0.2, 0.9, 0.0])],
     ][step]
-    generator = torch.Generator().manual_seed(100 + step)
+    return random_groups(shapes, seed=100 + step)
+
+
+def random_groups(
+    shapes: list[tuple[int, list[int], list[float]]], seed: int, vocab: int = 512
+) -> list[Group]:
+    """Groups of random token ids: ``(prompt length, response lengths, rewards)`` each."""
+    generator = torch.Generator().manual_seed(seed)
     groups = []
     for prompt_length, lengths, rewards in shapes:
-        prompt = torch.randint(0, 512, (prompt_length,), generator=generator)
-        responses = [torch.randint(0, 512, (n,), generator=generator) for n in lengths]
+        prompt = torch.randint(0, vocab, (prompt_length,), generator=generator)
+        responses = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
         groups.append(Group(prompt, responses, rewards))
     return groups
 

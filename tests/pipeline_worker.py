@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed_worker import Group, random_groups
 from reference import with_lora
 
 import longstraw_core as ls
@@ -79,13 +80,6 @@ CASES = {
 }
 
 
-@dataclass(frozen=True)
-class Group:
-    prompt: torch.Tensor
-    responses: list[torch.Tensor]
-    rewards: list[float]
-
-
 def step_groups(step: int, count: int) -> list[Group]:
     """The first ``count`` (1 or 2) groups of step ``step``: prompts of 2 to 5 chunks of 8
     (long enough for GLM's sparse DSA selection); one reward at the mean, and at step 1 a
@@ -94,13 +88,7 @@ def step_groups(step: int, count: int) -> list[Group]:
         [(29, [5, 3, 7, 2], [1.0, 0.0, 0.4, 0.2]), (21, [4, 6], [0.0, 1.0])],
         [(37, [3, 5, 4], [0.2, 0.9, 0.0]), (10, [6, 2, 4], [0.5, 0.5, 0.5])],
     ][step]
-    generator = torch.Generator().manual_seed(100 + step)
-    groups = []
-    for prompt_length, lengths, rewards in shapes:
-        prompt = torch.randint(0, 512, (prompt_length,), generator=generator)
-        responses = [torch.randint(0, 512, (n,), generator=generator) for n in lengths]
-        groups.append(Group(prompt, responses, rewards))
-    return groups[:count]
+    return random_groups(shapes, seed=100 + step)[:count]
 
 
 def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:

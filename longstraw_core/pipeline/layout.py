@@ -19,7 +19,7 @@ of a layer's state can be added later without changing who owns what.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -111,30 +111,51 @@ def balanced_boundaries(costs: Sequence[Sequence[float]], stages: int) -> StageL
     """The contiguous split of layers (``costs[i]``: layer ``i``'s cost vector) into
     ``stages`` blocks whose largest normalised load is smallest. Among equal splits, the later
     stages get fewer layers: the last stage also runs the final norm and the LM head."""
-    num_layers = len(costs)
-    check_stage_count(stages, num_layers)
+    check_stage_count(stages, len(costs))
+    return contiguous_partition(normalised_loads(costs), stages, max, prefer_later_cuts=True)
+
+
+def normalised_loads(costs: Sequence[Sequence[float]]) -> list[float]:
+    """Each layer's load: its cost vector with every dimension divided by its total."""
     dims = len(costs[0]) if costs else 0
     totals = [sum(float(c[d]) for c in costs) for d in range(dims)]
-    weights = [sum(float(c[d]) / totals[d] for d in range(dims) if totals[d] > 0) for c in costs]
+    return [sum(float(c[d]) / totals[d] for d in range(dims) if totals[d] > 0) for c in costs]
+
+
+def contiguous_partition(
+    loads: Sequence[float],
+    stages: int,
+    combine: Callable[[float, float], float],
+    *,
+    prefer_later_cuts: bool = False,
+) -> StageLayout:
+    """The split of ``loads`` into ``stages`` contiguous, non-empty blocks that minimises
+    ``combine(value of the blocks before, load of the next block)`` over the blocks (``max``:
+    the largest block; a sum of squares; ``inf`` forbids a block). An exact dynamic program,
+    ``S x L^2`` steps. ``prefer_later_cuts``: among equal values, end each block as late as
+    possible (else as early)."""
+    count = len(loads)
     prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def load(lo: int, hi: int) -> float:
-        return prefix[hi] - prefix[lo]
-
+    for load in loads:
+        prefix.append(prefix[-1] + load)
     inf = float("inf")
-    # best[s][i]: the smallest largest load splitting layers [0, i) into s stages.
-    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-    cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
+    # best[s][i]: the smallest value splitting [0, i) into s blocks; cut[s][i]: where the
+    # last of them starts.
+    best = [[inf] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
-        for i in range(s, num_layers - (stages - s) + 1):
+        for i in range(s, count - (stages - s) + 1):
             for j in range(s - 1, i):
-                value = max(best[s - 1][j], load(j, i))
-                if value <= best[s][i] + 1e-12:
+                if best[s - 1][j] == inf:
+                    continue
+                value = combine(best[s - 1][j], prefix[i] - prefix[j])
+                better = (
+                    value <= best[s][i] + 1e-12 if prefer_later_cuts else value < best[s][i] - 1e-15
+                )
+                if value < inf and better:
                     best[s][i], cut[s][i] = value, j
-    boundaries = [num_layers]
+    boundaries = [count]
     for s in range(stages, 0, -1):
         boundaries.append(cut[s][boundaries[-1]])
     return StageLayout(tuple(reversed(boundaries)))

@@ -27,6 +27,8 @@ from longstraw_core.pipeline.layout import (
     StageLayoutError,
     balanced_boundaries,
     check_stage_count,
+    contiguous_partition,
+    normalised_loads,
 )
 from longstraw_core.plan.activations import Activations
 from longstraw_core.plan.flops import pair_flops, token_flops
@@ -58,14 +60,6 @@ def stage_layout(spec: ModelSpec, stages: int, *, gradient: str = "detached") ->
     return even_boundaries(costs, stages, cap)
 
 
-def normalised_loads(costs: Sequence[Sequence[float]]) -> list[float]:
-    """Each layer's load: its cost vector's dimensions over their totals, summed (as
-    ``balanced_boundaries`` weighs them)."""
-    dims = len(costs[0]) if costs else 0
-    totals = [sum(float(c[d]) for c in costs) for d in range(dims)]
-    return [sum(float(c[d]) / totals[d] for d in range(dims) if totals[d] > 0) for c in costs]
-
-
 def _largest_load(costs: Sequence[Sequence[float]], layout: StageLayout) -> float:
     loads = normalised_loads(costs)
     return max(sum(loads[i] for i in layout.layers_of(s)) for s in range(layout.stages))
@@ -73,31 +67,14 @@ def _largest_load(costs: Sequence[Sequence[float]], layout: StageLayout) -> floa
 
 def even_boundaries(costs: Sequence[Sequence[float]], stages: int, cap: float) -> StageLayout:
     """The contiguous split into ``stages`` blocks, each of load at most ``cap``, with the
-    smallest sum of squared loads (a dynamic program like ``balanced_boundaries``')."""
-    loads = normalised_loads(costs)
-    count = len(loads)
-    check_stage_count(stages, count)
-    prefix = [0.0]
-    for load in loads:
-        prefix.append(prefix[-1] + load)
+    smallest sum of squared loads."""
+    check_stage_count(stages, len(costs))
     limit = cap * (1 + 1e-9) + 1e-12
-    inf = float("inf")
-    best = [[inf] * (count + 1) for _ in range(stages + 1)]
-    cut = [[0] * (count + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, count - (stages - s) + 1):
-            for j in range(s - 1, i):
-                load = prefix[i] - prefix[j]
-                if load > limit or best[s - 1][j] == inf:
-                    continue
-                value = best[s - 1][j] + load * load
-                if value < best[s][i] - 1e-15:
-                    best[s][i], cut[s][i] = value, j
-    boundaries = [count]
-    for s in range(stages, 0, -1):
-        boundaries.append(cut[s][boundaries[-1]])
-    return StageLayout(tuple(reversed(boundaries)))
+
+    def squares(before: float, load: float) -> float:
+        return before + load * load if load <= limit else float("inf")
+
+    return contiguous_partition(normalised_loads(costs), stages, squares)
 
 
 def layout_for(spec: ModelSpec, work: Workload) -> StageLayout:
