@@ -86,19 +86,7 @@ def _scenario_table(spec: ModelSpec, scenario: Scenario) -> list[str]:
         "| GiB per GPU | " + " | ".join(f"{m} G={g}" for g, m in columns) + " |",
         "|---|" + "---:|" * len(columns),
     ]
-    names = list(dict.fromkeys(line.name for plan in plans[::-1] for line in plan.lines))
-    for name in names:
-        cells = []
-        for plan in plans:
-            line = next((x for x in plan.lines if x.name == name), None)
-            cells.append(_cell(line))
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    for phase in PHASES:
-        cells = [_gib_number(plan.phases.get(phase)) for plan in plans]
-        out.append(f"| peak in {phase} | " + " | ".join(cells) + " |")
-    out.append(
-        "| **predicted peak** | " + " | ".join(f"**{_gib_number(p.peak)}**" for p in plans) + " |"
-    )
+    out += _plan_rows(plans)
     out.append(
         "| budget after headroom | " + " | ".join(_gib_number(p.budget) for p in plans) + " |"
     )
@@ -126,6 +114,22 @@ def _scenario_table(spec: ModelSpec, scenario: Scenario) -> list[str]:
             break
     out.append("")
     return out
+
+
+def _plan_rows(plans: list) -> list[str]:
+    """The rows every plan table shares: each line's GiB per plan, the peak of each phase,
+    and the predicted peak."""
+    names = list(dict.fromkeys(line.name for plan in plans[::-1] for line in plan.lines))
+    rows = []
+    for name in names:
+        cells = [_cell(next((x for x in p.lines if x.name == name), None)) for p in plans]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    for phase in PHASES:
+        cells = [_gib_number(plan.phases.get(phase)) for plan in plans]
+        rows.append(f"| peak in {phase} | " + " | ".join(cells) + " |")
+    peaks = " | ".join(f"**{_gib_number(p.peak)}**" for p in plans)
+    rows.append(f"| **predicted peak** | {peaks} |")
+    return rows
 
 
 def _cell(line: Line | None) -> str:
@@ -292,16 +296,7 @@ def _staged_table(spec: ModelSpec, scenario: Scenario) -> list[str]:
         "|---|" + "---:|" * len(plans),
         "| worst stage (layers) | " + " | ".join(f"{p.stage} ({_layers(p)})" for p in plans) + " |",
     ]
-    names = list(dict.fromkeys(line.name for plan in plans[::-1] for line in plan.lines))
-    for name in names:
-        cells = [_cell(next((x for x in p.lines if x.name == name), None)) for p in plans]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    for phase in PHASES:
-        cells = [_gib_number(plan.phases.get(phase)) for plan in plans]
-        out.append(f"| peak in {phase} | " + " | ".join(cells) + " |")
-    out.append(
-        "| **predicted peak** | " + " | ".join(f"**{_gib_number(p.peak)}**" for p in plans) + " |"
-    )
+    out += _plan_rows(plans)
     out.append("| fits | " + " | ".join("yes" if p.fits else "**no**" for p in plans) + " |")
     out.append("| settings | " + " | ".join(_settings(p) for p in plans) + " |")
     out += ["", f"Every stage, {_label(plans[-1])}:", ""]
