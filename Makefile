@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark paper-tables clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,9 +55,16 @@ memory: $(STAMP)
 benchmark: $(STAMP)
 	$(PY) benchmarks/report.py
 
-# The memory planner's tables at paper scale, docs/memory_plans.md (about a minute).
+# Pipeline stages (S = 1, 2, 4 CPU ranks) on a 32K prompt: prefill and a detached step (~20 min).
+pipeline-benchmark: $(STAMP)
+	$(PY) benchmarks/pipeline_speed.py
+	cp benchmarks/results/pipeline_speed.json benchmarks/results/pipeline_speed.png docs/benchmarks/
+
+# The memory planner's tables at paper scale, docs/memory_plans.md, and the pipeline-stage
+# tables in docs/pipeline_plans.md (about two minutes).
 paper-tables: $(STAMP)
 	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
+	$(PY) docs/tools/paper_tables.py --pipeline docs/pipeline_plans.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -4,7 +4,8 @@
     python benchmarks/pipeline_speed.py --prompt-tokens 4096 --stages 1 2   # a quick look
 
 Each S runs under torchrun on S CPU ranks (gloo), one torch thread per rank, the same model
-(a dense qwen3 of 8 layers, float32, random weights) and the same prompt. Every rank times
+(a dense qwen3 of 16 layers, float32, random weights; with fewer layers the last stage is
+visibly lighter in prefill, whose last layer only writes its keys and values) and the same prompt. Every rank times
 the same phases between barriers:
 
 - ``prefill``: the prompt in chunks through the stages (stage s on chunk k while stage
@@ -30,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODEL = {
-    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 16,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
     "vocab_size": 1024, "max_position_embeddings": 65536,
 }  # fmt: skip
@@ -96,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=32768)
-    parser.add_argument("--chunk-size", type=int, default=2048)
+    parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--group", type=int, default=4, help="G: branches per group")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)

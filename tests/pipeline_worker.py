@@ -10,7 +10,8 @@ The world is ``STAGES`` stages x ``world / STAGES`` replicas; replica ``d`` trai
 take ``STEPS`` AdamW steps (grpo_step, gradients averaged over the replicas, clipped by the
 whole model's norm), and rank 0 saves every stage's parameters, first-step gradients and
 optimizer state under the whole model's names, with the losses and each rank's prefix-state
-bytes. ``train_reference`` is the same training in one process, on the whole model; the
+bytes. Cases marked ``checkpoint`` also save a checkpoint from the stages and load it into
+a fresh staged model. ``train_reference`` is the same training in one process, on the whole model; the
 test runs it and compares. The ``rollout`` case decodes greedily and with sampling.
 """
 
@@ -28,6 +29,7 @@ from distributed_worker import Group, random_groups
 from reference import with_lora
 
 import longstraw_core as ls
+from longstraw_core import checkpoint
 from longstraw_core.distributed import group_loss_scales
 from longstraw_core.pipeline import (
     average_over_replicas,
@@ -59,19 +61,20 @@ class Case:
     activation_checkpointing: bool = False
     layers: int = 4
     offload: str | None = None  # "cpu": every record in host memory, streamed per layer
+    checkpoint: bool = False  # save a staged checkpoint at the end and load it back
 
 
 CASES = {
     "qwen3-detached": Case("qwen3", "detached"),
     "qwen3-exact": Case("qwen3", "exact"),
-    "qwen3-lora-exact": Case("qwen3", "exact", lora=True),
+    "qwen3-lora-exact": Case("qwen3", "exact", lora=True, checkpoint=True),
     "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04),
     "qwen3-exact-kept-checkpointed": Case(
         "qwen3", "exact", keep_attention_outputs=True, activation_checkpointing=True
     ),
     "qwen3_5_text-detached": Case("qwen3_5_text", "detached"),
     "qwen3_5_text-exact": Case("qwen3_5_text", "exact"),
-    "qwen3_5_text-lora-exact": Case("qwen3_5_text", "exact", lora=True),
+    "qwen3_5_text-lora-exact": Case("qwen3_5_text", "exact", lora=True, checkpoint=True),
     # Stage 1 starts at a layer that reuses layer 2's DSA selection: it crosses the boundary.
     "qwen3_5_text-exact-offloaded": Case("qwen3_5_text", "exact", offload="cpu"),
     "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3)),
@@ -168,7 +171,24 @@ def train_reference(case: Case, replicas: int) -> dict:
     }
 
 
-def train_staged(case: Case, stages: int) -> dict:
+def reload_staged(case: Case, mesh, directory: Path, saved: dict) -> bool:
+    """A fresh staged model and optimizer loaded from ``directory`` hold exactly ``saved``
+    (this rank's ``by_name`` after training)."""
+    model, adapter = build(case)
+    stage_adapter(adapter, mesh, starts=case.starts)
+    optimizer = optimizer_for(model)
+    checkpoint.load_checkpoint(directory, model, optimizer, restore_rng=False)
+    loaded = by_name(model, optimizer)
+    return loaded.keys() == saved.keys() and all(
+        torch.equal(loaded[name][key], value)
+        if torch.is_tensor(value)
+        else loaded[name][key] == value
+        for name, entry in saved.items()
+        for key, value in entry.items()
+    )
+
+
+def train_staged(case: Case, stages: int, out: Path | None = None) -> dict:
     """This rank's stage of the same training; returns what rank 0 saves (on every rank)."""
     mesh = pipeline_mesh(stages)
     replicas, replica = mesh.size(0), mesh.get_local_rank(0)
@@ -206,6 +226,9 @@ def train_staged(case: Case, stages: int) -> dict:
         "state": by_name(model, optimizer), "state_bytes": state_bytes,
         "layers": list(adapter.owned_layers()),
     }  # fmt: skip
+    if case.checkpoint and out is not None:  # the stages write one whole-model checkpoint
+        saved = checkpoint.save_checkpoint(out, STEPS, model, optimizer, data_position=STEPS)
+        mine["reloaded"] = reload_staged(case, mesh, saved, mine["state"])
     everyone: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return merge(everyone, replicas)
@@ -223,6 +246,7 @@ def merge(parts: list[dict], replicas: int) -> dict:
         "state": {k: v for part in first for k, v in part["state"].items()},
         "state_bytes": [part["state_bytes"] for part in parts],
         "layers": [part["layers"] for part in parts],
+        "reloaded": [part.get("reloaded") for part in parts],
         "replica_states": [
             {
                 k: v
@@ -260,9 +284,13 @@ def main(out_dir: str, stages: int, names: list[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     out = Path(out_dir)
     for name in names:
-        result = rollout_case(stages) if name == "rollout" else train_staged(CASES[name], stages)
+        run = f"{name}-S{stages}-W{dist.get_world_size()}"
+        if name == "rollout":
+            result = rollout_case(stages)
+        else:
+            result = train_staged(CASES[name], stages, out / f"checkpoint-{run}")
         if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}-S{stages}-W{dist.get_world_size()}.pt")
+            torch.save(result, out / f"{run}.pt")
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -22,6 +22,7 @@ import torch
 from launch import torchrun_ok
 
 import longstraw_core as ls
+from longstraw_core import checkpoint
 from longstraw_core.pipeline import (
     StageLayout,
     StageLayoutError,
@@ -95,6 +96,31 @@ def test_stages_train_like_one_process(staged_runs, stages, ranks, name):
             assert torch.equal(entry["value"], got["replica_states"][0][key]["value"]), key
     layers = got["layers"][:stages]
     assert [index for block in layers for index in block] == list(range(4))
+
+
+CHECKPOINT_RUNS = [run for run in RUNS if worker.CASES[run[2]].checkpoint]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("stages", "ranks", "name"), CHECKPOINT_RUNS)
+def test_stage_checkpoints_load_into_any_stage_count(staged_runs, stages, ranks, name):
+    """The stages' checkpoint reloads into each stage bit for bit, and into one process on
+    the whole model: the same parameters and AdamW state as the stages held."""
+    got = torch.load(staged_runs / f"{name}-S{stages}-W{ranks}.pt", weights_only=False)
+    assert got["reloaded"] == [True] * ranks
+    case = worker.CASES[name]
+    model, _ = worker.build(case)
+    optimizer = worker.optimizer_for(model)
+    directory = staged_runs / f"checkpoint-{name}-S{stages}-W{ranks}"
+    info = checkpoint.load_checkpoint(directory, model, optimizer, output_dir=directory,
+                                      restore_rng=False)  # fmt: skip
+    assert (info.step, info.data_position) == (worker.STEPS, worker.STEPS)
+    whole = worker.by_name(model, optimizer)
+    trained = [key for key, entry in got["state"].items() if "exp_avg" in entry]
+    assert trained and sorted(trained) == sorted(k for k, e in whole.items() if "exp_avg" in e)
+    for key in trained:
+        for field in ("value", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(whole[key][field], got["state"][key][field]), (key, field)
 
 
 @pytest.mark.multiprocess
