@@ -140,6 +140,8 @@ def shard_model(
             first to run backward, which would gather it again at once; in prefill and
             decoding it stays gathered from one pass to the next.
         mesh: a 1-D device mesh to shard over (default: every rank of the default group).
+            On pipeline stages (``stage_model`` first): the mesh's ``replica`` dimension, so
+            each stage's layers are sharded over the ranks holding that stage.
 
     Requires an initialised default process group (``torchrun``). Returns ``adapter``, whose
     ``parallel`` now routes its passes through FSDP and keeps the ranks in step.
@@ -159,23 +161,56 @@ def shard_model(
     if mesh.ndim != 1:
         raise ValueError(f"shard_model shards over a 1-D mesh, got {mesh.ndim} dimensions")
     policy = mixed_precision_policy(mixed_precision, device)
-    layers = list(adapter.decoder.layers)
+    # On a pipeline stage: its own layers (the others are parameterless stand-ins).
+    layers = [adapter.decoder.layers[index] for index in adapter.owned_layers()]
+    nested: dict[nn.Module, list[nn.Module]] = {}
+    resharded: set[nn.Module] = set()
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
-        fully_shard(
-            layer,
-            mesh=mesh,
-            mp_policy=policy,
-            reshard_after_forward=reshard_after_forward and not last,
-        )
+        reshard = reshard_after_forward and not last
+        nested[layer] = _shard_other_dtypes(layer, mesh, policy, reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         _add_forward_method(layer)
+        if reshard:
+            resharded.add(layer)
     root = adapter.causal_lm
     # The root keeps its parameters gathered after forward (FSDP's default for the root):
     # the next pass or the backward needs them at once.
     fully_shard(root, mesh=mesh, mp_policy=policy)
     _add_forward_method(root)
-    adapter.parallel = FSDPRun(root, layers, mesh.get_group(), device, policy.param_dtype)
+    adapter.parallel = FSDPRun(
+        root, nested, resharded, mesh.get_group(), device, policy.param_dtype
+    )
     return adapter
+
+
+def _shard_other_dtypes(
+    layer: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool
+) -> list[nn.Module]:
+    """Shard, each on its own, the modules of ``layer`` whose parameters keep another dtype
+    than the layer's (GLM-5.x's MoE router stays float32 in a bfloat16 model); FSDP2 gathers a
+    group of one dtype only. They keep their dtype (no mixed-precision cast: the router runs
+    in float32 as transformers runs it). ``FSDPRun.run_layer`` gathers them with the layer,
+    whether or not the layer's work calls them (a prefill's last layer only writes its state;
+    an idle pass computes nothing), so that every rank makes the same gathers. Returns them."""
+    dtypes = [p.dtype for p in layer.parameters()]
+    if len(set(dtypes)) <= 1:
+        return []
+    common = max(set(dtypes), key=dtypes.count)
+    odd = [
+        module
+        for module in layer.modules()
+        if any(p.dtype != common for p in module.parameters(recurse=False))
+    ]
+    keep = MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)
+    for module in odd:
+        if any(p.dtype == common for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(module).__name__} holds parameters of two dtypes; FSDP2 shards one "
+                "dtype per group: give them one dtype (model.dtype) or run without FSDP"
+            )
+        fully_shard(module, mesh=mesh, mp_policy=keep, reshard_after_forward=reshard)
+    return odd
 
 
 def mixed_precision_policy(mixed_precision: str, device: torch.device) -> MixedPrecisionPolicy:
@@ -207,12 +242,15 @@ class FSDPRun:
     def __init__(
         self,
         root: FSDPModule,
-        layers: list[FSDPModule],
+        layers: dict[nn.Module, list[nn.Module]],
+        resharded: set[nn.Module],
         group: dist.ProcessGroup,
         device: torch.device,
         param_dtype: torch.dtype | None,
     ) -> None:
-        self.root, self.layers, self.group = root, layers, group
+        """``layers``: each sharded decoder layer, with the modules inside it sharded on
+        their own (``_shard_other_dtypes``); ``resharded``: the layers freed after forward."""
+        self.root, self.layers, self.resharded, self.group = root, layers, resharded, group
         self.device, self.param_dtype = device, param_dtype
         self._in_model = False
 
@@ -222,7 +260,9 @@ class FSDPRun:
             return fn()
         self._in_model = True
         try:
-            return getattr(self.root, FORWARD_METHOD)(fn)
+            with warnings.catch_warnings():  # a pass's outputs are never written in place
+                warnings.filterwarnings("ignore", message=_VIEW_OUTPUT_WARNING)
+                return getattr(self.root, FORWARD_METHOD)(fn)
         finally:
             self._in_model = False
 
@@ -240,6 +280,8 @@ class FSDPRun:
         to FSDP too: it hooks them, and gathers the layer before their backward.
         """
         forward = getattr(layer, FORWARD_METHOD)
+        if self.layers.get(layer):
+            fn = self._with_inner(layer, fn)
         if produced is None:
             return forward(fn, hidden)
         first = len(produced)
@@ -253,6 +295,22 @@ class FSDPRun:
             output, _ = forward(with_writes, hidden)
         return output
 
+    def _with_inner(self, layer: nn.Module, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` with the modules sharded on their own inside ``layer`` gathered before it and
+        freed after it as the layer is (their backward gathers them again when they ran)."""
+        inner = self.layers[layer]
+
+        def work(hidden: Any) -> Any:
+            for module in inner:
+                module.unshard()
+            output = fn(hidden)
+            if layer in self.resharded:
+                for module in inner:
+                    module.reshard()
+            return output
+
+        return work
+
     def most(self, count: int) -> int:
         value = torch.tensor([count], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
@@ -264,8 +322,10 @@ class FSDPRun:
         return bool(value.item())
 
     def reshard(self) -> None:
-        for module in (*self.layers, self.root):
-            module.reshard()
+        for layer, inner in self.layers.items():
+            for module in (*inner, layer):
+                module.reshard()
+        self.root.reshard()
 
 
 # --- runs of several processes -------------------------------------------------------------------

@@ -240,7 +240,7 @@ def grpo_step(
         if not _contributes_nothing(weights[index], float(advantages[index]), config)
     ]
     if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
-        total_loss, entropy_sum, branch_stats = _replay_on_stages(
+        total_loss, entropy_sum, branch_stats, idle = _replay_on_stages(
             adapter, state, responses, contributing, old_logps, ref_logps, advantages,
             weights, config, loss_scale, state_grad,
         )  # fmt: skip
@@ -302,15 +302,17 @@ def _replay_on_stages(
     config: GRPOConfig,
     loss_scale: float,
     state_grad: StateGrad | None,
-) -> tuple[float, float, list[dict[str, Any]]]:
+) -> tuple[float, float, list[dict[str, Any]], int]:
     """The replay loop on pipeline stages: every contributing branch is a microbatch of the
     stages' 1F1B schedule (``ModelAdapter.replay_branches``), its loss computed and
-    backpropagated on the last stage. Returns the group's loss, the entropy sum and the
-    branches' stats, which the last stage sends to every stage."""
+    backpropagated on the last stage; replicas sharded together pad with idle branches
+    (``in_step``). Returns the group's loss, the entropy sum and the branches' stats, which
+    the last stage sends to every stage, and the number of idle branches."""
     totals, stats = [0.0, 0.0], []
+    items = list(adapter.in_step(contributing))
 
     def loss_of(m: int, logps: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
-        index = contributing[m]
+        index = items[m]
         loss, branch_stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
@@ -319,8 +321,10 @@ def _replay_on_stages(
         stats.append({key: value.detach().cpu() for key, value in branch_stats.items()})
         return loss * loss_scale
 
-    adapter.replay_branches(state, [responses[i] for i in contributing], loss_of, state_grad)
-    return adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
+    branches = [None if index is None else responses[index] for index in items]
+    adapter.replay_branches(state, branches, loss_of, state_grad)
+    loss, entropy, stats = adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
+    return loss, entropy, stats, len(items) - len(contributing)
 
 
 def _contributes_nothing(weight: float, advantage: float, config: GRPOConfig) -> bool:

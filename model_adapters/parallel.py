@@ -84,10 +84,10 @@ class ShardedPasses:
 
     def idle_forward(self: ModelAdapter) -> None:
         """A pass that computes nothing and joins the collectives of a no-grad pass (a prefill
-        chunk, a decoding step, a reference score)."""
-        self._call_model(
-            lambda: [self.call_layer(layer, _nothing, None) for layer in self.decoder.layers]
-        )
+        chunk, a decoding step, a reference score). On a pipeline stage it runs the stage's
+        own layers and talks to no other stage: every stage of a replica idles together."""
+        layers = [self.decoder.layers[index] for index in self.owned_layers()]
+        self._call_model(lambda: [self.call_layer(layer, _nothing, None) for layer in layers])
 
     def idle_branch(
         self: ModelAdapter, state: PrefixState, state_grad: StateGrad | None = None

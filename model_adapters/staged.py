@@ -21,6 +21,14 @@ to the next) cross a stage boundary, forward, and their gradients, back
   own records, plus the gradient of its output from the next stage.
 
 Every stage must make the same calls in the same order (they pair up like collectives).
+
+With FSDP2 across the replicas (``distributed.fsdp=true``; ``shard_model`` over the mesh's
+``replica`` dimension) a stage's layers are sharded over the ranks that hold that stage in
+every replica, and every microbatch's work runs as the root's FSDP forward
+(``_call_model``). Those ranks' collectives pair up only if they run the same schedule, so
+the number of microbatches of each pass is agreed over the replicas first (``in_step``): a
+replica with fewer chunks or branches runs idle ones in their place (a no-grad pass that only
+gathers; a one-token branch of weight zero; a recompute with zero gradients).
 """
 
 from __future__ import annotations
@@ -84,19 +92,30 @@ class StagedPasses:
         """Prefill ``stored`` into this stage's records, chunks pipelined through stages."""
         from model_adapters.base import Span
 
+        # Replicas sharded together run as many chunks each; the extra ones are idle passes
+        # after this replica's own, on each stage alone (no-grad passes gather in the same
+        # order either way).
         starts = list(range(0, len(stored), chunk_size))
+        items = list(self.in_step(starts))
 
-        def forward(k: int, received: Message | None) -> tuple[Message, None]:
+        def forward(k: int, received: Message | None) -> tuple[Message | None, None]:
+            if items[k] is None:
+                self.idle_forward()
+                return None, None
             chunk = stored[starts[k] : starts[k] + chunk_size]
             span = Span(start=starts[k], length=len(chunk), write=True)
-            hidden, carried, _ = self._stage_input(chunk[None], received)
-            hidden, carried = self.run_owned_layers(hidden, span, state, carried=carried)
+
+            def work() -> tuple[torch.Tensor, Any]:
+                hidden, carried, _ = self._stage_input(chunk[None], received)
+                return self.run_owned_layers(hidden, span, state, carried=carried)
+
+            hidden, carried = self._call_model(work)
             state.length = span.start + span.length
             on_chunk(len(chunk))
             return (hidden, carried), None
 
         with torch.no_grad():
-            forward_only(self.stage.link, len(starts), forward)
+            forward_only(self.stage.link, len(items), forward, exchanged=len(starts))
 
     def _staged_score(
         self: ModelAdapter,
@@ -117,14 +136,17 @@ class StagedPasses:
             )
         result: list[Any] = [None]
 
-        def forward(_: int, received: Message | None) -> tuple[Message, None]:
+        def work(received: Message | None) -> tuple[torch.Tensor, Any]:
             hidden, carried, _ = self._stage_input(inputs[None], received)
             hidden, carried = self.run_owned_layers(hidden, span, state, carried=carried)
             if self.stage.is_last:
                 head = _head_log_probs(self.lm_head, self.decoder.norm(hidden[0]), targets,
                                        return_entropy)  # fmt: skip
                 result[0] = tuple(None if t is None else t.cpu() for t in head)
-            return (hidden, carried), None
+            return hidden, carried
+
+        def forward(_: int, received: Message | None) -> tuple[Message, None]:
+            return self._call_model(lambda: work(received)), None
 
         with torch.no_grad():
             forward_only(self.stage.link, 1, forward)
@@ -137,12 +159,15 @@ class StagedPasses:
         """One decoding step through the stages: the logits on the last stage, else None."""
         logits: list[torch.Tensor | None] = [None]
 
-        def forward(_: int, received: Message | None) -> tuple[Message, None]:
+        def work(received: Message | None) -> tuple[torch.Tensor, Any]:
             hidden, carried, _ = self._stage_input(ids, received)
             hidden, carried = self.run_owned_layers(hidden, span, state, branch, carried)
             if self.stage.is_last:
                 logits[0] = self.lm_head(self.decoder.norm(hidden))
-            return (hidden, carried), None
+            return hidden, carried
+
+        def forward(_: int, received: Message | None) -> tuple[Message, None]:
+            return self._call_model(lambda: work(received)), None
 
         forward_only(self.stage.link, 1, forward)
         return logits[0]
@@ -152,31 +177,47 @@ class StagedPasses:
     def replay_branches(
         self: ModelAdapter,
         state: PrefixState,
-        responses: Sequence[torch.Tensor],
+        responses: Sequence[torch.Tensor | None],
         loss_of: BranchLoss,
         state_grad: StateGrad | None = None,
     ) -> None:
         """Replay ``responses`` with autograd through the stages (1F1B, one microbatch per
         branch) and backpropagate ``loss_of(index, logps, entropy)`` of each, computed on the
         last stage. Parameter gradients accumulate in ``.grad`` (and, exact mode, this
-        stage's ``dS`` in ``state_grad``)."""
+        stage's ``dS`` in ``state_grad``). A ``None`` response is an idle branch (what
+        ``in_step`` pads with): one token, weight zero, ``loss_of`` not called."""
         from model_adapters.base import Span, _head_log_probs
 
         reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
 
-        def forward(m: int, received: Message | None) -> tuple[Message | None, Any]:
-            response = responses[m]
+        def work(m: int, received: Message | None) -> tuple[Any, Any, torch.Tensor | None]:
+            response = state.last_token if responses[m] is None else responses[m]
             inputs = torch.cat([state.last_token, response[:-1]])
             span = Span(start=state.length, length=len(inputs), write=False)
             hidden, carried, leaf = self._stage_input(inputs[None], received, grad=True)
             with self._checkpointed_pass():
                 hidden, carried = self.run_owned_layers(hidden, span, reads, carried=carried)
                 if not self.stage.is_last:
-                    return (hidden, carried), (leaf, hidden)
+                    return hidden, carried, leaf
                 logps, entropy = _head_log_probs(
                     self.lm_head, self.decoder.norm(hidden[0]), response, True
                 )
-            return None, (leaf, loss_of(m, logps, entropy))
+            if responses[m] is None:
+                return logps.sum() * 0.0, None, leaf
+            return loss_of(m, logps, entropy), None, leaf
+
+        def forward(m: int, received: Message | None) -> tuple[Message | None, Any]:
+            # The leaf is kept out of the FSDP forward's outputs: FSDP hooks what it returns.
+            leaf: list[torch.Tensor | None] = [None]
+
+            def pass_() -> tuple[Any, Any]:
+                output, carried, leaf[0] = work(m, received)
+                return output, carried
+
+            output, carried = self._call_model(pass_)
+            if self.stage.is_last:
+                return None, (leaf[0], output)
+            return (output, carried), (leaf[0], output)
 
         def backward(m: int, context: Any, gradient: Message | None) -> Message | None:
             leaf, output = context
@@ -197,23 +238,47 @@ class StagedPasses:
         chunk_size: int,
         on_chunk: Callable[[int], None],
     ) -> None:
-        """Exact mode's reverse sweep through the stages (1F1B over the chunks, last first)."""
+        """Exact mode's reverse sweep through the stages (1F1B over the chunks, last first).
+        Replicas sharded together sweep as many chunks each: the extra ones recompute the
+        first chunk with zero gradients (as the unstaged sweep does)."""
         from model_adapters.base import Span
 
+        items = list(self.in_step(starts))
+        if len(items) > len(starts) and not starts:
+            raise RuntimeError(
+                "a one-token prompt has no chunk to recompute while another replica sweeps; "
+                "give every replica prompts of at least two tokens"
+            )
+
         def forward(m: int, received: Message | None) -> tuple[Message, Any]:
-            start = starts[m]
+            idle = items[m] is None
+            start = starts[-1] if idle else items[m]
             chunk = state.prompt_ids[start : min(start + chunk_size, state.length)]
             span = Span(start=start, length=len(chunk), write=True)
             produced: Produced = []
             reads = exact_state(state, state_grad, produced)
-            hidden, carried, leaf = self._stage_input(chunk[None], received, grad=True)
-            with self._checkpointed_pass():
-                hidden, carried = self.run_owned_layers(hidden, span, reads, carried=carried)
-            return (hidden, carried), (leaf, hidden, produced, len(chunk))
+            leaf: list[torch.Tensor | None] = [None]
+
+            def pass_() -> tuple[torch.Tensor, Any]:
+                hidden, carried, leaf[0] = self._stage_input(chunk[None], received, grad=True)
+                with self._checkpointed_pass():
+                    return self.run_owned_layers(hidden, span, reads, carried=carried)
+
+            self._produced = produced  # what call_layer hands to a sharded layer
+            try:
+                hidden, carried = self._call_model(pass_)
+            finally:
+                self._produced = None
+            return (hidden, carried), (leaf[0], hidden, produced, 0 if idle else len(chunk))
 
         def backward(m: int, context: Any, gradient: Message | None) -> Message | None:
             leaf, output, produced, length = context
-            pairs = [(out, seed.resolve()) for out, seed in produced if out.requires_grad]
+            idle = items[m] is None
+            pairs = [
+                (out, torch.zeros_like(out) if idle else seed.resolve())
+                for out, seed in produced
+                if out.requires_grad
+            ]
             if gradient is not None and output is not None and output.requires_grad:
                 pairs.append((output, gradient[0]))
             if pairs:
@@ -223,4 +288,4 @@ class StagedPasses:
             return self._input_gradient(leaf)
 
         with torch.enable_grad():
-            one_f_one_b(self.stage.link, len(starts), forward, backward)
+            one_f_one_b(self.stage.link, len(items), forward, backward)

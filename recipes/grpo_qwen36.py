@@ -101,6 +101,7 @@ class Recipe:
                 self.adapter,
                 mixed_precision=cfg.distributed.mixed_precision,
                 reshard_after_forward=cfg.distributed.reshard_after_forward,
+                mesh=self.topology.shard_mesh(),  # with stages: each stage over its replicas
             )
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)

@@ -12,7 +12,8 @@ whole model's norm), and rank 0 saves every stage's parameters, first-step gradi
 optimizer state under the whole model's names, with the losses and each rank's prefix-state
 bytes. Cases marked ``checkpoint`` also save a checkpoint from the stages and load it into
 a fresh staged model. ``train_reference`` is the same training in one process, on the whole model; the
-test runs it and compares. The ``rollout`` case decodes greedily and with sampling.
+test runs it and compares. The ``rollout`` case decodes greedily and with sampling
+(``rollout-fsdp``: each stage sharded over the replicas, each replica its own prompt).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch
 import torch.distributed as dist
 from distributed_worker import Group, random_groups
 from reference import with_lora
+from torch.distributed.tensor import DTensor
 
 import longstraw_core as ls
 from longstraw_core import checkpoint
-from longstraw_core.distributed import group_loss_scales
+from longstraw_core.distributed import group_loss_scales, shard_model
 from longstraw_core.pipeline import (
     average_over_replicas,
     clip_grad_norm,
@@ -62,6 +64,7 @@ class Case:
     layers: int = 4
     offload: str | None = None  # "cpu": every record in host memory, streamed per layer
     checkpoint: bool = False  # save a staged checkpoint at the end and load it back
+    fsdp: bool = False  # FSDP2 shards each stage over its replicas (which then average)
 
 
 CASES = {
@@ -80,6 +83,14 @@ CASES = {
     "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3)),
     "glm_moe_dsa-lora-detached": Case("glm_moe_dsa", "detached", lora=True),
     "glm_moe_dsa-exact-4": Case("glm_moe_dsa", "exact"),
+    # FSDP2 across the replicas of each stage (S=2 x D=2): replicas pad with idle passes.
+    "qwen3-exact-fsdp": Case("qwen3", "exact", fsdp=True),
+    "qwen3_5_text-lora-exact-fsdp": Case(
+        "qwen3_5_text", "exact", lora=True, fsdp=True, checkpoint=True
+    ),
+    "glm_moe_dsa-lora-kl-detached-fsdp": Case(
+        "glm_moe_dsa", "detached", lora=True, beta=0.04, fsdp=True
+    ),
 }
 
 
@@ -128,15 +139,28 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(trainable, lr=LEARNING_RATE, eps=1e-8, weight_decay=0.01)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``, gathered whole when FSDP shards it (collective)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
 def by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """Parameters and AdamW state by parameter name (this rank's share)."""
+    """Parameters and AdamW state by parameter name (this stage's share, whole)."""
     state = {}
     for name, parameter in model.named_parameters():
-        entry = {"value": parameter.detach().clone()}
+        entry = {"value": whole(parameter)}
         for key, value in optimizer.state.get(parameter, {}).items():
-            entry[key] = value.clone() if torch.is_tensor(value) else value
+            entry[key] = whole(value) if torch.is_tensor(value) else value
         state[name] = entry
     return state
+
+
+def place(case: Case, adapter: ls.ModelAdapter, mesh) -> None:
+    """Put ``adapter`` on its stage, and shard that over the replicas for FSDP cases."""
+    stage_adapter(adapter, mesh, starts=case.starts)
+    if case.fsdp:
+        shard_model(adapter, mesh=mesh["replica"], mixed_precision="fp32")
 
 
 def train_reference(case: Case, replicas: int) -> dict:
@@ -175,7 +199,7 @@ def reload_staged(case: Case, mesh, directory: Path, saved: dict) -> bool:
     """A fresh staged model and optimizer loaded from ``directory`` hold exactly ``saved``
     (this rank's ``by_name`` after training)."""
     model, adapter = build(case)
-    stage_adapter(adapter, mesh, starts=case.starts)
+    place(case, adapter, mesh)
     optimizer = optimizer_for(model)
     checkpoint.load_checkpoint(directory, model, optimizer, restore_rng=False)
     loaded = by_name(model, optimizer)
@@ -193,8 +217,9 @@ def train_staged(case: Case, stages: int, out: Path | None = None) -> dict:
     mesh = pipeline_mesh(stages)
     replicas, replica = mesh.size(0), mesh.get_local_rank(0)
     model, adapter = build(case)
-    stage_adapter(adapter, mesh, starts=case.starts)
+    place(case, adapter, mesh)
     logps = probe_logps(adapter)
+    adapter.release_parameters()  # FSDP: the sharded parameters, for the optimizer to hold
     optimizer, config = optimizer_for(model), grpo_config(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses, first_grads, state_bytes = [], {}, 0
@@ -213,11 +238,14 @@ def train_staged(case: Case, stages: int, out: Path | None = None) -> dict:
             ref_adapter=ls.lora_reference(adapter) if case.beta else None,
         )  # fmt: skip
         losses.append((replica, step, result.loss))
-        average_over_replicas(trainable, replica_group(mesh))
-        clip_grad_norm(trainable, MAX_GRAD_NORM, mesh.get_group(1))
+        if case.fsdp:  # FSDP averaged over the replicas; each rank holds a shard
+            clip_grad_norm(trainable, MAX_GRAD_NORM, dist.group.WORLD)
+        else:
+            average_over_replicas(trainable, replica_group(mesh))
+            clip_grad_norm(trainable, MAX_GRAD_NORM, mesh.get_group(1))
         if step == 0:
             first_grads = {
-                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+                n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None
             }
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -259,12 +287,8 @@ def merge(parts: list[dict], replicas: int) -> dict:
     return merged
 
 
-def rollout_case(stages: int) -> dict:
-    """Greedy and sampled rollouts of a tiny qwen3 on the stages."""
-    mesh = pipeline_mesh(stages)
-    _, adapter = build(Case("qwen3", "detached"))
-    stage_adapter(adapter, mesh)
-    prompt = step_groups(0, 1)[0].prompt
+def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:
+    """Greedy and sampled rollouts of ``prompt`` (the sampled ones end at varied lengths)."""
     state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
     greedy = ls.rollout(adapter, state, num_generations=2, max_new_tokens=10, temperature=0)
     sampled = ls.rollout(
@@ -278,6 +302,21 @@ def rollout_case(stages: int) -> dict:
     }
 
 
+def rollout_case(stages: int, fsdp: bool = False) -> dict:
+    """Rollouts of a tiny qwen3 on the stages. With ``fsdp``, each stage is sharded over the
+    replicas and replica ``d`` decodes its own prompt (``step_groups(0, D)[d]``): the
+    replicas stay in step until the last branch of any of them ends. Returns each replica's."""
+    mesh = pipeline_mesh(stages)
+    case = Case("qwen3", "detached", fsdp=fsdp)
+    _, adapter = build(case)
+    place(case, adapter, mesh)
+    replicas, replica = mesh.size(0), mesh.get_local_rank(0)
+    mine = rollouts(adapter, step_groups(0, replicas)[replica].prompt)
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"replicas": everyone[::stages]}
+
+
 def main(out_dir: str, stages: int, names: list[str]) -> None:
     torch.set_num_threads(1)
     # A transfer or collective that no other rank joins fails after two minutes, not thirty.
@@ -285,8 +324,8 @@ def main(out_dir: str, stages: int, names: list[str]) -> None:
     out = Path(out_dir)
     for name in names:
         run = f"{name}-S{stages}-W{dist.get_world_size()}"
-        if name == "rollout":
-            result = rollout_case(stages)
+        if name.startswith("rollout"):
+            result = rollout_case(stages, fsdp=name == "rollout-fsdp")
         else:
             result = train_staged(CASES[name], stages, out / f"checkpoint-{run}")
         if dist.get_rank() == 0:

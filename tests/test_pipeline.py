@@ -7,7 +7,9 @@
   equal one process training every replica's groups on the whole model (within 1e-6
   relative in float64; float32 routing in GLM's MoE is the loosest). Each stage holds only
   its layers' prefix state. Greedy rollout equals one process and transformers' ``generate``;
-  sampled rollout equals one process for the same seed.
+  sampled rollout equals one process for the same seed. With FSDP2 sharding each stage over
+  the replicas (S=2 x D=2, ``*-fsdp`` cases), where the replicas' prompts, branches and
+  response lengths differ and the shorter ones pad with idle passes, the same holds.
 - In-process: the layout's balance and its checks, and the refusals of ``stage_model``.
 """
 
@@ -40,10 +42,11 @@ TOPOLOGIES = {
     (2, 2): list(worker.CASES),
     (4, 4): ["qwen3-exact", "qwen3_5_text-lora-exact", "glm_moe_dsa-exact-4"],
     (2, 4): ["qwen3-exact", "qwen3-lora-kl-detached", "qwen3_5_text-lora-exact",
-             "glm_moe_dsa-exact-4"],
+             "glm_moe_dsa-exact-4", "qwen3-exact-fsdp", "qwen3_5_text-lora-exact-fsdp",
+             "glm_moe_dsa-lora-kl-detached-fsdp"],
 }  # fmt: skip
 RUNS = [(stages, ranks, name) for (stages, ranks), names in TOPOLOGIES.items() for name in names]
-ROLLOUTS = [(2, 2), (4, 4)]
+ROLLOUTS = {(2, 2): "rollout", (4, 4): "rollout", (2, 4): "rollout-fsdp"}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def staged_runs(tmp_path_factory) -> Path:
     """Every topology's cases, one launch each; the directory of their results."""
     out = tmp_path_factory.mktemp("pipeline")
     for (stages, ranks), names in TOPOLOGIES.items():
-        rollout = ["rollout"] if (stages, ranks) in ROLLOUTS else []
+        rollout = [ROLLOUTS[stages, ranks]] if (stages, ranks) in ROLLOUTS else []
         torchrun_ok(
             ROOT / "tests" / "pipeline_worker.py", str(out), str(stages), *names, *rollout,
             ranks=ranks,
@@ -137,25 +140,23 @@ def test_each_stage_holds_only_its_share_of_the_state(staged_runs, stages, ranks
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("stages", "ranks"), ROLLOUTS)
+@pytest.mark.parametrize(("stages", "ranks"), list(ROLLOUTS))
 def test_staged_rollout_equals_one_process_and_generate(staged_runs, stages, ranks):
-    got = torch.load(staged_runs / f"rollout-S{stages}-W{ranks}.pt", weights_only=False)
+    """Every replica's rollouts (with FSDP across the replicas: each its own prompt) equal
+    one process's on its prompt; greedy equals transformers' ``generate``."""
+    name = ROLLOUTS[stages, ranks]
+    got = torch.load(staged_runs / f"{name}-S{stages}-W{ranks}.pt", weights_only=False)
     model, adapter = worker.build(worker.Case("qwen3", "detached"))
-    prompt = worker.step_groups(0, 1)[0].prompt
-    state = adapter.prefill(prompt, chunk_size=worker.CHUNK_SIZE)
-    greedy = ls.rollout(adapter, state, num_generations=2, max_new_tokens=10, temperature=0)
-    sampled = ls.rollout(
-        adapter, state, num_generations=3, max_new_tokens=10, eos_token_ids=list(range(0, 512, 5)),
-        seed=7,
-    )  # fmt: skip
-    with torch.no_grad():
-        generated = model.generate(
-            prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-    assert got["greedy"] == [r.tolist() for r in greedy.responses]
-    assert got["greedy"][0] == generated.tolist()
-    assert got["sampled"] == [r.tolist() for r in sampled.responses]
-    assert got["sampled_logps"] == [lp.tolist() for lp in sampled.logps]
+    replicas = ranks // stages
+    assert len(got["replicas"]) == replicas
+    for replica, rollouts in enumerate(got["replicas"]):
+        prompt = worker.step_groups(0, replicas)[replica].prompt
+        assert rollouts == worker.rollouts(adapter, prompt)
+        with torch.no_grad():
+            generated = model.generate(
+                prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :]
+        assert rollouts["greedy"][0] == generated.tolist()
 
 
 # --- in one process -----------------------------------------------------------------------

@@ -105,11 +105,34 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
     assert_same_optimizer_state(staged / "step-000002", stopped / "step-000002")
 
 
+def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
+    """Two stages x two replicas, each stage sharded over its replicas by FSDP2
+    (``distributed.fsdp=true``), train like the same stages whose replicas average their
+    gradients, and the sharded run's checkpoint resumes unsharded and ends where that run
+    does."""
+    recipe, overrides = "grpo_qwen36.py", [*STAGED, "grpo.gradient=exact"]
+    sharded, averaged, resumed = tmp_path / "fsdp", tmp_path / "averaged", tmp_path / "resumed"
+    log = run(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
+              ranks=4)  # fmt: skip
+    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    run(recipe, QWEN, averaged, "train.steps=2", *overrides, ranks=4)
+    first, final = tensors(averaged / "step-000001/model"), tensors(averaged / "step-000002/model")
+    assert_close(tensors(sharded / "step-000001/model"), first, 1e-6)
+    assert_close(tensors(sharded / "step-000002/model"), final, 1e-3)
+    for step in ("step-000001", "step-000002"):
+        state = json.loads((sharded / step / "trainer_state.json").read_text())
+        assert state["data_position"] == 2 * int(step[-1])  # two replicas: two samples a step
+    shutil.copytree(sharded, resumed)
+    shutil.rmtree(resumed / "step-000002")
+    (resumed / "latest").unlink(missing_ok=True)
+    run(recipe, QWEN, resumed, "train.steps=2", "train.resume_from=latest", *overrides, ranks=4)
+    assert_close(tensors(resumed / "step-000002/model"), final, 1e-3)
+
+
 def test_bad_stage_settings_stop_before_training(tmp_path):
-    """Three stages on two processes, five stages for a four-layer model, FSDP with stages."""
+    """Three stages on two processes, stage starts that do not match the stage count."""
     cases = [
         (2, ["distributed.pipeline_stages=3"], "does not divide the 2 processes"),
-        (1, ["distributed.pipeline_stages=2", "distributed.fsdp=true"], "not supported yet"),
         (1, ["distributed.stage_starts=[0, 2]"], "distributed.stage_starts"),
     ]
     for ranks, overrides, message in cases:

@@ -56,10 +56,10 @@ def load_state(
     scheduler_state = None
     if scheduler is not None:
         scheduler_state = torch_load(directory / "scheduler.pt", directory)
-    if is_sharded(model):
-        load_sharded(directory, model, optimizer)
-    elif is_staged(model):
+    if is_staged(model):  # each stage reads its own (and shards it over its replicas)
         load_staged(directory, model, optimizer)
+    elif is_sharded(model):
+        load_sharded(directory, model, optimizer)
     else:
         lora = isinstance(model, PeftModel)
         weights = (read_adapters if lora else read_weights)(directory / "model")

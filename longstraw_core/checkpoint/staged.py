@@ -6,7 +6,10 @@ same files a single process writes: the optimizer state indexed in the whole mod
 parameter order. Loading, rank 0 checks the files against the whole model's names and
 shapes (``StagedModel``), then every stage reads only the tensors it owns and the optimizer
 entries of its own parameters. A checkpoint therefore moves between any numbers of stages,
-and to or from a single process.
+and to or from a single process. With FSDP2 across the replicas each stage's tensors are
+``DTensor`` shards: every replica gathers them whole (a collective of the stage's replicas)
+before replica 0 sends them, and loading shards what a stage reads (``distribute_tensor``
+from the copy every rank read, no communication).
 
 NOTE: rank 0 gathers every stage's tensors in host memory to write them: fine for LoRA
 adapters, a whole model's worth for full fine-tuning (each stage writing its own shard is
@@ -25,6 +28,7 @@ from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
 from longstraw_core.checkpoint.checks import check_optimizer_count
@@ -62,7 +66,7 @@ def gather_staged_state(
     lora = isinstance(model, PeftModel)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     tensors = {
-        name: value.detach().cpu()
+        name: _whole(value)
         for name, value in model.state_dict().items()
         if not lora or name in trainable
     }
@@ -70,7 +74,10 @@ def gather_staged_state(
     local = optimizer.state_dict()
     mine = {
         "tensors": tensors,
-        "state": {names[index]: value for index, value in local["state"].items()},
+        "state": {
+            names[index]: {key: _whole(item) for key, item in value.items()}
+            for index, value in local["state"].items()
+        },
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in local["param_groups"]],
     }
     if 0 not in link.ranks:
@@ -80,6 +87,15 @@ def gather_staged_state(
     if dist.get_rank() != 0:
         return {}, {}
     return _merge_tensors(parts), _merge_optimizer(parts, record)
+
+
+def _whole(value: Any) -> Any:
+    """A tensor of the state on the CPU, whole (an FSDP shard is gathered: a collective of
+    the stage's replicas, which every one of them makes in the same order)."""
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach()
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
 
 
 def save_staged_adapters(
@@ -136,6 +152,7 @@ def load_staged(
         path = directory / "optimizer.pt"
         optimizer_state = _own_optimizer_state(path, torch_load(path, directory), model,
                                                optimizer, record)  # fmt: skip
+    weights = _sharded_like(weights, _model_tensors(model))
     if isinstance(model, PeftModel):
         result = set_peft_model_state_dict(model, weights)
         if result.unexpected_keys:
@@ -146,6 +163,30 @@ def load_staged(
         model.load_state_dict(weights, strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(optimizer_state)
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors under the names a checkpoint stores (a LoRA model's
+    adapters without the adapter's name)."""
+    tensors = model.state_dict()
+    if not isinstance(model, PeftModel):
+        return tensors
+    return {saved_adapter_name(name, model): value for name, value in tensors.items()}
+
+
+def _sharded_like(
+    tensors: dict[str, torch.Tensor], model_tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` as the model holds them: sharded where it holds an FSDP ``DTensor`` (every
+    replica read the same whole tensor, so each keeps its shard without communication)."""
+    return {name: _shard_like(value, model_tensors.get(name)) for name, value in tensors.items()}
+
+
+def _shard_like(value: Any, like: Any) -> Any:
+    if not isinstance(like, DTensor) or not torch.is_tensor(value):
+        return value
+    value = value.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _read_tensors(directory: Path, names: set[str]) -> dict[str, torch.Tensor]:
@@ -174,7 +215,15 @@ def _own_optimizer_state(
     by_name = {record.trainable[index]: value for index, value in saved["state"].items()}
     names = optimizer_names(model, optimizer)
     group = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+    parameters = dict(model.named_parameters())
     return {
-        "state": {i: by_name[name] for i, name in enumerate(names) if name in by_name},
+        "state": {
+            i: {  # an FSDP shard's moments sharded as the parameter is
+                key: _shard_like(item, parameters[name]) if key != "step" else item
+                for key, item in by_name[name].items()
+            }
+            for i, name in enumerate(names)
+            if name in by_name
+        },
         "param_groups": [{**group, "params": list(range(len(names)))}],
     }

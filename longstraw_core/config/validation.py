@@ -291,12 +291,6 @@ def _check_distributed(cfg: RunConfig) -> None:
             "distributed.pipeline_stages",
             f"must be a positive integer (1: no stages), got {stages!r}",
         )
-    if stages > 1 and dist.fsdp:
-        raise ConfigError(
-            "distributed.pipeline_stages",
-            f"{stages} stages with distributed.fsdp=true is not supported yet: a stage keeps its "
-            "layers' weights whole and replicas average their gradients; set distributed.fsdp=false",
-        )
     starts = dist.stage_starts
     if starts is not None and (len(starts) != stages or list(starts)[:1] != [0]):
         raise ConfigError(

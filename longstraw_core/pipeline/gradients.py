@@ -3,7 +3,9 @@
 A stage holds the gradients of its own layers only. The norm a clip must use is the whole
 model's: each stage's sum of squares, summed over the stages of its pipeline. Replicas of a
 stage trained different prompts; their gradients are averaged (as FSDP and DDP average), and
-``distributed.group_loss_scales`` over the replica group weights each prompt's share.
+``distributed.group_loss_scales`` over the replica group weights each prompt's share. With
+FSDP2 across the replicas, FSDP averages them (its reduce-scatter) and each rank holds a
+shard of its stage's gradients: the squares are then summed over every rank.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 # Gradients are averaged in flat buckets of about this many bytes: one collective per bucket
 # instead of one per parameter, without a second copy of every gradient at once.
@@ -67,15 +70,18 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
+@torch.no_grad()
 def clip_grad_norm(
     parameters: Iterable[torch.nn.Parameter],
     max_norm: float,
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` by the norm over every stage of ``group``: each
-    stage's gradients scaled by ``max_norm / total_norm`` when that is below one. Returns the
-    total norm (the same on every stage)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    """``torch.nn.utils.clip_grad_norm_`` by the norm over every rank of ``group``: each
+    rank's gradients scaled by ``max_norm / total_norm`` when that is below one. ``group``
+    must hold each gradient element once: a pipeline's stages, or every rank when FSDP shards
+    the stages over the replicas (a ``DTensor`` gradient counts its local shard). Returns the
+    total norm (the same on every rank of ``group``)."""
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=dtype, device=device)
@@ -88,3 +94,9 @@ def clip_grad_norm(
     for grad in grads:
         grad.mul_(coefficient.to(grad.dtype))
     return total
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a gradient (a ``DTensor``'s shard itself, under no_grad: scaling
+    it scales the gradient)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad

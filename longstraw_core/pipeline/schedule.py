@@ -71,13 +71,20 @@ def one_f_one_b(link: StageLink, count: int, forward: Forward, backward: Backwar
     link.wait()
 
 
-def forward_only(link: StageLink, count: int, forward: Forward) -> None:
+def forward_only(
+    link: StageLink, count: int, forward: Forward, exchanged: int | None = None
+) -> None:
     """``count`` microbatches forward through the stages, without backward (prefill,
     no-grad scoring): stage ``s`` works on microbatch ``k`` while stage ``s - 1`` works on
-    ``k + 1``."""
+    ``k + 1``. Only the first ``exchanged`` (default: all) cross the stages; the others run
+    on each stage alone (``forward(k, None)``, its message dropped): idle passes that pad a
+    replica to its FSDP peers' count. They run before the sends are drained, as a peer may
+    still need them to reach its own sends' receiver."""
+    exchanged = count if exchanged is None else exchanged
     for microbatch in range(count):
-        received = None if link.is_first else link.recv_forward()
+        crosses = microbatch < exchanged
+        received = None if link.is_first or not crosses else link.recv_forward()
         message, _ = forward(microbatch, received)
-        if not link.is_last:
+        if crosses and not link.is_last:
             link.send_forward(message or ())
     link.wait()

@@ -98,7 +98,7 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
     """Cut ``adapter``'s model down to stage ``link.stage`` of ``layout``, in place.
 
     Refused: a layout for another number of layers, a link for another number of stages,
-    a sharded (FSDP) model, tied input and output embeddings (the first and last stages
+    a model sharded already (stage first, then shard the stage over the replicas), tied input and output embeddings (the first and last stages
     would each need the one matrix and its summed gradient). Returns ``adapter``.
     """
     layers = adapter.decoder.layers
@@ -112,8 +112,8 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
         )
     if adapter.parallel is not None:
         raise ValueError(
-            "distributed.pipeline_stages > 1 with distributed.fsdp=true is not supported yet: "
-            "a stage keeps its own layers' weights whole; set distributed.fsdp=false"
+            "this model is sharded already: put it on its stage first, then shard the "
+            "stage's layers over the replicas (shard_model(adapter, mesh=mesh['replica']))"
         )
     if layout.stages > 1 and _ties_embeddings(adapter):
         raise ValueError(

@@ -4,9 +4,11 @@
 and FSDP runs (S=1): every rank is its own replica (its own prompt each step), and FSDP
 averages the gradients. Pipeline runs (S>1): the world is S stages x D replicas; the S ranks
 of a replica train one prompt together, its stages exchanging hidden states, and the
-replicas of each stage average their gradients here. Recipes make the same few calls either
-way: ``place`` the adapter, take sample ``data_position + replica``, ``finish_gradients``
-before the optimizer step, ``reduce`` the metrics, ``rows_to_log`` for the completions table.
+replicas of each stage average their gradients here, or, with ``distributed.fsdp=true``,
+FSDP2 shards each stage over its replicas (``shard_mesh``) and averages them itself.
+Recipes make the same few calls either way: ``place`` the adapter, shard it over
+``shard_mesh()``, take sample ``data_position + replica``, ``finish_gradients`` before the
+optimizer step, ``reduce`` the metrics, ``rows_to_log`` for the completions table.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RunTopology:
     mesh: DeviceMesh | None = None
     stage_starts: Sequence[int] | None = None
     gradient: str = "detached"  # the gradient mode the stage boundaries are balanced for
+    fsdp: bool = False  # FSDP2 shards the model (with stages: each stage over its replicas)
 
     @classmethod
     def from_config(
@@ -60,7 +63,7 @@ class RunTopology:
         except StageLayoutError as error:
             raise ConfigError("distributed.pipeline_stages", str(error)) from None
         if stages == 1:
-            return cls(replicas=world, replica=rank)
+            return cls(replicas=world, replica=rank, fsdp=distributed.fsdp)
         mesh = pipeline_mesh(stages)
         return cls(
             replicas=world // stages,
@@ -70,6 +73,7 @@ class RunTopology:
             mesh=mesh,
             stage_starts=distributed.stage_starts,
             gradient=gradient,
+            fsdp=distributed.fsdp,
         )
 
     @property
@@ -95,15 +99,22 @@ class RunTopology:
         """The ranks whose prompts make one optimizer step's batch, for one stage."""
         return self.mesh.get_group(REPLICA) if self.staged else None
 
+    def shard_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over (``shard_model(..., mesh=)``): a stage's replicas with
+        stages, every rank (``None``, the default) without."""
+        return self.mesh[REPLICA] if self.staged else None
+
     def finish_gradients(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float | None
     ) -> float:
-        """Average the gradients over the replicas (stages; FSDP did it already) and clip by
-        the whole model's norm; returns that norm."""
+        """Average the gradients over the replicas (stages without FSDP; FSDP did it already)
+        and clip by the whole model's norm; returns that norm."""
         parameters = list(parameters)
         limit = max_norm or float("inf")
         if not self.staged:
             return float(torch.nn.utils.clip_grad_norm_(parameters, limit))
+        if self.fsdp:  # each rank holds a shard of its stage's averaged gradients
+            return float(clip_grad_norm(parameters, limit, dist.group.WORLD))
         average_over_replicas(parameters, self.replica_group())
         return float(clip_grad_norm(parameters, limit, self.mesh.get_group(STAGE)))
 
