@@ -83,7 +83,8 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -310,6 +311,22 @@ class FSDPRun:
             return output
 
         return work
+
+    @contextmanager
+    def kept_gathered(self) -> Iterator[None]:
+        """Gather each layer's parameters at its first pass and keep them until the block
+        ends (then free them): a rollout's decode steps then gather the model once, not once
+        per token. The memory of the unsharded model (on stages: of the stage's layers)."""
+        modules = [module for layer, inner in self.layers.items() for module in (*inner, layer)]
+        for module in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for layer, inner in self.layers.items():
+                for module in (*inner, layer):
+                    module.set_reshard_after_forward(layer in self.resharded, recurse=False)
+            self.reshard()
 
     def most(self, count: int) -> int:
         value = torch.tensor([count], device=self.device)

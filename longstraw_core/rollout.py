@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,7 @@ def rollout(
     eos_token_ids: Sequence[int] | int | None = None,
     seed: int | None = 0,
     progress: bool | None = None,
+    gather_parameters: bool = True,
 ) -> RolloutOutput:
     """Sample ``num_generations`` responses to the prompt held by ``state``, in one batch.
 
@@ -94,6 +96,10 @@ def rollout(
             ``max_new_tokens``).
         seed: seeds the sampling generator (``None``: a random seed).
         progress: a progress bar over decode steps (``None``: only on a terminal).
+        gather_parameters: on a sharded (FSDP) model, gather each layer once for the whole
+            rollout and keep it (``ModelAdapter.parameters_gathered``: the unsharded model's
+            memory while decoding) instead of once per decode step (config
+            ``distributed.rollout_gather``). No effect unsharded.
 
     Returns:
         ``RolloutOutput``; ``stats`` holds ``decode_seconds``, ``steps`` (batched decode
@@ -127,7 +133,8 @@ def rollout(
     )
     started = time.perf_counter()
     steps = 0
-    with torch.no_grad(), bar:
+    gathered = adapter.parameters_gathered() if gather_parameters else nullcontext()
+    with torch.no_grad(), bar, gathered:
         cache = adapter.new_branch_cache(state, group, max_new_tokens)
         logps_dtype = torch.promote_types(adapter.dtype, torch.float32)
         for step in range(max_new_tokens):

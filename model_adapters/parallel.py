@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -51,6 +52,9 @@ class Parallel(Protocol):
 
     def reshard(self) -> None:
         """Free every gathered parameter (the next pass gathers the current values)."""
+
+    def kept_gathered(self) -> AbstractContextManager[None]:
+        """A block whose passes gather each layer once and keep it (then free them)."""
 
 
 class ShardedPasses:
@@ -97,6 +101,15 @@ class ShardedPasses:
         same order); it adds zeros to the gradients (and to ``state_grad``)."""
         logps = self.score(state, state.last_token, state_grad=state_grad)
         (logps.sum() * 0.0).backward()
+
+    def parameters_gathered(self) -> AbstractContextManager[None]:
+        """``with adapter.parameters_gathered():`` passes in the block gather a sharded model's
+        layers once, at their first pass, and keep them until the block ends: what a rollout
+        does (one gather per rollout, not per token; the unsharded model's memory while it
+        runs). A no-op in one process and on unsharded pipeline stages."""
+        if self.parallel is None:
+            return nullcontext()
+        return self.parallel.kept_gathered()
 
     def everywhere(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank of a sharded model (in one process: ``flag``);

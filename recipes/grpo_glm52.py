@@ -98,16 +98,14 @@ class Recipe:
         self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
         self.adapter = self.topology.place(ls.adapt(self.model))  # its stage's layers only
         self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
-        if cfg.distributed.fsdp:
-            distributed.shard_model(
-                self.adapter,
-                mixed_precision=cfg.distributed.mixed_precision,
-                reshard_after_forward=cfg.distributed.reshard_after_forward,
-                mesh=self.topology.shard_mesh(),  # with stages: each stage over its replicas
-            )
+        self.topology.shard(self.adapter, cfg.distributed)  # FSDP2 (with stages: per stage)
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)
         self.offload = config.offload_policy(cfg)  # prefix state on CPU, streamed per layer
+        # FSDP: gather the layers once per rollout, unless the planner says that won't fit.
+        self.rollout_once, why_not = plan.rollout_gathers_once(cfg)
+        if why_not and self.accelerator.is_main_process:
+            print(f"note: {why_not}", file=sys.stderr)
         self.rewards = RewardSet(
             [r.name for r in cfg.rewards],
             [r.weight for r in cfg.rewards],
@@ -130,14 +128,15 @@ class Recipe:
         self.progress = StepProgress(cfg.train.steps, initial=self.step, enabled=self.bars)
 
     def _reference_policy(self) -> ls.ModelAdapter | None:
-        """With ``beta > 0``: LoRA's base weights (adapters off), else a frozen copy."""
+        """With ``beta > 0``: LoRA's base weights (adapters off), else a frozen copy placed
+        and sharded like the policy."""
         if self.cfg.grpo.beta == 0.0:
             return None
         if self.cfg.lora.enabled:
             return ls.lora_reference(self.adapter)
         frozen = models.build_model(self.cfg.model, seed=self.cfg.train.seed)
         frozen = frozen.to(self.accelerator.device).eval().requires_grad_(False)
-        return self.topology.place(ls.adapt(frozen))
+        return self.topology.shard(self.topology.place(ls.adapt(frozen)), self.cfg.distributed)
 
     def _resume(self) -> checkpoint.ResumeInfo:
         """Restore the checkpoint; the config's optimizer settings win over the saved ones."""
@@ -221,6 +220,7 @@ class Recipe:
                     eos_token_ids=[self.tokenizer.eos_token_id],
                     seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
                     progress=self.bars,
+                    gather_parameters=self.rollout_once,
                 )
         except guard.NonFiniteError as error:  # raised on every rank at once
             return self._skip(str(error))

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,24 @@ def rollout_group(adapter: ls.ModelAdapter, rank: int) -> dict[str, list]:
     return {"responses": [r.tolist() for r in out.responses], "steps": out.stats["steps"]}
 
 
+def rollout_gathers(adapter: ls.ModelAdapter, rank: int) -> dict[str, Any]:
+    """FSDP all-gathers per rollout (counted by the profiler's ``FSDP::all_gather`` ranges)
+    for 3 and 9 new tokens, gathering once per rollout and at every decode step, and the
+    responses of each."""
+    state = adapter.prefill(step_groups(0)[rank].prompt, chunk_size=CHUNK_SIZE)
+    counts, responses = {}, {}
+    for once in (True, False):
+        for tokens in (3, 9):
+            adapter.release_parameters()  # every rollout starts from the shards
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = ls.rollout(adapter, state, num_generations=2, max_new_tokens=tokens,
+                                 seed=rank, gather_parameters=once)  # fmt: skip
+            names = [event.name for event in prof.events()]
+            counts[once, tokens] = sum(name.split(" (")[0] == "FSDP::all_gather" for name in names)
+            responses[once, tokens] = [r.tolist() for r in out.responses]
+    return {"counts": counts, "responses": responses}
+
+
 def assert_like_one_process(
     sharded: dict,
     model: torch.nn.Module,
@@ -216,14 +235,15 @@ def main(out_dir: str, names: list[str]) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
     for name in names:
-        if name == "rollout":
+        if name in ("rollout", "rollout-gathers"):
             model, adapter = build(Case("qwen3", "detached"))
             shard_model(adapter)
-            result = rollout_group(adapter, rank)
+            rollouts = rollout_group if name == "rollout" else rollout_gathers
+            result = rollouts(adapter, rank)
             gathered = [None] * world_size
             dist.all_gather_object(gathered, result)
             if rank == 0:
-                torch.save(gathered, out / "rollout.pt")
+                torch.save(gathered, out / f"{name}.pt")
             continue
         case = CASES[name]
         model, adapter = build(case)

@@ -54,7 +54,10 @@ TRAINING_CASES = list(worker.CASES)
 def sharded_runs(tmp_path_factory) -> Path:
     """Every worker case on two ranks, once; the directory of their results."""
     out = tmp_path_factory.mktemp("fsdp")
-    torchrun_ok(ROOT / "tests" / "distributed_worker.py", str(out), *TRAINING_CASES, "rollout")
+    torchrun_ok(
+        ROOT / "tests" / "distributed_worker.py", str(out), *TRAINING_CASES, "rollout",
+        "rollout-gathers",
+    )  # fmt: skip
     return out
 
 
@@ -81,6 +84,19 @@ def test_two_ranks_roll_out_in_step(sharded_runs):
     assert [rank["responses"] for rank in sharded] == [rank["responses"] for rank in alone]
     assert alone[0]["steps"] != alone[1]["steps"]  # the ranks would stop at different steps
     assert sharded[0]["steps"] == sharded[1]["steps"] == max(rank["steps"] for rank in alone)
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_rollout_gathers_the_model_once(sharded_runs):
+    """Gathering once per rollout (the default), the number of FSDP all-gathers does not
+    grow with the tokens generated; at every decode step it does. Both decode the same
+    tokens."""
+    for rank in torch.load(sharded_runs / "rollout-gathers.pt"):
+        counts, responses = rank["counts"], rank["responses"]
+        assert counts[True, 3] == counts[True, 9] > 0
+        assert counts[False, 9] > counts[False, 3] > counts[True, 9]
+        assert responses[True, 3] == responses[False, 3]
+        assert responses[True, 9] == responses[False, 9]
 
 
 # --- a world of one rank, in this process ---------------------------------------------------------

@@ -84,9 +84,11 @@ def assert_same_optimizer_state(a: Path, b: Path) -> None:
 )
 def test_ranks_train_on_their_own_groups_and_only_rank_0_logs(tmp_path, recipe, config_path):
     out = tmp_path / "run"
+    # beta > 0: the full-weight policy's frozen reference is sharded like it (its own FSDP).
     log = run_ok(
         recipe, config_path, out, "distributed.fsdp=true", "train.steps=2",
         "grpo.gradient=detached", "tracking.wandb=true", "train.completions_every=1",
+        "grpo.beta=0.04",
     )  # fmt: skip
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
     runs = list((out / "wandb").glob("offline-run-*"))

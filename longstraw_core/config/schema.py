@@ -20,6 +20,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3
 SCHEDULERS = ("constant", "cosine", "linear")
 TRACKING_MODES = ("online", "offline", "disabled")
 MIXED_PRECISION = ("bf16", "fp32")
+ROLLOUT_GATHER = ("auto", "once", "per_step")
 BUILTIN_TOKENIZER_SIZE = 256 + len(BUILTIN_SPECIAL_TOKENS)
 
 
@@ -165,6 +166,10 @@ class DistributedSection:
     fsdp: bool = False  # fully_shard per decoder layer (FSDP2)
     mixed_precision: str = "fp32"  # bf16: FSDP2 computes in bf16 over fp32 sharded params
     reshard_after_forward: bool = True  # False keeps gathered params: faster, more memory
+    # FSDP in rollout: "once" gathers each layer once for the whole rollout and keeps it (the
+    # unsharded model's memory, or a stage's, while decoding); "per_step" gathers at every
+    # decode step (a gather of the model per token); "auto": "once" if the plan fits.
+    rollout_gather: str = "auto"
     # S: each of a prompt's S ranks owns 1/S of the layers, their weights and prefix state;
     # the world is S stages x (world / S) replicas, each replica training its own prompt.
     pipeline_stages: int = 1

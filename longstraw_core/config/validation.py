@@ -29,6 +29,7 @@ from longstraw_core.config.schema import (
     DTYPES,
     GRPO_FROM_ROLLOUT,
     MIXED_PRECISION,
+    ROLLOUT_GATHER,
     SCHEDULERS,
     TRACKING_MODES,
     ConfigError,
@@ -285,6 +286,7 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
 def _check_distributed(cfg: RunConfig) -> None:
     dist = cfg.distributed
     _check_choice("distributed.mixed_precision", dist.mixed_precision, MIXED_PRECISION)
+    _check_choice("distributed.rollout_gather", dist.rollout_gather, ROLLOUT_GATHER)
     stages = dist.pipeline_stages
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ConfigError(

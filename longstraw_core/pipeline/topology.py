@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_core import metrics as names
 from longstraw_core.config import ConfigError
-from longstraw_core.distributed import reduce_metrics
+from longstraw_core.distributed import reduce_metrics, shard_model
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
 from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
@@ -103,6 +103,18 @@ class RunTopology:
         """The mesh FSDP2 shards over (``shard_model(..., mesh=)``): a stage's replicas with
         stages, every rank (``None``, the default) without."""
         return self.mesh[REPLICA] if self.staged else None
+
+    def shard(self, adapter: ModelAdapter, distributed: DistributedSection) -> ModelAdapter:
+        """With ``distributed.fsdp``: FSDP2 over ``shard_mesh()`` with the config's settings
+        (after ``place``, before the optimizer is built); else ``adapter`` as it is."""
+        if not distributed.fsdp:
+            return adapter
+        return shard_model(
+            adapter,
+            mixed_precision=distributed.mixed_precision,
+            reshard_after_forward=distributed.reshard_after_forward,
+            mesh=self.shard_mesh(),
+        )
 
     def finish_gradients(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float | None

@@ -52,7 +52,13 @@ and run configs), ``advice`` (fixes, ``plan_memory`` with advice, ``check_fits``
 ``docs/tools/paper_tables.py``.
 """
 
-from longstraw_core.plan.advice import MemoryPlanError, check_fits, fixes_for, plan_memory
+from longstraw_core.plan.advice import (
+    MemoryPlanError,
+    check_fits,
+    fixes_for,
+    plan_memory,
+    rollout_gathers_once,
+)
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
 from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
@@ -91,6 +97,7 @@ __all__ = [
     "print_plan",
     "render_markdown",
     "render_text",
+    "rollout_gathers_once",
     "scenario_workload",
     "spec_for_config",
     "spec_for_preset",

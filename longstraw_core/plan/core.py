@@ -155,6 +155,13 @@ class MemoryParts(InFlight):
         total = self.spec.params * self.pb + self.lora_params() * FP32
         return total // self.work.shards
 
+    def reference(self) -> int:
+        """The frozen reference model of full fine-tuning with ``beta > 0``: the policy's
+        base weights, sharded like the policy (LoRA's reference is its own base)."""
+        if not self.work.reference_model or self.work.lora_rank:
+            return 0
+        return self.spec.params * self.pb // self.work.shards
+
     def gradients(self) -> int:
         return self.trainable * self.state_bytes // self.work.shards
 
@@ -225,6 +232,14 @@ class MemoryParts(InFlight):
             return self.spec.params * self.cb
         biggest = max(layer.params for layer in self.spec.layers)
         return (self.spec.root_params + self.spec.layers[-1].params + 2 * biggest) * self.cb
+
+    def gathered_in_rollout(self) -> int:
+        """What FSDP holds unsharded while decoding: every layer, gathered once for the
+        rollout (``distributed.rollout_gather`` ``once``; ``auto`` counts as ``once`` here,
+        ``plan_memory`` resolves it), or as in any other pass (``per_step``)."""
+        if self.work.fsdp and self.work.rollout_gather != "per_step":
+            return self.spec.params * self.cb
+        return self.gathered()
 
     def unsharded_grads(self) -> int:
         """Backward of a sharded layer: its unsharded gradients in the compute dtype and
@@ -364,6 +379,8 @@ class MemoryParts(InFlight):
             Line("gradients", self.gradients(), note=f"{dtype_name(self.state_bytes)}"),
             Line("optimizer (AdamW)", self.optimizer(), note="2 moments"),
         ]
+        if self.reference():
+            lines.append(Line("reference model", self.reference(), note="beta > 0, frozen"))
         for kind in self.kinds():
             device, cpu = self.state_split(kind, "state_per_token", "state_fixed")
             count = sum(layer.record == kind for layer in self.spec.layers)
@@ -393,6 +410,10 @@ class MemoryParts(InFlight):
         if work.fsdp:
             lines.append(Line("FSDP gathered parameters", self.gathered(), note="during passes"))
             lines.append(Line("FSDP unsharded gradients", self.unsharded_grads(), note="backward"))
+            if work.rollout and work.rollout_gather != "per_step":
+                gathered = self.gathered_in_rollout()
+                note = "distributed.rollout_gather"
+                lines.append(Line("FSDP parameters gathered for rollout", gathered, note=note))
         lines += [
             Line("prefill chunk (transient)", self.prefill_transient(), note="no autograd"),
             Line("one branch graph (transient)", self.branch_transient(), note=self._branch_note()),
@@ -418,7 +439,9 @@ class MemoryParts(InFlight):
             grad_device = sum(
                 self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
             )
-        base = self.parameters() + self.optimizer() + 2 * INT64 * work.prompt_tokens
+        base = (
+            self.parameters() + self.optimizer() + self.reference() + 2 * INT64 * work.prompt_tokens
+        )
         base += state_device + self.checkpoints()[0] + self.kept_outputs()[0]
         chunk = min(work.chunk_size, work.stored)
         backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
@@ -431,7 +454,10 @@ class MemoryParts(InFlight):
         }
         if work.rollout:
             phases["rollout"] = (
-                base + self.gathered() + self.streamed(work.stored) + self.rollout_transient()
+                base
+                + self.gathered_in_rollout()
+                + self.streamed(work.stored)
+                + self.rollout_transient()
             )
         if self.exact:
             phases["sweep"] = (

@@ -233,6 +233,10 @@ class Workload:
     gpus: int = 1
     fsdp: bool = False
     reshard_after_forward: bool = True
+    # FSDP in rollout (distributed.rollout_gather): "once" holds the unsharded model while
+    # decoding, "per_step" gathers as any pass does; "auto" is resolved by plan_memory.
+    rollout_gather: str = "auto"
+    reference_model: bool = False  # beta > 0 in full fine-tuning: a frozen copy of the model
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     lora_rank: int = 0  # 0: full fine-tuning

@@ -185,6 +185,8 @@ def workload_from_config(
         gpus=gpus,
         fsdp=cfg.distributed.fsdp,
         reshard_after_forward=cfg.distributed.reshard_after_forward,
+        rollout_gather=getattr(cfg.distributed, "rollout_gather", "auto"),
+        reference_model=float(getattr(cfg.grpo, "beta", 0.0)) != 0.0 and not lora.enabled,
         param_dtype=param_dtype,
         compute_dtype=torch.bfloat16 if bf16 else param_dtype,
         lora_rank=lora.r if lora.enabled else 0,
