@@ -27,6 +27,7 @@ from longstraw_core.plan import (
     Scenario,
     Workload,
     check_fits,
+    compute_plan,
     plan_for_config,
     plan_memory,
 )
@@ -372,6 +373,72 @@ def test_kept_attention_outputs_at_paper_scale_and_the_fix_that_drops_them() -> 
     assert plan.peak - without.peak == kept
     assert not plan.fits and without.fits
     assert fixes_for(plan)[0].keys == "grpo.keep_attention_outputs=false"
+
+
+def test_fsdp_rollout_gathers_the_model_once_when_that_fits() -> None:
+    """``rollout_gather="auto"`` holds the unsharded model through the rollout when the plan
+    still fits (Qwen3.6-27B LoRA detached on 8 GPUs), and gathers per step when it would
+    not (exact); ``once`` forces it, and the advice then names ``per_step``."""
+    from longstraw_core.offload import OffloadPolicy
+    from longstraw_core.plan import scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    paper = {  # docs/memory_plans.md's settings for this run
+        "offload": OffloadPolicy.parse({"attention": "cpu"}),
+        "activation_checkpointing": True,
+        "chunk_size": 8192,
+    }
+    detached = dataclasses.replace(scenario_workload(QWEN_LORA, 2, "detached"), **paper)
+    once, per_step = (
+        plan_memory(spec, dataclasses.replace(detached, rollout_gather=setting))
+        for setting in ("auto", "per_step")
+    )
+    assert once.rollout_gathered and not per_step.rollout_gathered
+    whole = spec.params * 2  # the bf16 base, gathered in its compute dtype
+    assert once.line("FSDP parameters gathered for rollout").device == whole
+    gathered = per_step.line("FSDP gathered parameters").device
+    assert once.phases["rollout"] - per_step.phases["rollout"] == whole - gathered
+    assert once.phases["replay"] == per_step.phases["replay"]  # only the rollout changes
+    exact = dataclasses.replace(scenario_workload(QWEN_LORA, 2, "exact"), **paper)
+    auto = plan_memory(spec, exact)
+    assert auto.fits and not auto.rollout_gathered  # once would not fit: per step
+    forced = plan_memory(spec, dataclasses.replace(exact, rollout_gather="once"))
+    assert forced.rollout_gathered and not forced.fits
+    assert any("distributed.rollout_gather=per_step" in line for line in forced.advice)
+
+
+def test_a_full_fine_tuning_reference_model_is_counted_sharded() -> None:
+    """``beta > 0`` without LoRA keeps a frozen copy of the model, sharded like the policy:
+    its bytes are in every phase."""
+    from longstraw_core.plan import scenario_workload, spec_for_preset
+
+    spec = spec_for_preset("Qwen3.6-27B")
+    work = dataclasses.replace(
+        scenario_workload(QWEN_LORA, 2, "detached"), lora_rank=0, lora_targets=()
+    )
+    without = compute_plan(spec, work)
+    with_reference = compute_plan(spec, dataclasses.replace(work, reference_model=True))
+    reference = with_reference.line("reference model").device
+    assert reference == spec.params * 2 // 8  # bf16 weights over 8 FSDP ranks
+    for phase, peak in without.phases.items():
+        assert with_reference.phases[phase] - peak == reference, phase
+
+
+def test_the_recipe_hears_why_a_rollout_gathers_per_step() -> None:
+    """``plan.rollout_gathers_once``: with no budget, once; with one too small for the
+    gathered model, per step and a message naming the key; settings other than auto win."""
+    from longstraw_core.plan import rollout_gathers_once
+
+    assert rollout_gathers_once(_config("distributed.fsdp=true")) == (True, None)
+    once, why = rollout_gathers_once(_config("distributed.fsdp=true", "memory.gpu_mem=3MiB",
+                                             "memory.check=false"))  # fmt: skip
+    assert not once and "distributed.rollout_gather=once" in why
+    forced = _config(
+        "distributed.fsdp=true", "memory.gpu_mem=3MiB", "distributed.rollout_gather=once"
+    )
+    assert rollout_gathers_once(forced) == (True, None)
+    with pytest.raises(ConfigError, match=r"distributed\.rollout_gather"):
+        _config("distributed.rollout_gather=sometimes")
 
 
 def test_exact_mode_with_room_to_spare_hears_that_kept_outputs_fit() -> None:

@@ -168,7 +168,8 @@ class DistributedSection:
     reshard_after_forward: bool = True  # False keeps gathered params: faster, more memory
     # FSDP in rollout: "once" gathers each layer once for the whole rollout and keeps it (the
     # unsharded model's memory, or a stage's, while decoding); "per_step" gathers at every
-    # decode step (a gather of the model per token); "auto": "once" if the plan fits.
+    # decode step (a gather of the model per token); "auto": "once" if the plan fits, else
+    # "per_step" (the run says so).
     rollout_gather: str = "auto"
     # S: each of a prompt's S ranks owns 1/S of the layers, their weights and prefix state;
     # the world is S stages x (world / S) replicas, each replica training its own prompt.

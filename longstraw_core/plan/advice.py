@@ -36,18 +36,7 @@ class Fix:
 
 
 def plan_memory(spec: ModelSpec, work: Workload) -> MemoryPlan:
-    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec``, with advice.
-
-    FSDP's ``rollout_gather="auto"`` is decided here, as the recipe decides it: ``once``
-    unless that does not fit while ``per_step`` does (``plan.work.rollout_gather`` says which).
-    """
-    if work.fsdp and work.rollout and work.rollout_gather == "auto":
-        once = compute_plan(spec, dataclasses.replace(work, rollout_gather="once"))
-        work = once.work
-        if once.fits is False:
-            per_step = dataclasses.replace(work, rollout_gather="per_step")
-            if compute_plan(spec, per_step).fits:
-                work = per_step
+    """Predict the per-rank memory of one GRPO step of ``work`` on ``spec``, with advice."""
     plan = compute_plan(spec, work)
     plan.advice = advice_for(plan)
     return plan
@@ -206,7 +195,7 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
         break
     if not work.activation_checkpointing:
         fixes += _checkpointing_fix(plan)
-    if work.fsdp and work.rollout_gather != "per_step" and work.rollout:
+    if plan.rollout_gathered and work.rollout_gather == "once":  # auto decides it alone
         fixed = compute_plan(spec, dataclasses.replace(work, rollout_gather="per_step"))
         if fixed.fits:
             label = "gather the layers at every decode step, not once a rollout (a slower rollout)"
@@ -342,14 +331,12 @@ def check_fits(
 def rollout_gathers_once(cfg: Any) -> tuple[bool, str | None]:
     """Whether a sharded rollout gathers each layer once for the whole rollout
     (``distributed.rollout_gather``), and, when ``auto`` decided against it, why: the plan
-    with the layers gathered for the rollout does not fit the budget while gathering at
-    every decode step does (``plan_memory``; no budget: once)."""
+    with the layers gathered for the rollout does not fit the budget (no budget: once)."""
     setting = _rollout_gather(cfg)
     if setting != "auto":
         return setting == "once", None
     spec, work = plan_for_config(cfg)
-    plan = plan_memory(spec, work)
-    if plan.work.rollout_gather != "per_step":
+    if not work.fsdp or compute_plan(spec, work).rollout_gathered:
         return True, None
     once = compute_plan(spec, dataclasses.replace(work, rollout_gather="once"))
     return False, (

@@ -43,6 +43,7 @@ class MemoryPlan:
     layout: StageLayout | None = None  # the stages' layers (None: one stage)
     stage: int = 0
     per_stage: tuple[MemoryPlan, ...] = ()
+    rollout_gathered: bool = False  # FSDP: the layers gathered once for the whole rollout
 
     @property
     def stage_plans(self) -> tuple[MemoryPlan, ...]:
@@ -81,7 +82,8 @@ def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     if work.stages > 1:
         return pipeline_plan(spec, work)
     parts = MemoryParts(spec, work)
-    return MemoryPlan(spec, work, parts.lines(), parts.phases())
+    gathered = parts.gathers_rollout_once()
+    return MemoryPlan(spec, work, parts.lines(), parts.phases(), rollout_gathered=gathered)
 
 
 def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
@@ -97,10 +99,14 @@ def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     for stage in range(layout.stages):
         sub = stage_spec(spec, layout, stage)
         parts = MemoryParts(sub, inner, stage=stage)
-        plans.append(MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage))
+        once = parts.gathers_rollout_once()
+        plan = MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage)
+        plans.append(dataclasses.replace(plan, rollout_gathered=once))
     worst = max(plans, key=lambda plan: plan.peak)
     per_stage = tuple(plans)
-    return MemoryPlan(spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage)
+    gathered = all(plan.rollout_gathered for plan in plans)  # the run decides for all stages
+    return MemoryPlan(spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage,
+                      rollout_gathered=gathered)  # fmt: skip
 
 
 def _check_workload(work: Workload) -> None:
@@ -233,13 +239,21 @@ class MemoryParts(InFlight):
         biggest = max(layer.params for layer in self.spec.layers)
         return (self.spec.root_params + self.spec.layers[-1].params + 2 * biggest) * self.cb
 
-    def gathered_in_rollout(self) -> int:
-        """What FSDP holds unsharded while decoding: every layer, gathered once for the
-        rollout (``distributed.rollout_gather`` ``once``; ``auto`` counts as ``once`` here,
-        ``plan_memory`` resolves it), or as in any other pass (``per_step``)."""
-        if self.work.fsdp and self.work.rollout_gather != "per_step":
-            return self.spec.params * self.cb
-        return self.gathered()
+    def gathers_rollout_once(self) -> bool:
+        """Whether FSDP gathers the layers once for the whole rollout
+        (``distributed.rollout_gather``): ``once``; ``per_step`` not; ``auto`` once when
+        that fits the budget (or no budget is known), else at every decode step."""
+        work = self.work
+        if not (work.fsdp and work.rollout) or work.rollout_gather == "per_step":
+            return False
+        if work.rollout_gather == "once" or work.usable is None:
+            return True
+        return max(self._phases(rollout_once=True).values()) <= work.usable
+
+    def gathered_in_rollout(self, once: bool) -> int:
+        """What FSDP holds unsharded while decoding: every layer when gathered ``once`` for
+        the rollout, else what any other pass holds."""
+        return self.spec.params * self.cb if once else self.gathered()
 
     def unsharded_grads(self) -> int:
         """Backward of a sharded layer: its unsharded gradients in the compute dtype and
@@ -410,8 +424,8 @@ class MemoryParts(InFlight):
         if work.fsdp:
             lines.append(Line("FSDP gathered parameters", self.gathered(), note="during passes"))
             lines.append(Line("FSDP unsharded gradients", self.unsharded_grads(), note="backward"))
-            if work.rollout and work.rollout_gather != "per_step":
-                gathered = self.gathered_in_rollout()
+            if self.gathers_rollout_once():
+                gathered = self.gathered_in_rollout(once=True)
                 note = "distributed.rollout_gather"
                 lines.append(Line("FSDP parameters gathered for rollout", gathered, note=note))
         lines += [
@@ -430,6 +444,9 @@ class MemoryParts(InFlight):
 
     def phases(self) -> dict[str, int]:
         """Peak device bytes of each phase of the step (recipe order)."""
+        return self._phases(self.gathers_rollout_once())
+
+    def _phases(self, rollout_once: bool) -> dict[str, int]:
         work = self.work
         state_device = sum(
             self.state_split(kind, "state_per_token", "state_fixed")[0] for kind in self.kinds()
@@ -455,7 +472,7 @@ class MemoryParts(InFlight):
         if work.rollout:
             phases["rollout"] = (
                 base
-                + self.gathered_in_rollout()
+                + self.gathered_in_rollout(rollout_once)
                 + self.streamed(work.stored)
                 + self.rollout_transient()
             )
