@@ -161,6 +161,35 @@ def test_lora_gradients_equal_the_dequantized_models(pair, gradient: str) -> Non
     assert_grads_close(grads, expected, rtol=GRAD_RTOL)
 
 
+def test_absorbed_kv_b_proj_without_an_adapter_reads_its_dequantized_weight() -> None:
+    """GLM's MLA absorbs ``kv_b_proj``'s weight; a bare 4-bit one gives its dequantized
+    weight (``effective_weight``), here with adapters on other linears only."""
+    lora = LoraSection(enabled=True, r=4, alpha=8, target_modules=["q_b_proj", "o_proj"])
+    policy = models.add_lora(_base("glm_moe_dsa", quantized=True), lora)
+    assert quantization.is_quantized(policy.get_submodule(
+        "base_model.model.model.layers.0.self_attn.kv_b_proj"
+    ))  # fmt: skip
+    reference = models.add_lora(_base("glm_moe_dsa", quantized=False), lora)
+    adapter = ls.adapt(policy)
+    prompt, response = _ids(33, 1), _ids(7, 2)
+    with torch.no_grad():
+        ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
+        theirs = full_sequence_logps(reference, prompt, response)
+    assert (ours - theirs).abs().max() <= LOGP_ATOL
+
+
+def test_activation_checkpointing_recomputes_through_the_4bit_layers() -> None:
+    """Exact mode with each layer recomputed in backward: the same gradients."""
+    policy, _ = _pair("qwen3_5_text")
+    adapter = ls.adapt(policy)
+    prompt, responses = _ids(30, 3), [_ids(n, 40 + n) for n in LENGTHS]
+    config = ls.GRPOConfig(gradient="exact")
+    _, plain = step_grads(policy, adapter, prompt, responses, REWARDS, config, chunk_size=7)
+    adapter.activation_checkpointing = True
+    _, recomputed = step_grads(policy, adapter, prompt, responses, REWARDS, config, chunk_size=7)
+    assert_grads_close(recomputed, plain, rtol=1e-6)
+
+
 def test_exact_mode_differs_from_detached_through_the_4bit_base() -> None:
     """Exact mode's extra gradient flows back through the prompt's 4-bit layers."""
     policy, _ = _pair("qwen3")
