@@ -10,6 +10,8 @@ result = ls.grpo_step(adapter, prompt_ids, out.responses, rewards, state=state,
 result.loss, result.advantages, result.metrics()  # typed fields; the scalars to log
 """
 
+# First: quiets a bitsandbytes import-time notice before peft imports it (see quantization).
+from longstraw_core import quantization as _quantization  # noqa: F401
 from longstraw_core.attention import segmented_attention
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import group_advantages

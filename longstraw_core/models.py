@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from longstraw_core.config import LoraSection, ModelSection, OptimSection, lora_targets
+from longstraw_core.quantization import quantize_nf4
 from longstraw_core.tiny_models import tiny_model
 
 _SCHEDULES = {
@@ -30,23 +31,28 @@ _SCHEDULES = {
 
 
 def build_model(model: ModelSection, seed: int) -> PreTrainedModel:
-    """The policy's transformers model: a local checkpoint, or a random-init toy (``tiny``)."""
+    """The policy's transformers model: a local checkpoint, or a random-init toy (``tiny``);
+    with ``model.quantization=nf4`` its decoder linears in 4-bit (``quantization``)."""
     dtype = getattr(torch, model.dtype)
     if model.tiny is not None:
-        return tiny_model(
+        built = tiny_model(
             model.tiny,
             dtype=dtype,
             seed=seed,
             attn_implementation=model.attn_implementation,
             **model.tiny_overrides,
         )
-    return AutoModelForCausalLM.from_pretrained(
-        model.path,
-        dtype=dtype,
-        attn_implementation=model.attn_implementation,
-        trust_remote_code=model.trust_remote_code,
-        local_files_only=True,
-    )
+    else:
+        built = AutoModelForCausalLM.from_pretrained(
+            model.path,
+            dtype=dtype,
+            attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+            local_files_only=True,
+        )
+    if model.quantization == "nf4":
+        quantize_nf4(built, compute_dtype=dtype)
+    return built
 
 
 def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTrainedModel:

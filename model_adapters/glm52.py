@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from longstraw_core import quantization
 from longstraw_core.attention import accumulation_dtype, segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchLatent, LatentKV
@@ -141,11 +142,15 @@ def work_elements() -> int:
 def effective_weight(linear: nn.Module) -> torch.Tensor:
     """The ``[out, in]`` weight a linear map applies, differentiable in its parameters.
 
-    A plain ``nn.Linear`` gives its ``weight``. A wrapped one (PEFT LoRA, DoRA, ...) is applied
-    to the identity, which folds every active adapter term in exactly as its forward would.
+    A plain ``nn.Linear`` gives its ``weight``, a 4-bit one (QLoRA's frozen base) its
+    dequantized weight in its compute dtype. A wrapped one (PEFT LoRA, DoRA, ...) is applied
+    to the identity, which folds every active adapter term in exactly as its forward would
+    (a 4-bit base layer dequantizes in that forward, in its compute dtype).
     """
     if type(linear) is nn.Linear:
         return linear.weight
+    if quantization.is_quantized(linear):
+        return quantization.dequantized_weight(linear).to(linear.compute_dtype)
     if linear.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in linear.modules()):
         raise ValueError(
             "kv_b_proj is wrapped with dropout in training mode; its weight cannot be absorbed "
@@ -153,7 +158,8 @@ def effective_weight(linear: nn.Module) -> torch.Tensor:
         )
     get_base_layer = getattr(linear, "get_base_layer", None)
     base = get_base_layer() if callable(get_base_layer) else linear
-    eye = torch.eye(base.in_features, dtype=base.weight.dtype, device=base.weight.device)
+    dtype = quantization.weight_dtype(base)
+    eye = torch.eye(base.in_features, dtype=dtype, device=base.weight.device)
     return linear(eye).T
 
 

@@ -42,6 +42,9 @@ class ModelSection:
     dtype: str = "float32"  # one of DTYPES; the dtype of the parameters (and master weights)
     attn_implementation: str = "sdpa"  # used by the reference forward; adapters attend themselves
     trust_remote_code: bool = False  # only for checkpoints whose code is not in transformers
+    # nf4: the decoder's linear layers in 4-bit NF4 (QLoRA; needs lora.enabled and
+    # bitsandbytes); model.dtype is then their compute dtype. null: no quantization.
+    quantization: str | None = None
 
 
 @dataclass

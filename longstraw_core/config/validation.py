@@ -43,6 +43,12 @@ from longstraw_core.config.schema import (
 )
 from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
 from longstraw_core.offload import PLACEMENTS, OffloadPolicy
+from longstraw_core.quantization import (
+    COMPUTE_DTYPES,
+    INSTALL_HINT,
+    QUANTIZATIONS,
+    require_bitsandbytes,
+)
 from longstraw_core.rewards import resolve_reward
 from longstraw_core.tasks import TASKS
 from longstraw_core.tiny_models import TINY_CONFIGS
@@ -54,6 +60,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_sources(cfg, check_paths)
     facts = model_facts(cfg.model, check_paths=check_paths)
     _check_lora(cfg, facts)
+    _check_quantization(cfg)
     _check_data(cfg, facts)
     _check_rollout(cfg.rollout)
     grpo_config(cfg)
@@ -146,6 +153,47 @@ def _check_lora(cfg: RunConfig, facts: ModelFacts) -> None:
             f"{lora.dropout} with kv_b_proj in lora.target_modules: MLA absorbs kv_b_proj's "
             "weight into attention, which a dropout on its input would change; use 0.0",
         )
+
+
+def _check_quantization(cfg: RunConfig) -> None:
+    """``model.quantization=nf4`` (QLoRA): a frozen 4-bit base under trained adapters."""
+    quantization = cfg.model.quantization
+    if quantization is None:
+        return
+    _check_choice("model.quantization", quantization, (*QUANTIZATIONS, "null"))
+    if not cfg.lora.enabled:
+        raise ConfigError(
+            "model.quantization",
+            f"{quantization!r} freezes the base weights in 4 bits, so only LoRA adapters can "
+            "train: set lora.enabled=true (or model.quantization=null for full fine-tuning)",
+        )
+    if cfg.model.dtype not in COMPUTE_DTYPES:
+        raise ConfigError(
+            "model.dtype",
+            f"{cfg.model.dtype!r} with model.quantization={quantization!r}: the 4-bit layers "
+            f"compute in model.dtype, which bitsandbytes supports for {', '.join(COMPUTE_DTYPES)}",
+        )
+    if cfg.distributed.fsdp:
+        raise ConfigError(
+            "model.quantization",
+            f"{quantization!r} with distributed.fsdp=true is not supported yet: FSDP2 would "
+            "shard bitsandbytes' packed 4-bit weights apart from their quantization state; "
+            "set distributed.fsdp=false (the 4-bit base is ~4x smaller than bf16)",
+        )
+    if cfg.distributed.pipeline_stages > 1:
+        raise ConfigError(
+            "model.quantization",
+            f"{quantization!r} with distributed.pipeline_stages="
+            f"{cfg.distributed.pipeline_stages} is not supported yet (stages are untested "
+            "with 4-bit layers); set distributed.pipeline_stages=1",
+        )
+    try:  # peft imports it anyway when it is installed: no time added to validation
+        require_bitsandbytes()
+    except ImportError:
+        raise ConfigError(
+            "model.quantization",
+            f"{quantization!r} needs bitsandbytes, which is not installed: {INSTALL_HINT}",
+        ) from None
 
 
 def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:

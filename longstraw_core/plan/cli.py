@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--resident-layers", type=int, help="offloaded layers on the GPU at once")
     parser.add_argument("--lora-rank", type=int, help="preset: LoRA rank (0: full fine-tuning)")
+    parser.add_argument(
+        "--quantization", choices=("nf4",), help="4-bit decoder linears (QLoRA; needs LoRA)"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), help="which kernels to model")
     parser.add_argument(
         "--activation-checkpointing",
@@ -203,6 +206,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         changes["activation_checkpointing"] = args.activation_checkpointing
     if args.keep_attention_outputs is not None:
         changes["keep_attention_outputs"] = args.keep_attention_outputs
+    if args.quantization:
+        changes["quantization"] = args.quantization
     return plan_memory(spec, dataclasses.replace(work, **changes))
 
 

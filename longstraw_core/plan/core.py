@@ -17,6 +17,7 @@ from longstraw_core.plan.activations import Activations
 from longstraw_core.plan.model import PHASES, LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
+from longstraw_core.quantization import nf4_bytes
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,17 @@ class MemoryParts(InFlight):
         dtype (PEFT keeps adapters in float32 over a 16-bit base)."""
         return FP32 if self.work.lora_rank else self.pb
 
+    def quantized_params(self) -> int:
+        """Weights stored in 4 bits (``model.quantization=nf4``): the decoder linears."""
+        if self.work.quantization is None:
+            return 0
+        return sum(layer.quantizable for layer in self.spec.layers)
+
     def parameters(self) -> int:
-        total = self.spec.params * self.pb + self.lora_params() * FP32
+        """The weights (4-bit ones at ``nf4_bytes``: ~0.516 byte each) and the adapters."""
+        quantized = self.quantized_params()
+        total = (self.spec.params - quantized) * self.pb + self.lora_params() * FP32
+        total += math.ceil(nf4_bytes(quantized))
         return total // self.work.shards
 
     def reference(self) -> int:
@@ -167,6 +177,13 @@ class MemoryParts(InFlight):
         if not self.work.reference_model or self.work.lora_rank:
             return 0
         return self.spec.params * self.pb // self.work.shards
+
+    def dequantized(self) -> int:
+        """A 4-bit linear's weight, dequantized to the compute dtype for its matmul (forward
+        and backward alike): one at a time, the largest."""
+        if self.work.quantization is None:
+            return 0
+        return max((layer.largest_quantizable for layer in self.spec.layers), default=0) * self.cb
 
     def gradients(self) -> int:
         return self.trainable * self.state_bytes // self.work.shards
@@ -428,6 +445,9 @@ class MemoryParts(InFlight):
                 gathered = self.gathered_in_rollout(once=True)
                 note = "distributed.rollout_gather"
                 lines.append(Line("FSDP parameters gathered for rollout", gathered, note=note))
+        if work.quantization is not None:
+            note = f"the largest 4-bit linear in {dtype_name(self.cb)}, during each pass"
+            lines.append(Line("NF4 dequantized weight (transient)", self.dequantized(), note=note))
         lines += [
             Line("prefill chunk (transient)", self.prefill_transient(), note="no autograd"),
             Line("one branch graph (transient)", self.branch_transient(), note=self._branch_note()),
@@ -462,23 +482,24 @@ class MemoryParts(InFlight):
         base += state_device + self.checkpoints()[0] + self.kept_outputs()[0]
         chunk = min(work.chunk_size, work.stored)
         backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
+        passes = base + self.dequantized()  # the phases that run the layers
         phases = {
-            "prefill": base
+            "prefill": passes
             + self.gathered()
             + self.streamed(work.stored - chunk)
             + self.prefill_transient(),
-            "replay": base + backward + self.streamed(work.stored) + self.branch_transient(),
+            "replay": passes + backward + self.streamed(work.stored) + self.branch_transient(),
         }
         if work.rollout:
             phases["rollout"] = (
-                base
+                passes
                 + self.gathered_in_rollout(rollout_once)
                 + self.streamed(work.stored)
                 + self.rollout_transient()
             )
         if self.exact:
             phases["sweep"] = (
-                base + backward + self.streamed(work.stored - chunk) + self.sweep_transient()
+                passes + backward + self.streamed(work.stored - chunk) + self.sweep_transient()
             )
         phases["optimizer"] = base + self.gradients() + self.optimizer_transient()
         if work.stages > 1:
@@ -491,7 +512,10 @@ class MemoryParts(InFlight):
 
     def _param_note(self) -> str:
         work = self.work
-        note = f"{human_count(self.spec.params)} x {dtype_name(self.pb)}"
+        quantized = self.quantized_params()
+        note = f"{human_count(self.spec.params - quantized)} x {dtype_name(self.pb)}"
+        if quantized:
+            note += f" + {human_count(quantized)} x NF4 (0.516 B)"
         if work.lora_rank:
             note += f" + LoRA {human_count(self.lora_params())} x fp32"
         if work.shards > 1:

@@ -4,6 +4,7 @@ adapter's own state records, and the step's settings."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.quantization import is_quantized, quantizable_in_layer
 from longstraw_core.registry_view import RegistryView
 from model_adapters.family import Preset
 
@@ -38,6 +40,10 @@ class LayerSpec:
     grad_per_token: int
     checkpoint: int  # bytes of one chunk-start checkpoint (recurrent records)
     linear_shapes: dict[str, tuple[int, int]]  # linear name -> (in, out), for LoRA
+    # Weights of the linears model.quantization=nf4 stores in 4 bits (``quantization``),
+    # and the largest of them (the one weight a pass dequantizes at a time).
+    quantizable: int = 0
+    largest_quantizable: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class ModelSpec:
             layers=layers,
             params=params,
             root_params=params - sum(layer.params for layer in layers),
-            largest_param=max(p.numel() for p in model.parameters()),
+            largest_param=max(_weights_of(p) for p in model.parameters()),
             rotary_dim=_rotary_dim(adapter),
             llama_norm=type(adapter).llama_norm,
             state_dtype=adapter.dtype,
@@ -102,7 +108,13 @@ class ModelSpec:
 
 
 def _numel(params: Iterable[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
+    """Elements of ``params``; a 4-bit parameter counts the weights it packs, not its bytes."""
+    return sum(_weights_of(p) for p in params)
+
+
+def _weights_of(param: torch.Tensor) -> int:
+    state = getattr(param, "quant_state", None)  # bitsandbytes Params4bit
+    return math.prod(state.shape) if state is not None else param.numel()
 
 
 def _record_bytes(record: Any) -> int:
@@ -135,6 +147,11 @@ def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
         for name, module in layer.named_modules()
         if isinstance(module, nn.Linear)
     }
+    quantizable = [
+        module.in_features * module.out_features
+        for name, module in layer.named_modules()
+        if quantizable_in_layer(name, module) or is_quantized(module)
+    ]
     return LayerSpec(
         mixer=mixer,
         record=empty.kind,
@@ -148,6 +165,8 @@ def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
         grad_per_token=_grad_bytes(one, 1) - _grad_bytes(empty, 0),
         checkpoint=fixed if hasattr(empty, "checkpoints") else 0,
         linear_shapes=linears,
+        quantizable=sum(quantizable),
+        largest_quantizable=max(quantizable, default=0),
     )
 
 
@@ -250,6 +269,7 @@ class Workload:
     keep_attention_outputs: bool = False  # GRPOConfig.keep_attention_outputs (exact mode)
     stages: int = 1  # distributed.pipeline_stages: gpus = stages x data-parallel replicas
     stage_starts: tuple[int, ...] | None = None  # distributed.stage_starts (None: balanced)
+    quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
 
     @property
     def stored(self) -> int:

@@ -34,6 +34,8 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         if work.lora_rank
         else "full fine-tuning"
     )
+    if work.quantization is not None:
+        tuning += f", decoder linears in {work.quantization.upper()} (QLoRA)"
     return [
         f"model: {spec.name} ({spec.model_type}), {human_count(spec.params)} parameters in "
         f"{dtype_name(dtype_bytes(work.param_dtype))}; layers compute and keep their state in "

@@ -1,0 +1,192 @@
+"""NF4 (QLoRA) bases: which linear layers hold 4-bit weights, quantizing them, reading them back.
+
+One module because the model builder, the adapters' absorbed weights, the planner and the
+tests must agree on which linears are quantized and on what weight a quantized linear
+applies. bitsandbytes is imported only here, and only when a quantized model is asked for.
+
+- **Which**: every ``nn.Linear`` of the decoder layers (``...layers.<i>...``) except
+  ``KEPT_LINEARS``; embeddings, the LM head, norms, routers (GLM's is a plain parameter, not
+  a linear), convolutions and the fused routed experts (3-D parameters) keep the model dtype.
+- **How**: ``bitsandbytes.nn.Linear4bit`` with NF4 codes in blocks of 64 and double
+  quantization (each block's absmax in 8 bits, one float32 scale per 256 blocks), as QLoRA
+  does. A pass dequantizes the weight (to the compute dtype) and multiplies; backward uses
+  the same dequantized weight, so gradients flow through the quantized weights' values.
+- **Same for checkpoints and toys**: a model is built in its dtype (``from_pretrained`` or
+  a random-init toy) and quantized here, so ``model.path`` and ``model.tiny`` get the same
+  modules; transformers' ``BitsAndBytesConfig`` loading is not used for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from types import ModuleType
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("nf4",)
+NF4_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
+NESTED_BLOCKSIZE = 256  # double quantization: one float32 scale per 256 absmax values
+# Decoder linears kept in the model dtype: the DSA indexer's head weights, which transformers
+# keeps in float32 (``_keep_in_fp32_modules``) and feeds ``x.to(weights_proj.weight.dtype)``.
+KEPT_LINEARS = ("weights_proj",)
+# The 16/32-bit floats bitsandbytes' 4-bit kernels compute in (float64 is not one: its CPU
+# dequantization returns an unfilled tensor for it).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+INSTALL_HINT = 'pip install "bitsandbytes>=0.50" (or pip install -e ".[qlora]")'
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+class _KernelNotice(logging.Filter):
+    """Drops bitsandbytes' import-time notice that its fused AVX512-BF16 CPU kernel needs the
+    ``kernels`` package: ``quantize_nf4`` switches that path off (see there), and peft
+    imports bitsandbytes whenever it is installed, so every run would print the notice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in record.getMessage()
+
+
+def quiet_cpu_kernel_notice() -> None:
+    """Install ``_KernelNotice`` on bitsandbytes' CPU backend logger (before it imports)."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _KernelNotice) for f in logger.filters):
+        logger.addFilter(_KernelNotice())
+
+
+quiet_cpu_kernel_notice()  # at import: ``longstraw_core`` imports this module before peft
+
+
+def require_bitsandbytes() -> ModuleType:
+    """``bitsandbytes``, or an ``ImportError`` naming the install command."""
+    try:
+        import bitsandbytes
+    except ImportError as exc:
+        raise ImportError(f"model.quantization=nf4 needs bitsandbytes: {INSTALL_HINT}") from exc
+    return bitsandbytes
+
+
+def nf4_bytes(numel: int) -> float:
+    """Bytes of ``numel`` weights in NF4 with double quantization: 4-bit codes, an 8-bit
+    absmax per 64-weight block, a float32 scale per 256 blocks (~0.516 byte per weight)."""
+    blocks = numel / NF4_BLOCKSIZE
+    return numel / 2 + blocks + 4 * blocks / NESTED_BLOCKSIZE
+
+
+def is_quantizable(name: str, module: nn.Module) -> bool:
+    """Whether NF4 quantizes the module at ``name``: a decoder layer's linear, not kept."""
+    return _DECODER_LAYER.search(name) is not None and quantizable_in_layer(name, module)
+
+
+def quantizable_in_layer(name: str, module: nn.Module) -> bool:
+    """``is_quantizable`` for ``name`` inside a decoder layer (the planner reads layers)."""
+    return type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in KEPT_LINEARS
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` is a bitsandbytes 4-bit linear (False when bitsandbytes is absent)."""
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """Replace every quantizable linear of ``model`` by an NF4 ``Linear4bit``, in place.
+
+    Each weight is quantized where it lies (CPU or GPU) from its float32 values and freed
+    as soon as its 4-bit copy exists. The model is marked ``is_loaded_in_4bit`` so peft
+    wraps these layers with its 4-bit LoRA layer.
+    """
+    if compute_dtype not in {getattr(torch, name) for name in COMPUTE_DTYPES}:
+        raise ValueError(f"NF4 computes in one of {', '.join(COMPUTE_DTYPES)}, not {compute_dtype}")
+    bnb = require_bitsandbytes()
+    names = [name for name, module in model.named_modules() if is_quantizable(name, module)]
+    for name in names:
+        linear = model.get_submodule(name)
+        quantized = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        quantized.weight = bnb.nn.Params4bit(
+            linear.weight.data.float(),
+            requires_grad=False,
+            compress_statistics=True,
+            quant_type="nf4",
+            blocksize=NF4_BLOCKSIZE,
+            module=quantized,
+        ).to(linear.weight.device)
+        if linear.bias is not None:
+            quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        # bitsandbytes repacks a CPU layer's weight in eval mode without autograd (AVX512-BF16
+        # CPUs) and then computes in bfloat16: no-grad passes (prefill, rollout) would differ
+        # from autograd ones (replay, sweep), and the packed weight is no longer NF4's layout.
+        quantized.support_avx512bf16_for_cpu = False
+        quantized.train(linear.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+    model.is_loaded_in_4bit = True  # what peft reads to pick its 4-bit LoRA layer
+    return model
+
+
+def dequantized_weight(linear: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight a plain or 4-bit linear applies (4-bit: its dequantized
+    values in float32, the dtype they are stored from)."""
+    if not is_quantized(linear):
+        return linear.weight
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(linear.weight.data, linear.weight.quant_state).float()
+
+
+def weight_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype ``linear`` computes in: a 4-bit layer's compute dtype, else its weight's."""
+    if is_quantized(linear):
+        return linear.compute_dtype
+    return linear.weight.dtype
+
+
+def dequantize_(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace every 4-bit linear (peft's base layers included) by a plain ``nn.Linear``
+    holding its dequantized weight in ``dtype``, in place: the reference a quantized model
+    must equal, and a way to export one."""
+    names = [name for name, module in model.named_modules() if is_quantized(module)]
+    for name in names:
+        quantized = model.get_submodule(name)
+        weight = dequantized_weight(quantized)
+        linear = nn.Linear(
+            quantized.in_features,
+            quantized.out_features,
+            bias=quantized.bias is not None,
+            device=weight.device,
+            dtype=dtype,
+        )
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if quantized.bias is not None:
+                linear.bias.copy_(quantized.bias)
+        linear.requires_grad_(False)
+        linear.train(quantized.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear)
+    if getattr(model, "is_loaded_in_4bit", False):
+        model.is_loaded_in_4bit = False
+    return model
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes the 4-bit layers of ``model`` hold: packed codes, absmax and nested scales."""
+    total = 0
+    for module in model.modules():
+        if not is_quantized(module):
+            continue
+        state = module.weight.quant_state
+        tensors = [module.weight.data, state.absmax]
+        if state.nested:
+            tensors += [state.state2.absmax, state.offset]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
