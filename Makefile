@@ -2,10 +2,13 @@
 # Each creates .venv on first use and installs torch pinned first: a looser torch requirement
 # installed first would pull a multi-GB CUDA build onto a CPU machine.
 # On a GPU machine: make TORCH_SPEC="torch==2.13.0" EXTRAS="dev,gpu" test
+# (add FLASH_ATTN=1 to build flash-attn against that torch: --no-build-isolation, since its
+# setup imports torch; without it attention uses PyTorch's flash SDPA kernels on CUDA).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
+FLASH_ATTN ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
@@ -16,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(if $(FLASH_ATTN),$(PY) -m pip install --quiet ninja packaging wheel && \
+		$(PY) -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	touch $(STAMP)
 
 demo: $(STAMP)
