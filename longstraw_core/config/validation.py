@@ -297,6 +297,16 @@ def _check_distributed(cfg: RunConfig) -> None:
             f"{stages} stages with distributed.fsdp=true is not supported yet: a stage keeps its "
             "layers' weights whole and replicas average their gradients; set distributed.fsdp=false",
         )
+    minutes = dist.timeout_minutes
+    if (
+        isinstance(minutes, bool)
+        or not isinstance(minutes, int | float)
+        or not 0 < minutes < math.inf
+    ):
+        raise ConfigError(
+            "distributed.timeout_minutes",
+            f"must be a positive number of minutes, got {minutes!r}",
+        )
     starts = dist.stage_starts
     if starts is not None and (len(starts) != stages or list(starts)[:1] != [0]):
         raise ConfigError(
