@@ -2,20 +2,25 @@
 # Each creates .venv on first use and installs torch pinned first: a looser torch requirement
 # installed first would pull a multi-GB CUDA build onto a CPU machine.
 # On a GPU machine: make TORCH_SPEC="torch==2.13.0" EXTRAS="dev,gpu" test
+# (add FLASH_ATTN=1 to build flash-attn against that torch: --no-build-isolation, since its
+# setup imports torch; without it attention uses PyTorch's flash SDPA kernels on CUDA).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
+FLASH_ATTN ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(if $(FLASH_ATTN),$(PY) -m pip install --quiet ninja packaging wheel && \
+		$(PY) -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -65,6 +70,20 @@ pipeline-benchmark: $(STAMP)
 paper-tables: $(STAMP)
 	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
 	$(PY) docs/tools/paper_tables.py --pipeline docs/pipeline_plans.md
+
+# On a machine with one CUDA GPU (no internet, its own torch): the gpu-marked tests, a bf16
+# recipe step per family with the state offloaded, and a prefill benchmark; under 8 minutes,
+# results in outputs/gpu_check/gpu_check.json, non-zero exit on any failure. No venv: it uses
+# $(PYTHON)'s torch and installs what it lacks from wheels/ (`make gpu-wheels`, here).
+gpu-check:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh
+
+# The wheels gpu-check installs (pure Python, ~15 MB; git-ignored), for a CPython 3.12 target.
+GPU_WHEELS ?= transformers==5.24.0 omegaconf==2.4.0 fla-core==0.6.0 flash-linear-attention==0.6.0
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+		-d wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

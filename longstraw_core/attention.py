@@ -18,6 +18,10 @@ Backends:
 - ``"flash"``: flash-attn 2's ``_flash_attn_forward`` / ``_flash_attn_backward`` per
   segment. Backward calls the kernel per key chunk with the *merged* ``out`` and ``lse``
   (the ring-attention identity), which yields that chunk's exact gradients.
+- ``"sdpa"``: the same wrapper over PyTorch's own CUDA flash kernels
+  (``aten._scaled_dot_product_flash_attention``, ``longstraw_core.sdpa_flash``): fused
+  attention on CUDA with nothing to build. ``"auto"`` takes flash-attn when installed and
+  usable, else these, else the torch backend.
 
 It stays one module (about 800 lines) on purpose: each backend is the forward and backward
 of one ``autograd.Function``, which must be read together (backward recomputes from what
@@ -29,7 +33,9 @@ softmax reference, gradcheck, a no-copy check). The flash backend's wrapper logi
 batch folding, merging, chunked backward) is tested on CPU against a pure-torch stand-in for
 flash-attn's two functions. The real flash-attn kernels have NOT been run: the calls were
 written from the flash-attn 2.8.x source (``flash_attn/flash_attn_interface.py``) without a
-GPU; a test compares them with the torch backend when CUDA and flash-attn are present.
+GPU; a test compares them with the torch backend when CUDA and flash-attn are present. The
+sdpa backend is the same wrapper over PyTorch's CUDA flash ops, tested on CPU against a
+stand-in with those ops' contract; ``make gpu-check`` compares it with the torch backend.
 """
 
 from __future__ import annotations
@@ -39,9 +45,12 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
+
+from longstraw_core import sdpa_flash
 
 Segment = tuple[torch.Tensor, torch.Tensor]
 
@@ -102,7 +111,8 @@ def segmented_attention(
         prefix: ``(k_seg [KVH, L, Dk], v_seg [KVH, L, Dv])`` pairs shared by all ``B`` rows;
             every query sees every prefix key. Gradients flow to them when they require grad.
         scale: softmax scale applied to ``q @ k^T``.
-        backend: ``"auto"`` (flash-attn when usable, else torch), ``"torch"`` or ``"flash"``.
+        backend: ``"auto"`` (flash-attn when usable, else PyTorch's SDPA flash kernels when
+            usable, else torch), ``"torch"``, ``"flash"`` or ``"sdpa"``.
         block_size: keys per block in the torch backend (and per backward call in the flash
             backend); ``None`` keeps one block's scores and K/V under ~4M elements.
         prefix_grads: optional ``(dk_buffer, dv_buffer)`` per prefix segment, shaped like it
@@ -121,8 +131,7 @@ def segmented_attention(
     """
     segments = tuple((ks, vs) for ks, vs in prefix)
     _check_shapes(q, k, v, segments)
-    use_flash = _use_flash(backend, q, k, v, segments)
-    function = _FlashSegmentedAttention if use_flash else _TorchSegmentedAttention
+    function = _FUNCTIONS[_choose_backend(backend, q, k, v, segments)]
     flat = [t for segment in segments for t in segment]
     sinks = _check_sinks(prefix_grads, segments)
     if reuse is not None:
@@ -588,9 +597,10 @@ def _flash_interface() -> ModuleType | None:
     return flash_attn_interface
 
 
-def _flash_unsupported_reason(
+def _fused_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment]
 ) -> str | None:
+    """Why neither fused CUDA kernel (flash-attn's, SDPA's) can take these inputs, or None."""
     if not q.is_cuda:
         return "inputs are not on CUDA"
     if q.dtype not in _FLASH_DTYPES:
@@ -603,22 +613,46 @@ def _flash_unsupported_reason(
         return "every K/V tensor must share q's device and dtype"
     if any(t.stride(-1) != 1 for t in tensors):
         return "K/V tensors need stride(-1) == 1 (flash-attn would copy them)"
-    if _flash_interface() is None:
-        return "flash_attn is not installed"
     return None
 
 
-def _use_flash(
+def _unsupported_reason(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Sequence[Segment],
+) -> str | None:
+    """Why ``backend`` (``"flash"`` or ``"sdpa"``) cannot take these inputs, or None."""
+    reason = _fused_unsupported_reason(q, k, v, segments)
+    if reason is not None:
+        return reason
+    if backend == "flash":
+        return "flash_attn is not installed" if _flash_interface() is None else None
+    return sdpa_flash.unsupported_reason(q)
+
+
+_BACKENDS = ("auto", "torch", "flash", "sdpa")
+
+
+def _choose_backend(
     backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment]
-) -> bool:
+) -> str:
+    """The backend that runs: the one asked for (an error if it can't), or for ``"auto"``
+    the first usable of flash-attn, SDPA's flash kernels and torch."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
     if backend == "torch":
-        return False
-    if backend not in ("auto", "flash"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flash', got {backend!r}")
-    reason = _flash_unsupported_reason(q, k, v, segments)
-    if reason is not None and backend == "flash":
-        raise RuntimeError(f"segmented_attention backend='flash' is unavailable: {reason}")
-    return reason is None
+        return backend
+    if backend != "auto":
+        reason = _unsupported_reason(backend, q, k, v, segments)
+        if reason is not None:
+            raise RuntimeError(f"segmented_attention backend={backend!r} is unavailable: {reason}")
+        return backend
+    for fused in ("flash", "sdpa"):
+        if _unsupported_reason(fused, q, k, v, segments) is None:
+            return fused
+    return "torch"
 
 
 def _parameter_names(function: Callable, fallback: frozenset[str]) -> frozenset[str]:
@@ -674,7 +708,22 @@ def _as_flash_segment(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+class _FusedKernels(NamedTuple):
+    """A fused kernel pair in flash-attn's ``[B, T, H, D]`` layout: ``forward(q, k, v, scale,
+    causal) -> (out, lse [B, H, T])`` and ``backward(d_out, q, k, v, out, lse, (dq, dk, dv),
+    scale, causal)`` writing the gradients into the given tensors."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., None]
+
+
+# Looked up at call time (tests patch ``_flash_interface`` and ``sdpa_flash._ops``).
+_FLASH_ATTN = _FusedKernels(lambda *a: _flash_forward(*a), lambda *a: _flash_backward(*a))
+_SDPA_FLASH = _FusedKernels(lambda *a: sdpa_flash.forward(*a), lambda *a: sdpa_flash.backward(*a))
+
+
 def _flash_segment_backward(
+    kernels: _FusedKernels,
     k_seg: torch.Tensor,
     v_seg: torch.Tensor,
     folded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -684,7 +733,7 @@ def _flash_segment_backward(
     chunk: int,
     sinks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients from one prefix segment, one flash-attn call per key chunk.
+    """Gradients from one prefix segment, one fused backward call per key chunk.
 
     ``folded = (q, d_out, out, lse)`` with the batch folded into the query length and the
     *merged* ``out``/``lse``: with them, the kernel returns this chunk's exact share of the
@@ -700,7 +749,7 @@ def _flash_segment_backward(
         d_values = d_v[:, start : start + chunk] if d_v is not None else torch.empty_like(values)
         grads = (torch.empty(q.shape, dtype=q.dtype, device=q.device),)
         grads += (_as_flash_segment(d_keys), _as_flash_segment(d_values))
-        _flash_backward(
+        kernels.backward(
             d_out, q, _as_flash_segment(keys), _as_flash_segment(values), out, lse, grads,
             scale, False,
         )  # fmt: skip
@@ -712,27 +761,97 @@ def _flash_segment_backward(
 
 
 def _flash_attention(
+    kernels: _FusedKernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
     flat_prefix: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flash backend's forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``."""
+    """The fused backends' forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``."""
     batch, heads, tq, dim = q.shape
     q_flash = q.transpose(1, 2)
-    out, lse = _flash_forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
+    out, lse = kernels.forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
     out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
     q_folded = q_flash.reshape(1, batch * tq, heads, dim)
     for k_seg, v_seg in _unflatten_segments(flat_prefix):
         if k_seg.shape[1] == 0:
             continue
-        seg_out, seg_lse = _flash_forward(
+        seg_out, seg_lse = kernels.forward(
             q_folded, _as_flash_segment(k_seg), _as_flash_segment(v_seg), scale, False
         )
-        seg_lse = seg_lse.reshape(heads, batch, tq).permute(1, 2, 0)
+        seg_lse = seg_lse[..., : batch * tq].reshape(heads, batch, tq).permute(1, 2, 0)
         out, lse = _merge(out, lse, seg_out.view(batch, tq, heads, dim).float(), seg_lse)
     return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()  # flash-attn's [B, H, Tq]
+
+
+def _fused_forward(
+    kernels: _FusedKernels,
+    ctx: FunctionCtx,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block_size: int | None,
+    sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+    reuse: AttentionOutput | None,
+    keep: list[AttentionOutput] | None,
+    flat_prefix: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """The forward of the fused backends' ``autograd.Function`` (their kernels differ)."""
+    if reuse is not None:
+        out = reuse.out.transpose(1, 2).to(
+            q.dtype, memory_format=torch.contiguous_format, copy=True
+        )
+        lse = reuse.lse.to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        out, lse = _flash_attention(kernels, q, k, v, scale, flat_prefix)
+    if keep is not None:
+        keep.append(AttentionOutput(out.transpose(1, 2).detach(), lse))
+    ctx.save_for_backward(q, k, v, out, lse, *flat_prefix)
+    ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
+    return out.transpose(1, 2)
+
+
+def _fused_backward(
+    kernels: _FusedKernels, ctx: FunctionCtx, d_result: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of the fused backends' ``autograd.Function``."""
+    q, k, v, out, lse, *flat_prefix = ctx.saved_tensors
+    needs, scale = ctx.needs_input_grad, ctx.scale
+    batch, heads, tq, dim = q.shape
+    q_flash, d_out = q.transpose(1, 2), d_result.transpose(1, 2).contiguous()
+    k_flash, v_flash = k.transpose(1, 2), v.transpose(1, 2)
+    grads = (torch.empty_like(out), torch.empty_like(k_flash), torch.empty_like(v_flash))
+    kernels.backward(d_out, q_flash, k_flash, v_flash, out, lse, grads, scale, True)
+    d_q = grads[0].float()
+
+    folded = (
+        q_flash.reshape(1, batch * tq, heads, dim),
+        d_out.view(1, batch * tq, heads, dim),
+        out.view(1, batch * tq, heads, dim),
+        lse.transpose(0, 1).reshape(1, heads, batch * tq),
+    )
+    chunk = ctx.block_size or _FLASH_BWD_CHUNK
+    prefix_grads: list[torch.Tensor | None] = []
+    for i, (k_seg, v_seg) in enumerate(_unflatten_segments(flat_prefix)):
+        need_k, need_v = needs[_N_LEADING_ARGS + 2 * i : _N_LEADING_ARGS + 2 * i + 2]
+        sinks = ctx.sinks[i]
+        if needs[0] or need_k or need_v or any(sink is not None for sink in sinks):
+            seg_d_q, seg_d_k, seg_d_v = _flash_segment_backward(
+                kernels, k_seg, v_seg, folded, need_k, need_v, scale, chunk, sinks
+            )
+            d_q += seg_d_q.view_as(d_q)
+            prefix_grads += [seg_d_k, seg_d_v]
+        else:
+            prefix_grads += [None, None]
+    return (
+        d_q.to(q.dtype).transpose(1, 2) if needs[0] else None,
+        grads[1].transpose(1, 2) if needs[1] else None,
+        grads[2].transpose(1, 2) if needs[2] else None,
+        *([None] * (_N_LEADING_ARGS - 3)),
+        *prefix_grads,
+    )
 
 
 class _FlashSegmentedAttention(torch.autograd.Function):
@@ -751,54 +870,44 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         keep: list[AttentionOutput] | None,
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
-        if reuse is not None:
-            out = reuse.out.transpose(1, 2).to(
-                q.dtype, memory_format=torch.contiguous_format, copy=True
-            )
-            lse = reuse.lse.to(torch.float32, memory_format=torch.contiguous_format)
-        else:
-            out, lse = _flash_attention(q, k, v, scale, flat_prefix)
-        if keep is not None:
-            keep.append(AttentionOutput(out.transpose(1, 2).detach(), lse))
-        ctx.save_for_backward(q, k, v, out, lse, *flat_prefix)
-        ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
-        return out.transpose(1, 2)
+        return _fused_forward(
+            _FLASH_ATTN, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
+        )
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, *flat_prefix = ctx.saved_tensors
-        needs, scale = ctx.needs_input_grad, ctx.scale
-        batch, heads, tq, dim = q.shape
-        q_flash, d_out = q.transpose(1, 2), d_result.transpose(1, 2).contiguous()
-        k_flash, v_flash = k.transpose(1, 2), v.transpose(1, 2)
-        grads = (torch.empty_like(out), torch.empty_like(k_flash), torch.empty_like(v_flash))
-        _flash_backward(d_out, q_flash, k_flash, v_flash, out, lse, grads, scale, True)
-        d_q = grads[0].float()
+        return _fused_backward(_FLASH_ATTN, ctx, d_result)
 
-        folded = (
-            q_flash.reshape(1, batch * tq, heads, dim),
-            d_out.view(1, batch * tq, heads, dim),
-            out.view(1, batch * tq, heads, dim),
-            lse.transpose(0, 1).reshape(1, heads, batch * tq),
+
+class _SdpaSegmentedAttention(torch.autograd.Function):
+    """The flash backend's wrapper over PyTorch's CUDA flash kernels (``sdpa_flash``)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        block_size: int | None,
+        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+        reuse: AttentionOutput | None,
+        keep: list[AttentionOutput] | None,
+        *flat_prefix: torch.Tensor,
+    ) -> torch.Tensor:
+        return _fused_forward(
+            _SDPA_FLASH, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
         )
-        chunk = ctx.block_size or _FLASH_BWD_CHUNK
-        prefix_grads: list[torch.Tensor | None] = []
-        for i, (k_seg, v_seg) in enumerate(_unflatten_segments(flat_prefix)):
-            need_k, need_v = needs[_N_LEADING_ARGS + 2 * i : _N_LEADING_ARGS + 2 * i + 2]
-            sinks = ctx.sinks[i]
-            if needs[0] or need_k or need_v or any(sink is not None for sink in sinks):
-                seg_d_q, seg_d_k, seg_d_v = _flash_segment_backward(
-                    k_seg, v_seg, folded, need_k, need_v, scale, chunk, sinks
-                )
-                d_q += seg_d_q.view_as(d_q)
-                prefix_grads += [seg_d_k, seg_d_v]
-            else:
-                prefix_grads += [None, None]
-        return (
-            d_q.to(q.dtype).transpose(1, 2) if needs[0] else None,
-            grads[1].transpose(1, 2) if needs[1] else None,
-            grads[2].transpose(1, 2) if needs[2] else None,
-            *([None] * (_N_LEADING_ARGS - 3)),
-            *prefix_grads,
-        )
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _fused_backward(_SDPA_FLASH, ctx, d_result)
+
+
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {
+    "torch": _TorchSegmentedAttention,
+    "flash": _FlashSegmentedAttention,
+    "sdpa": _SdpaSegmentedAttention,
+}

@@ -85,6 +85,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -102,6 +103,8 @@ from longstraw_core.config import ConfigError
 from longstraw_core.grpo_config import GRPOConfig
 
 if TYPE_CHECKING:
+    from accelerate.utils import InitProcessGroupKwargs
+
     from longstraw_core.exact import Produced
     from model_adapters.base import ModelAdapter
 
@@ -372,6 +375,27 @@ def max_over_ranks(value: int, *, group: dist.ProcessGroup | None = None) -> int
     tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
+
+
+def process_group_kwargs(timeout_minutes: float) -> InitProcessGroupKwargs:
+    """What the recipes hand accelerate for ``init_process_group``: the run's
+    ``distributed.timeout_minutes``. NCCL's default (10 minutes) is shorter than rank 0
+    writing a large checkpoint while the others wait (``checkpoint.ranks``)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))
+
+
+def world_timeout() -> timedelta | None:
+    """The default process group's timeout (None without one, or when it can't be read)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def any_rank(flag: bool, *, group: dist.ProcessGroup | None = None) -> bool:

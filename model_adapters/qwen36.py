@@ -14,9 +14,10 @@ stored inputs followed by the chunk, and its delta rule starts from the stored r
 state. A branch starts from the same stored states and drops the states it ends with, so
 branches are independent and the record is never written by scoring. Decoding runs ``B``
 branches at once, each from its own copy of the states (``BranchRecurrent``, a fixed size)
-that every step replaces; single-token steps use the model's recurrent delta rule
-(``torch_recurrent_gated_delta_rule``, as transformers' own cached decoding does) and the
-full-attention layers append to per-branch keys/values like the dense adapter.
+that every step replaces; single-token steps use a recurrent delta rule, as transformers' own
+cached decoding does (the model's ``torch_recurrent_gated_delta_rule``, or on CUDA fla's
+``fused_recurrent_gated_delta_rule``), and the full-attention layers append to per-branch
+keys/values like the dense adapter.
 
 Every computation is the model's own: its projections (so LoRA on them keeps working), norms
 (the gated RMSNorm included), decay parameters, RoPE module and ``apply_rotary_pos_emb``, MLP
@@ -219,6 +220,15 @@ def _fla_chunk_gated_delta_rule() -> DeltaRuleFn | None:
 
 
 @functools.cache
+def _fla_fused_recurrent_gated_delta_rule() -> DeltaRuleFn | None:
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception:
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+@functools.cache
 def _causal_conv1d_package() -> ConvFn | None:
     try:
         from causal_conv1d import causal_conv1d_fn
@@ -228,7 +238,8 @@ def _causal_conv1d_package() -> ConvFn | None:
 
 
 def _fla_delta_rule(chunk_gated_delta_rule: DeltaRuleFn) -> DeltaRuleFn:
-    """flash-linear-attention's chunked kernel behind transformers' signature.
+    """A flash-linear-attention delta-rule kernel (the chunked or the fused recurrent one:
+    they share the keywords used here) behind transformers' signature.
 
     Older fla releases need as many key heads as value heads, so grouped keys/queries are
     repeated first (exact: the L2 norm is per head vector). The initial state goes in as a
@@ -266,6 +277,23 @@ def _fla_delta_rule(chunk_gated_delta_rule: DeltaRuleFn) -> DeltaRuleFn:
     return delta_rule
 
 
+def _fla_decode_step(fused: DeltaRuleFn, chunked: DeltaRuleFn) -> DeltaRuleFn:
+    """Single-token steps through fla's fused recurrent kernel, as transformers' cached
+    decoding does: the chunked kernel pads one token to a whole chunk of 64.
+
+    The fused kernel has no backward (fla raises in it), so a step that autograd records
+    (some input requires grad, grad mode on) goes through the chunked kernel instead.
+    """
+
+    def step(*tensors: torch.Tensor, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inputs = [*tensors, *(v for v in options.values() if isinstance(v, torch.Tensor))]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return chunked(*tensors, **options)
+        return fused(*tensors, **options)
+
+    return step
+
+
 def deltanet_kernels(
     deltanet: nn.Module, device: torch.device, dtype: torch.dtype
 ) -> DeltaNetKernels:
@@ -274,7 +302,8 @@ def deltanet_kernels(
     flash-linear-attention on CUDA for float16/bfloat16, causal-conv1d on CUDA for the
     dtypes and activations it implements; transformers' pure-torch functions elsewhere. The
     pure-torch path steps single tokens with the model's recurrent function (the chunked
-    one would pad each token to a whole chunk); fla's chunk kernel takes them as they come.
+    one would pad each token to a whole chunk); with fla they go through its fused
+    recurrent kernel when it is there (``_fla_decode_step``), else its chunked one.
     """
     conv, conv_name = model_function(type(deltanet), "causal_conv1d_fn", pure=True), "torch"
     rule = model_function(type(deltanet), "torch_chunk_gated_delta_rule", pure=True)
@@ -291,6 +320,9 @@ def deltanet_kernels(
         fla_rule = _fla_chunk_gated_delta_rule()
         if fla_rule is not None and dtype in _FLA_DTYPES:
             rule, rule_name, step = _fla_delta_rule(fla_rule), "fla", None
+            fused = _fla_fused_recurrent_gated_delta_rule()
+            if fused is not None:
+                step = _fla_decode_step(_fla_delta_rule(fused), rule)
     return DeltaNetKernels(conv, rule, (conv_name, rule_name), step)
 
 

@@ -72,8 +72,12 @@ class Recipe:
 
     def setup(self) -> None:
         cfg = self.cfg
+        # The process group's timeout also bounds the other ranks' wait while rank 0
+        # writes a checkpoint (distributed.timeout_minutes; NCCL's default is 10 minutes).
         self.accelerator = Accelerator(
-            cpu=not torch.cuda.is_available(), log_with=tracking.log_with(cfg.tracking)
+            cpu=not torch.cuda.is_available(),
+            log_with=tracking.log_with(cfg.tracking),
+            kwargs_handlers=[distributed.process_group_kwargs(cfg.distributed.timeout_minutes)],
         )
         # One group per replica and step: replica r of n takes sample data_position + r (a
         # replica is one rank, or with distributed.pipeline_stages=S the S ranks of a pipeline).

@@ -365,6 +365,122 @@ def test_flash_matches_torch_backend_bf16(case):
             assert err < 2e-2, f"relative error {err:.3e}"
 
 
+class _FakeSdpaOps:
+    """``aten._scaled_dot_product_flash_attention`` and its backward in plain torch: the
+    CUDA ops' contract ([B, H, T, D] in, [B, T, H, D] inside, GQA, bottom-right causal), as
+    ``sdpa_flash`` calls them. Built on the flash-attn stand-in."""
+
+    calls: list[str]
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
+        assert dropout_p == 0.0 and not return_debug_mask
+        self.calls.append("forward")
+        out, lse, _, _ = _FakeFlashInterface._flash_attn_forward(
+            *(x.transpose(1, 2) for x in (q, k, v)), 0.0, scale, is_causal, -1, -1, 0.0, None,
+            False,
+        )  # fmt: skip
+        seed, offset = torch.empty(2, dtype=torch.int64), torch.empty((), dtype=torch.int64)
+        return out.transpose(1, 2), lse, None, None, q.shape[2], k.shape[2], seed, offset, None
+
+    def backward(self, d_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
+                 is_causal, seed, offset, *, scale):  # fmt: skip
+        assert cum_q is None and cum_k is None and dropout_p == 0.0
+        assert (max_q, max_k) == (q.shape[2], k.shape[2])
+        assert seed.dtype == offset.dtype == torch.int64
+        self.calls.append("backward")
+        flash = [x.transpose(1, 2) for x in (d_out, q, k, v, out)]
+        grads = [torch.empty_like(x) for x in flash[1:4]]
+        _FakeFlashInterface._flash_attn_backward(
+            *flash, lse, *grads, 0.0, scale, is_causal, -1, -1, 0.0, None, False
+        )
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+def test_sdpa_wrapper_with_fake_kernel(monkeypatch):
+    """The SDPA backend's own logic (no GPU): the flash wrapper over the aten ops' contract,
+    against the reference, float64 on CPU; a prefix segment needing no gradient too."""
+    ops = _FakeSdpaOps()
+    monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: (ops.forward, ops.backward))
+    case = Case(3, 4, 2, 3, 8, 8, 8, (7, 0, 5), 3)
+    q, k, v, prefix = make_inputs(case)
+    for t in prefix[2]:
+        t.requires_grad_(False)
+    out = attention._SdpaSegmentedAttention.apply(
+        q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), None, None,
+        *flat(prefix),
+    )  # fmt: skip
+    assert "sdpa" in type(out.grad_fn).__name__.lower()
+    want = reference_attention(q, k, v, prefix, SCALE)
+    assert_close(out, want, "out", tol=1e-6)
+    grad_out = torch.randn_like(want)
+    trainable = [q, k, v, *prefix[0], *prefix[1]]
+    expected = grads_of(want, grad_out, trainable)
+    out.backward(grad_out)
+    for t, e in zip(trainable, expected, strict=True):
+        assert_close(t.grad, e, tol=1e-6)
+    assert "forward" in ops.calls and "backward" in ops.calls
+
+
+def test_backend_choice(monkeypatch):
+    """``auto`` takes flash-attn, then SDPA's flash kernels, then torch; a named fused
+    backend that can't run says why. On CPU inputs every fused backend is refused."""
+    case = CASES["mha-one-segment"]
+    q, k, v, prefix = make_inputs(case, dtype=torch.bfloat16)
+    assert attention._choose_backend("auto", q, k, v, prefix) == "torch"
+    with pytest.raises(RuntimeError, match="'sdpa' is unavailable: inputs are not on CUDA"):
+        attention._choose_backend("sdpa", q, k, v, prefix)
+    monkeypatch.setattr(attention, "_fused_unsupported_reason", lambda *a: None)  # as on CUDA
+    monkeypatch.setattr(attention.sdpa_flash, "_flash_capable", lambda device: True)
+    monkeypatch.setattr(attention, "_flash_interface", lambda: None)
+    assert attention._choose_backend("auto", q, k, v, prefix) == "sdpa"
+    with pytest.raises(RuntimeError, match="flash_attn is not installed"):
+        attention._choose_backend("flash", q, k, v, prefix)
+    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    assert attention._choose_backend("auto", q, k, v, prefix) == "flash"
+    assert attention._choose_backend("sdpa", q, k, v, prefix) == "sdpa"
+    assert attention._choose_backend("torch", q, k, v, prefix) == "torch"
+    monkeypatch.setattr(attention, "_flash_interface", lambda: None)
+    monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: None)
+    assert attention._choose_backend("auto", q, k, v, prefix) == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128),  # GQA, a branch after its start
+        Case(3, 8, 2, 1, 1, 128, 128, (1000,), None),  # decoding one token
+        Case(1, 4, 4, 64, 64, 128, 128, (5000,), None),  # a prefill chunk
+    ],
+    ids=["gqa-chunked", "decode", "prefill-chunk"],
+)
+def test_sdpa_matches_torch_backend_bf16(case):
+    """PyTorch's CUDA flash kernels (the ``sdpa`` backend, what ``auto`` takes without
+    flash-attn) against the torch backend: outputs and every gradient."""
+    results = {}
+    for backend in ("sdpa", "torch"):
+        q, k, v, prefix = make_inputs(case, dtype=torch.bfloat16, device="cuda", seed=1)
+        for t in prefix[-1]:
+            t.requires_grad_(False)
+        out = segmented_attention(
+            q, k, v, prefix, scale=SCALE, backend=backend, block_size=case.block_size
+        )
+        assert backend in type(out.grad_fn).__name__.lower()
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        out.backward(grad_out.to(out))
+        tensors = [q, k, v, *(t for segment in prefix[:-1] for t in segment)]
+        results[backend] = [out.detach(), *(t.grad for t in tensors)]
+    for sdpa, torch_ in zip(results["sdpa"], results["torch"], strict=True):
+        assert sdpa.shape == torch_.shape
+        if sdpa.numel():
+            err = (sdpa.float() - torch_.float()).abs().max() / torch_.float().abs().max()
+            assert err < 2e-2, f"relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_prefix_grads_accumulate_into_buffers_without_returning(batch):
     """Exact mode's sinks: backward adds dK/dV of each prefix segment into given buffers."""

@@ -269,6 +269,7 @@ def test_offloaded_recurrent_layers_keep_checkpoints_in_cpu_memory() -> None:
     assert all(len(record.checkpoints) == 4 for record in recurrent)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_cuda_streams_equal_the_device_resident_run(model_type: str) -> None:

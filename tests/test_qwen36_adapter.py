@@ -413,6 +413,82 @@ def test_kernel_choice_and_fla_argument_handling(monkeypatch) -> None:
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_decode_steps_use_the_fused_recurrent_kernel_without_autograd(monkeypatch) -> None:
+    """With fla, single-token steps go through its fused recurrent kernel (no backward in
+    fla), and through the chunked one when autograd records the step."""
+    deltanet = _model().model.layers[0].linear_attn
+    torch_kernels = qwen36.deltanet_kernels(deltanet, torch.device("cpu"), torch.float32)
+    calls: list[str] = []
+
+    def stand_in(name, rule):
+        def kernel(q, k, v, **options):
+            calls.append(name)
+            return rule(q, k, v, **options)
+
+        return kernel
+
+    monkeypatch.setattr(
+        qwen36, "_fla_chunk_gated_delta_rule", lambda: stand_in("chunk", torch_kernels.delta_rule)
+    )
+    monkeypatch.setattr(
+        qwen36,
+        "_fla_fused_recurrent_gated_delta_rule",
+        lambda: stand_in("fused", torch_kernels.step),
+    )
+    kernels = qwen36.deltanet_kernels(deltanet, torch.device("cuda"), torch.bfloat16)
+    assert kernels.names[1] == "fla" and kernels.rule_for(1) is kernels.step
+    assert kernels.rule_for(5) is kernels.delta_rule
+
+    generator = torch.Generator().manual_seed(21)
+    q, k = (torch.randn(2, 1, 2, 8, generator=generator) for _ in range(2))
+    v = torch.randn(2, 1, 4, 12, generator=generator, requires_grad=True)
+    g, beta = -torch.rand(2, 1, 4, generator=generator), torch.rand(2, 1, 4, generator=generator)
+    h0 = torch.randn(2, 4, 8, 12, generator=generator)
+    options = {"g": g, "beta": beta, "initial_state": h0, "output_final_state": True}
+    options["use_qk_l2norm_in_kernel"] = True
+    with torch.no_grad():
+        fused = kernels.step(q, k, v, **options)
+    chunked = kernels.step(q, k, v, **options)
+    assert calls == ["fused", "chunk"]
+    want = torch_kernels.step(q, k, v, **options)
+    for got in (fused, chunked):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_step_matches_the_torch_recurrent_rule() -> None:
+    """fla's fused recurrent kernel (decoding one token) against transformers' torch one, at
+    GPU head dims (fla's kernels want 64 and up), bfloat16 inputs, float32 state."""
+    if qwen36._fla_fused_recurrent_gated_delta_rule() is None:
+        pytest.skip("flash-linear-attention is not installed")
+    dims = {"linear_key_head_dim": 64, "linear_value_head_dim": 64, "head_dim": 64}
+    deltanet = tiny_model("qwen3_5_text", **dims).model.layers[0].linear_attn
+    cuda = torch.device("cuda")
+    fast = qwen36.deltanet_kernels(deltanet, cuda, torch.bfloat16)
+    slow = qwen36.deltanet_kernels(deltanet, torch.device("cpu"), torch.bfloat16)
+    generator = torch.Generator().manual_seed(22)
+    heads_k, heads_v = 2, 4
+    q, k = (torch.randn(3, 1, heads_k, 64, generator=generator) for _ in range(2))
+    v = torch.randn(3, 1, heads_v, 64, generator=generator)
+    g = -torch.rand(3, 1, heads_v, generator=generator)
+    beta = torch.rand(3, 1, heads_v, generator=generator)
+    h0 = torch.randn(3, heads_v, 64, 64, generator=generator) * 0.1
+    inputs = [t.to(cuda, torch.bfloat16) for t in (q, k, v, beta)]
+    with torch.no_grad():
+        out, state = fast.rule_for(1)(
+            *inputs[:3], g=g.to(cuda), beta=inputs[3], initial_state=h0.to(cuda),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        want_out, want_state = slow.rule_for(1)(
+            *(t.cpu().float() for t in inputs[:3]), g=g, beta=inputs[3].cpu().float(),
+            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    assert (out.float().cpu() - want_out).abs().max() <= 0.05
+    assert (state.float().cpu() - want_state).abs().max() <= 0.05
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernels_match_the_torch_path() -> None:

@@ -1,14 +1,24 @@
 """The collectives of a distributed save or load: rank 0 acts, the others wait, and a failure
 on rank 0 is raised on every rank so that none is left waiting in a collective. In a single
-process each helper does the plain thing."""
+process each helper does the plain thing.
+
+The waits go through a gloo group (the default group when it is gloo already) with the
+world's timeout (``distributed.timeout_minutes``): while rank 0 writes a large checkpoint the
+other ranks wait on the CPU, with no NCCL collective pending whose watchdog could abort the
+job, and for as long as the run's timeout allows.
+"""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from longstraw_core.distributed import world_timeout
 
 T = TypeVar("T")
 
@@ -41,7 +51,7 @@ def agree(error: BaseException | None) -> None:
             raise error
         return
     message = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=coordination_group())
     if error is not None:
         raise error
     if message[0] is not None:
@@ -60,9 +70,24 @@ def on_rank0(action: Callable[[], T]) -> T:
     agree(error)
     if _distributed():
         box = [result]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=coordination_group())
         result = box[0]
     return result  # type: ignore[return-value]
+
+
+def coordination_group() -> dist.ProcessGroup | None:
+    """The group rank 0's waits go through: None (the default group) when that is gloo,
+    else a gloo group of every rank with the world's timeout, made on first use (every rank
+    reaches the first ``agree`` together, so they make it together)."""
+    if dist.get_backend() == "gloo":
+        return None
+    return _gloo_group(dist.distributed_c10d._get_default_group(), world_timeout())
+
+
+@functools.lru_cache(maxsize=1)
+def _gloo_group(world: dist.ProcessGroup, timeout: timedelta | None) -> dist.ProcessGroup:
+    """One gloo side group per default group (``world`` keys the cache)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def warn(message: str) -> None:

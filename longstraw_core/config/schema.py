@@ -178,6 +178,8 @@ class DistributedSection:
     # the world is S stages x (world / S) replicas, each replica training its own prompt.
     pipeline_stages: int = 1
     stage_starts: list[int] | None = None  # each stage's first layer; null: balanced
+    # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a checkpoint
+    timeout_minutes: float = 60.0
 
 
 @dataclass

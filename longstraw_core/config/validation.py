@@ -341,6 +341,16 @@ def _check_distributed(cfg: RunConfig) -> None:
             "distributed.pipeline_stages",
             f"must be a positive integer (1: no stages), got {stages!r}",
         )
+    minutes = dist.timeout_minutes
+    if (
+        isinstance(minutes, bool)
+        or not isinstance(minutes, int | float)
+        or not 0 < minutes < math.inf
+    ):
+        raise ConfigError(
+            "distributed.timeout_minutes",
+            f"must be a positive number of minutes, got {minutes!r}",
+        )
     starts = dist.stage_starts
     if starts is not None and (len(starts) != stages or list(starts)[:1] != [0]):
         raise ConfigError(

@@ -25,6 +25,7 @@ from longstraw_core.kinds.base import (
     store,
     tensor_nbytes,
 )
+from longstraw_core.offload.pinned import empty_buffers
 
 
 @dataclass
@@ -62,9 +63,14 @@ class AttentionKV(RecordBase):
         value_dim: int | None = None,
         pin_memory: bool = False,
     ) -> AttentionKV:
-        options = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
-        keys = torch.empty(kv_heads, capacity, head_dim, **options)
-        values = torch.empty(kv_heads, capacity, value_dim or head_dim, **options)
+        keys, values = empty_buffers(
+            [
+                ((kv_heads, capacity, head_dim), dtype),
+                ((kv_heads, capacity, value_dim or head_dim), dtype),
+            ],
+            device=device,
+            pin_memory=pin_memory,
+        )  # pinned: one exactly sized arena, not the caching host allocator's rounding
         return cls(keys, values, 0)
 
     @property
@@ -97,8 +103,10 @@ class AttentionKV(RecordBase):
         if self.outputs is None:
             home = {"device": self.keys.device, "pin_memory": self.keys.is_pinned()}
             heads, capacity = out.shape[0], self.capacity
-            self.outputs = torch.empty(heads, capacity, out.shape[-1], dtype=out.dtype, **home)
-            self.output_lse = torch.empty(heads, capacity, dtype=lse.dtype, **home)
+            self.outputs, self.output_lse = empty_buffers(
+                [((heads, capacity, out.shape[-1]), out.dtype), ((heads, capacity), lse.dtype)],
+                **home,
+            )
         end = start + out.shape[1]
         if start != self.outputs_length:
             raise RuntimeError(f"attention outputs written at {start}, after {self.outputs_length}")

@@ -24,6 +24,7 @@ from longstraw_core.kinds.base import (
     store,
     tensor_nbytes,
 )
+from longstraw_core.offload.pinned import empty_buffers
 
 
 @dataclass
@@ -60,12 +61,12 @@ class LatentKV(RecordBase):
         device: torch.device,
         pin_memory: bool = False,
     ) -> LatentKV:
-        options = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
-        latent = torch.empty(capacity, kv_lora_rank + rope_dim, **options)
-        index_keys = None
+        specs = [((capacity, kv_lora_rank + rope_dim), dtype)]
         if index_dim is not None:
-            index_keys = torch.empty(capacity, index_dim, **options)
-        return cls(latent, index_keys, kv_lora_rank, expanded_width, 0)
+            specs.append(((capacity, index_dim), dtype))
+        # pinned: one exactly sized arena, not the caching host allocator's rounding
+        latent, *index_keys = empty_buffers(specs, device=device, pin_memory=pin_memory)
+        return cls(latent, index_keys[0] if index_keys else None, kv_lora_rank, expanded_width, 0)
 
     @property
     def capacity(self) -> int:

@@ -25,6 +25,7 @@ from longstraw_core.kinds.base import (
     attach_grad_sink,
     tensor_nbytes,
 )
+from longstraw_core.offload.pinned import empty_buffers, pinned_copy
 
 
 @dataclass
@@ -61,10 +62,15 @@ class RecurrentState(RecordBase):
         device: torch.device,
         pin_memory: bool = False,
     ) -> RecurrentState:
-        options = {"device": device, "pin_memory": pin_memory}
-        conv = torch.zeros(conv_dim, conv_kernel - 1, dtype=dtype, **options)
-        recurrent = torch.zeros(value_heads, key_dim, value_dim, dtype=torch.float32, **options)
-        return cls(conv, recurrent, 0)
+        conv, recurrent = empty_buffers(
+            [
+                ((conv_dim, conv_kernel - 1), dtype),
+                ((value_heads, key_dim, value_dim), torch.float32),
+            ],
+            device=device,
+            pin_memory=pin_memory,
+        )  # pinned: one exactly sized arena, not the caching host allocator's rounding
+        return cls(conv.zero_(), recurrent.zero_(), 0)
 
     def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv, recurrent)`` at position ``start``; ``None``: after the whole prompt."""
@@ -148,7 +154,7 @@ def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``tensor`` on ``device``; pinned when it goes from pinned memory to the CPU
     (offloaded checkpoints stream to the device like the state)."""
     if device.type == "cpu" and tensor.device.type == "cpu" and tensor.is_pinned():
-        return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+        return pinned_copy(tensor)  # exactly sized, not the caching host allocator's
     return tensor.to(device, copy=True)
 
 

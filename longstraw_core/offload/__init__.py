@@ -37,6 +37,8 @@ Import from here; the modules hold one job each:
   backward refetch and prefetch) and ``StreamedRecord``.
 - ``transfer``: the copies to the device (side stream, events, ``copy_rows``).
 - ``residency``: ``Residency``, the accounting of copies on the device.
+- ``pinned``: exactly sized pinned arenas for the records' CPU homes (``empty_buffers``),
+  instead of the caching host allocator's power-of-two blocks.
 """
 
 from longstraw_core.offload.policy import LAYER_TYPES, PLACEMENTS, OffloadPolicy, home_options

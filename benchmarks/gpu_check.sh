@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# make gpu-check: the checks of benchmarks/gpu_check.py on a machine with one CUDA GPU and no
+# internet. Python packages the machine lacks come from wheels/ (git-ignored; `make
+# gpu-wheels` fills it where pip can reach the index) and are installed into a scratch
+# folder put first on PYTHONPATH, so the machine's own torch (any CUDA build) is used as it
+# is. Results: $GPU_CHECK_OUT (default $OUT when set, else outputs/gpu_check)/gpu_check.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+out_dir=${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}
+site=${GPU_CHECK_SITE:-/tmp/longstraw-gpu-site}
+"$PYTHON" -c "import torch" 2>/dev/null || {
+  echo "gpu-check: $PYTHON has no torch; install a CUDA build of torch first" >&2
+  exit 2
+}
+if compgen -G "wheels/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" wheels/*.whl
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "gpu-check: no wheels/ (make gpu-wheels): using the packages installed here" >&2
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+# The whole check is meant to take under 8 minutes; a hang must not eat a device lease.
+exec timeout 470 "$PYTHON" benchmarks/gpu_check.py --out "$out_dir/gpu_check.json" "$@"
