@@ -129,6 +129,21 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     assert_close(tensors(resumed / "step-000002/model"), final, 1e-3)
 
 
+def test_qlora_on_stages_trains_like_one_process(tmp_path):
+    """A 4-bit (NF4) base under LoRA on two stages: each stage quantizes its own layers the
+    same way, and one exact step's adapters equal one process's within float32 rounding."""
+    config_path = "configs/qwen36/tiny_qlora_grpo_cpu.yaml"
+    overrides = ["grpo.gradient=exact", "train.steps=1", "train.save_every=1"]
+    staged, one = tmp_path / "staged", tmp_path / "one"
+    run("grpo_qwen36.py", config_path, staged, *overrides, "distributed.pipeline_stages=2",
+        ranks=2)  # fmt: skip
+    run("grpo_qwen36.py", config_path, one, *overrides, ranks=1)
+    adapters = tensors(staged / "step-000001/model")
+    assert adapters and all("lora_" in name for name in adapters)  # the base is not saved
+    assert any(float(v.abs().max()) > 0 for n, v in adapters.items() if "lora_B" in n)  # moved
+    assert_close(adapters, tensors(one / "step-000001/model"), 1e-5)
+
+
 def test_bad_stage_settings_stop_before_training(tmp_path):
     """Three stages on two processes, stage starts that do not match the stage count."""
     cases = [

@@ -180,13 +180,6 @@ def _check_quantization(cfg: RunConfig) -> None:
             "shard bitsandbytes' packed 4-bit weights apart from their quantization state; "
             "set distributed.fsdp=false (the 4-bit base is ~4x smaller than bf16)",
         )
-    if cfg.distributed.pipeline_stages > 1:
-        raise ConfigError(
-            "model.quantization",
-            f"{quantization!r} with distributed.pipeline_stages="
-            f"{cfg.distributed.pipeline_stages} is not supported yet (stages are untested "
-            "with 4-bit layers); set distributed.pipeline_stages=1",
-        )
     try:  # peft imports it anyway when it is installed: no time added to validation
         require_bitsandbytes()
     except ImportError:
