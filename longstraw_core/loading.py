@@ -1,0 +1,299 @@
+"""Loading that scales: each rank builds only its share of a checkpoint.
+
+``models.build_model`` reads the whole checkpoint into every rank, which then moves it to
+its device and cuts it to its pipeline stage: every rank briefly holds the whole model (a
+27B model in float32 is ~108 GB per rank; GLM-5.2 cannot load at all). Here the model is
+built on the ``meta`` device (parameters only: buffers such as rotary ``inv_freq``, which
+no checkpoint holds, are computed for real on the CPU as ``from_pretrained`` computes them),
+LoRA is added and the model is cut to the rank's stage while it has no storage, and only
+then are the parameters the rank still holds allocated on its device and read, tensor by
+tensor, straight from the safetensors files into them. A rank's host memory while loading
+is one tensor (none on CPU when the file's dtype is the model's: the bytes are read into
+the parameter itself); its device memory is its own share.
+
+``load_policy`` / ``load_reference`` are what the recipes call; tiny random-init models
+(``model.tiny``) keep the old path (they are built from a seed, and small).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+import longstraw_core as ls
+from longstraw_core import distributed, models
+from longstraw_core.pipeline.stage import move_stage
+
+if TYPE_CHECKING:
+    from longstraw_core.config import ModelSection, RunConfig
+    from longstraw_core.pipeline.topology import RunTopology
+    from model_adapters.base import ModelAdapter
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class CheckpointTensorError(ValueError):
+    """A tensor this rank owns is missing from the checkpoint, or has another shape."""
+
+
+# --- what the recipes call ------------------------------------------------------------------
+
+
+def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
+    """The policy (LoRA added, train mode) on this rank's stage and device, FSDP-sharded when
+    ``distributed.fsdp``; build the optimizer afterwards. ``adapter.model`` is the model."""
+    if cfg.model.tiny is not None or cfg.distributed.fsdp:  # random init / not yet at scale
+        model = models.build_model(cfg.model, seed=cfg.train.seed)
+        model = models.add_lora(model, cfg.lora).to(device).train()
+        adapter = topology.place(ls.adapt(model))
+    else:
+        with keep_lora_init() as lora_init:
+            model = models.add_lora(build_on_meta(cfg.model), cfg.lora).train()
+        adapter = topology.place(ls.adapt(model))  # cut while the model has no storage
+        materialize(adapter, cfg.model.path, device, lora_init)
+    if cfg.distributed.fsdp:
+        distributed.shard_model(
+            adapter,
+            mixed_precision=cfg.distributed.mixed_precision,
+            reshard_after_forward=cfg.distributed.reshard_after_forward,
+            mesh=topology.shard_mesh(),  # with stages: each stage over its replicas
+        )
+    return adapter
+
+
+def load_reference(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
+    """A frozen copy of the base model (full fine-tuning with ``beta > 0``), placed like the
+    policy (not sharded: see issue #17, rollout under FSDP)."""
+    if cfg.model.tiny is not None or cfg.distributed.fsdp:
+        model = models.build_model(cfg.model, seed=cfg.train.seed).to(device)
+        adapter = topology.place(ls.adapt(model))
+    else:
+        adapter = topology.place(ls.adapt(build_on_meta(cfg.model)))
+        materialize(adapter, cfg.model.path, device)
+    adapter.model.eval().requires_grad_(False)
+    return adapter
+
+
+# --- the mechanics --------------------------------------------------------------------------
+
+
+def build_on_meta(section: ModelSection) -> PreTrainedModel:
+    """``section.path``'s architecture with its parameters on ``meta`` (no storage) and its
+    buffers computed on the CPU; the rest as ``models.build_model`` (dtype, attention)."""
+    path = Path(section.path)
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=section.trust_remote_code, local_files_only=True
+    )
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config,
+            dtype=getattr(torch, section.dtype),
+            attn_implementation=section.attn_implementation,
+            trust_remote_code=section.trust_remote_code,
+        )
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+def materialize(
+    adapter: ModelAdapter,
+    directory: str | Path,
+    device: torch.device,
+    lora_init: dict[nn.Module, dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """Allocate the parameters ``adapter``'s model still holds on ``device`` and fill them:
+    the base weights from the checkpoint in ``directory``, LoRA's from ``lora_init``
+    (``keep_lora_init``). Buffers move to ``device`` with their computed values."""
+    model = adapter.model
+    buffers = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    if adapter.stage is None:  # to_empty gives tied parameters their own storage
+        adapter.causal_lm.tie_weights()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+        checkpoint = SafetensorsCheckpoint(directory)
+        for name, tensor in _base_tensors(adapter.causal_lm):
+            for part, view in _checkpoint_parts(name, tensor, checkpoint):
+                checkpoint.read_into(part, view)
+        for module, tensors in (lora_init or {}).items():
+            for name, value in tensors.items():
+                if _has(module, name):
+                    module.get_parameter(name).copy_(value)
+    if adapter.stage is not None:
+        move_stage(adapter, device)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _base_tensors(causal_lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's parameters and persistent buffers this rank holds, under their
+    checkpoint names (PEFT's ``.base_layer`` dropped; LoRA's own tensors left out)."""
+    seen: set[int] = set()
+    for module_name, module in causal_lm.named_modules():
+        tensors = [*module._parameters.items()] + [
+            (n, b)
+            for n, b in module._buffers.items()
+            if n not in module._non_persistent_buffers_set
+        ]
+        for name, tensor in tensors:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            qualified = f"{module_name}.{name}" if module_name else name
+            if ".lora_" in f".{qualified}":
+                continue
+            yield qualified.replace(".base_layer", ""), tensor
+
+
+def _checkpoint_parts(
+    name: str, tensor: torch.Tensor, checkpoint: SafetensorsCheckpoint
+) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors that make ``tensor``, with the view of it each fills.
+
+    transformers v5 fuses a MoE layer's experts into 3-D parameters (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) that checkpoints, its own
+    ``save_pretrained`` included, store per expert (``experts.{e}.gate_proj.weight``, ...)."""
+    prefix, _, last = name.rpartition(".experts.")
+    if not prefix or last not in ("gate_up_proj", "down_proj") or name in checkpoint.entries:
+        return [(name, tensor)]
+    parts = []
+    for expert in range(tensor.shape[0]):
+        stem = f"{prefix}.experts.{expert}"
+        if last == "down_proj":
+            parts.append((f"{stem}.down_proj.weight", tensor[expert]))
+        else:
+            gate, up = tensor[expert].chunk(2, dim=0)
+            parts += [(f"{stem}.gate_proj.weight", gate), (f"{stem}.up_proj.weight", up)]
+    return parts
+
+
+@contextlib.contextmanager
+def keep_lora_init() -> Iterator[dict[nn.Module, dict[str, torch.Tensor]]]:
+    """While PEFT adds adapters to a meta model, keep each adapter's initial values.
+
+    PEFT creates and initialises the adapters on the CPU, drawing from the global RNG
+    exactly as it does for a loaded model, then moves them to the base layer's device (here
+    ``meta``, which drops the values). The values are copied just before that move, so the
+    adapters after ``materialize`` equal those of the old path for the same seed."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    kept: dict[nn.Module, dict[str, torch.Tensor]] = {}
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+
+    def keep_then_move(self: nn.Module, adapter_name: str, *args: object, **kwargs: object):
+        kept[self] = {
+            name: p.detach().clone()
+            for name, p in self.named_parameters()
+            if ".lora_" in f".{name}" and p.device.type != "meta"
+        }
+        return move(self, adapter_name, *args, **kwargs)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = keep_then_move
+    try:
+        yield kept
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class SafetensorsCheckpoint:
+    """A checkpoint directory's safetensors files, read tensor by tensor without ``mmap``
+    (mapped pages a rank touches would count in its memory) into tensors it is given."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (self.directory / SINGLE).exists():
+            files = [SINGLE]
+        else:
+            raise FileNotFoundError(f"no {INDEX} or {SINGLE} in {self.directory}")
+        self.entries: dict[str, _Entry] = {}
+        for file in files:
+            self.entries |= _header(self.directory / file)
+
+    def read_into(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` with checkpoint tensor ``name`` (cast to its dtype)."""
+        entry = self._entry(name, tuple(tensor.shape))
+        with open(entry.file, "rb") as file:
+            file.seek(entry.start)
+            if (
+                tensor.device.type == "cpu"
+                and tensor.dtype == entry.dtype
+                and tensor.is_contiguous()
+            ):
+                target = tensor
+            else:  # one tensor's worth of host memory, then cast and/or copied to the device
+                target = torch.empty(entry.shape, dtype=entry.dtype)
+            if target.numel():
+                file.readinto(target.reshape(-1).view(torch.uint8).numpy())
+        if target is not tensor:
+            tensor.copy_(target)
+
+    def _entry(self, name: str, shape: tuple[int, ...]) -> _Entry:
+        entry = self.entries.get(name)
+        files = ", ".join(sorted({str(e.file.name) for e in self.entries.values()}))
+        if entry is None:
+            raise CheckpointTensorError(
+                f"the checkpoint in {self.directory} has no tensor {name!r} (this rank holds "
+                f"it; files read: {files})"
+            )
+        if entry.shape != shape:
+            raise CheckpointTensorError(
+                f"{name!r} in {entry.file} has shape {list(entry.shape)}, the model's is "
+                f"{list(shape)}"
+            )
+        return entry
+
+
+def _header(file: Path) -> dict[str, _Entry]:
+    """The tensors of one safetensors file: 8 bytes of header length, a JSON header, data."""
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {
+        name: _Entry(
+            file=file,
+            dtype=_DTYPES[info["dtype"]],
+            shape=tuple(info["shape"]),
+            start=base + info["data_offsets"][0],
+            end=base + info["data_offsets"][1],
+        )
+        for name, info in header.items()
+    }
