@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate import init_empty_weights
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 import longstraw_core as ls
@@ -58,29 +61,32 @@ class CheckpointTensorError(ValueError):
 def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
     """The policy (LoRA added, train mode) on this rank's stage and device, FSDP-sharded when
     ``distributed.fsdp``; build the optimizer afterwards. ``adapter.model`` is the model."""
-    if cfg.model.tiny is not None or cfg.distributed.fsdp:  # random init / not yet at scale
+    if cfg.model.tiny is not None:  # random init from a seed, and small: the old path
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         model = models.add_lora(model, cfg.lora).to(device).train()
         adapter = topology.place(ls.adapt(model))
+        lora_init = None
     else:
         with keep_lora_init() as lora_init:
             model = models.add_lora(build_on_meta(cfg.model), cfg.lora).train()
         adapter = topology.place(ls.adapt(model))  # cut while the model has no storage
-        materialize(adapter, cfg.model.path, device, lora_init)
     if cfg.distributed.fsdp:
         distributed.shard_model(
             adapter,
             mixed_precision=cfg.distributed.mixed_precision,
             reshard_after_forward=cfg.distributed.reshard_after_forward,
             mesh=topology.shard_mesh(),  # with stages: each stage over its replicas
+            device=device,
         )
+    if lora_init is not None:  # sharded (or not) on meta: only now allocated, shards only
+        materialize(adapter, cfg.model.path, device, lora_init)
     return adapter
 
 
 def load_reference(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
     """A frozen copy of the base model (full fine-tuning with ``beta > 0``), placed like the
     policy (not sharded: see issue #17, rollout under FSDP)."""
-    if cfg.model.tiny is not None or cfg.distributed.fsdp:
+    if cfg.model.tiny is not None:
         model = models.build_model(cfg.model, seed=cfg.train.seed).to(device)
         adapter = topology.place(ls.adapt(model))
     else:
@@ -132,12 +138,14 @@ def materialize(
                 buffer.copy_(buffers[name])
         checkpoint = SafetensorsCheckpoint(directory)
         for name, tensor in _base_tensors(adapter.causal_lm):
-            for part, view in _checkpoint_parts(name, tensor, checkpoint):
-                checkpoint.read_into(part, view)
+            local, first = _local_rows(tensor)
+            for part in _checkpoint_parts(name, local, first, tuple(tensor.shape), checkpoint):
+                checkpoint.read_into(*part)
         for module, tensors in (lora_init or {}).items():
             for name, value in tensors.items():
                 if _has(module, name):
-                    module.get_parameter(name).copy_(value)
+                    local, first = _local_rows(module.get_parameter(name))
+                    local.copy_(value[first : first + len(local)] if local.dim() else value)
     if adapter.stage is not None:
         move_stage(adapter, device)
 
@@ -170,25 +178,50 @@ def _base_tensors(causal_lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield qualified.replace(".base_layer", ""), tensor
 
 
+def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The part of ``tensor`` this rank stores, and the first row of the whole it starts at
+    (FSDP2 shards each parameter by rows over its mesh; anything else is stored whole)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    if any(not isinstance(p, (Shard, Replicate)) for p in tensor.placements) or any(
+        isinstance(p, Shard) and p.dim != 0 for p in tensor.placements
+    ):
+        raise NotImplementedError(f"loading a DTensor placed as {tensor.placements}")
+    _, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tensor.to_local(), offset[0] if offset else 0
+
+
+_Part = tuple[str, torch.Tensor, tuple[int, ...], int]  # name, view to fill, whole shape, row
+
+
 def _checkpoint_parts(
-    name: str, tensor: torch.Tensor, checkpoint: SafetensorsCheckpoint
-) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors that make ``tensor``, with the view of it each fills.
+    name: str,
+    local: torch.Tensor,
+    first: int,
+    shape: tuple[int, ...],
+    checkpoint: SafetensorsCheckpoint,
+) -> list[_Part]:
+    """The checkpoint tensors that make ``local`` (rows ``first...`` of a ``shape`` tensor),
+    each with the view of ``local`` it fills, its own whole shape and first row.
 
     transformers v5 fuses a MoE layer's experts into 3-D parameters (``experts.gate_up_proj``
     ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) that checkpoints, its own
     ``save_pretrained`` included, store per expert (``experts.{e}.gate_proj.weight``, ...)."""
     prefix, _, last = name.rpartition(".experts.")
     if not prefix or last not in ("gate_up_proj", "down_proj") or name in checkpoint.entries:
-        return [(name, tensor)]
+        return [(name, local, shape, first)]
     parts = []
-    for expert in range(tensor.shape[0]):
-        stem = f"{prefix}.experts.{expert}"
+    for row, expert in enumerate(range(first, first + len(local))):
+        stem, matrix = f"{prefix}.experts.{expert}", local[row]
         if last == "down_proj":
-            parts.append((f"{stem}.down_proj.weight", tensor[expert]))
+            parts.append((f"{stem}.down_proj.weight", matrix, tuple(matrix.shape), 0))
         else:
-            gate, up = tensor[expert].chunk(2, dim=0)
-            parts += [(f"{stem}.gate_proj.weight", gate), (f"{stem}.up_proj.weight", up)]
+            gate, up = matrix.chunk(2, dim=0)
+            whole = tuple(gate.shape)
+            parts += [(f"{stem}.gate_proj.weight", gate, whole, 0)]
+            parts += [(f"{stem}.up_proj.weight", up, whole, 0)]
     return parts
 
 
@@ -246,11 +279,19 @@ class SafetensorsCheckpoint:
         for file in files:
             self.entries |= _header(self.directory / file)
 
-    def read_into(self, name: str, tensor: torch.Tensor) -> None:
-        """Fill ``tensor`` with checkpoint tensor ``name`` (cast to its dtype)."""
-        entry = self._entry(name, tuple(tensor.shape))
+    def read_into(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...] | None = None,
+        first: int = 0,
+    ) -> None:
+        """Fill ``tensor`` (cast to its dtype) with checkpoint tensor ``name``, or with its
+        rows ``first...`` when ``tensor`` is a shard of the ``shape`` tensor ``name``."""
+        entry = self._entry(name, tuple(tensor.shape) if shape is None else shape)
+        row_bytes = entry.dtype.itemsize * math.prod(entry.shape[1:])
         with open(entry.file, "rb") as file:
-            file.seek(entry.start)
+            file.seek(entry.start + first * row_bytes)
             if (
                 tensor.device.type == "cpu"
                 and tensor.dtype == entry.dtype
@@ -258,7 +299,7 @@ class SafetensorsCheckpoint:
             ):
                 target = tensor
             else:  # one tensor's worth of host memory, then cast and/or copied to the device
-                target = torch.empty(entry.shape, dtype=entry.dtype)
+                target = torch.empty(tensor.shape, dtype=entry.dtype)
             if target.numel():
                 file.readinto(target.reshape(-1).view(torch.uint8).numpy())
         if target is not tensor:

@@ -69,7 +69,10 @@ def test_four_stages_load_only_their_share(large_checkpoint, tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert sorted(i for r in results for i in r["layers"]) == list(range(8))
     for rank, result in enumerate(results):
-        print(f"rank {rank}: layers {result['layers']}, grew {result['growth'] / 2**20:.0f} MiB")
+        grew, model = result["growth"] / 2**20, size / 2**20
+        print(
+            f"rank {rank}: layers {result['layers']}, grew {grew:.0f} MiB ({model:.0f} MiB model)"
+        )
         assert result["growth"] < 0.5 * size, (rank, result["growth"], size)
     for kind in ("plain", "lora"):
         expected = _reference(directory, lora=kind == "lora")
@@ -78,6 +81,31 @@ def test_four_stages_load_only_their_share(large_checkpoint, tmp_path):
         for result in results:
             for name, tensor in result[kind].items():
                 assert torch.equal(tensor, expected[name]), (kind, name)
+        del expected
+
+
+def _shard(tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s FSDP2 shard of ``tensor``: its rows, ``ceil(rows / ranks)`` each."""
+    rows = -(-len(tensor) // ranks)
+    return tensor[rank * rows : (rank + 1) * rows]
+
+
+@pytest.mark.multiprocess
+def test_fsdp_ranks_load_only_their_shards(large_checkpoint, tmp_path):
+    directory, size = large_checkpoint
+    torchrun_ok(WORKER, str(tmp_path), str(directory), "1", "fsdp", ranks=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank, result in enumerate(results):
+        print(
+            f"rank {rank}: grew {result['growth'] / 2**20:.0f} MiB ({size / 2**20:.0f} MiB model)"
+        )
+        assert result["growth"] < 0.6 * size, (rank, result["growth"], size)  # half, and a bit
+    for kind in ("plain", "lora"):
+        expected = _reference(directory, lora=kind == "lora")
+        for rank, result in enumerate(results):
+            assert sorted(result[kind]) == sorted(expected), kind
+            for name, tensor in result[kind].items():
+                assert torch.equal(tensor, _shard(expected[name], rank, 2)), (kind, name)
         del expected
 
 
