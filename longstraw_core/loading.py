@@ -61,6 +61,7 @@ class CheckpointTensorError(ValueError):
 def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
     """The policy (LoRA added, train mode) on this rank's stage and device, FSDP-sharded when
     ``distributed.fsdp``; build the optimizer afterwards. ``adapter.model`` is the model."""
+    device = _as_tensors_report(device)
     if cfg.model.tiny is not None:  # random init from a seed, and small: the old path
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         model = models.add_lora(model, cfg.lora).to(device).train()
@@ -86,6 +87,7 @@ def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> 
 def load_reference(cfg: RunConfig, topology: RunTopology, device: torch.device) -> ModelAdapter:
     """A frozen copy of the base model (full fine-tuning with ``beta > 0``), placed like the
     policy (not sharded: see issue #17, rollout under FSDP)."""
+    device = _as_tensors_report(device)
     if cfg.model.tiny is not None:
         model = models.build_model(cfg.model, seed=cfg.train.seed).to(device)
         adapter = topology.place(ls.adapt(model))
@@ -97,6 +99,12 @@ def load_reference(cfg: RunConfig, topology: RunTopology, device: torch.device) 
 
 
 # --- the mechanics --------------------------------------------------------------------------
+
+
+def _as_tensors_report(device: torch.device) -> torch.device:
+    """``device`` as its tensors name it (Accelerate's ``cpu:0`` is ``cpu``): the adapters
+    compare a state's device with the one their stage records."""
+    return torch.empty(0, device=device).device
 
 
 def build_on_meta(section: ModelSection) -> PreTrainedModel:
