@@ -4,7 +4,8 @@
   saved as safetensors in shards; 4 CPU ranks (gloo) load it as S=4 pipeline stages. Each
   rank's resident memory grows by less than half the model's size while loading, and every
   tensor a rank holds is bit-equal to ``from_pretrained``'s, LoRA's initial adapters too
-  (the same seed gives the same adapters as the old path).
+  (the same seed gives the same adapters as the old path); the planner's load phase
+  predicts each rank's growth.
 - ``multiprocess``: the recipe's step from a saved toy checkpoint, on 2 stages (full weights,
   KL to the reference) and with FSDP on 2 ranks (exact mode), is bit-equal to its step from
   the toy.
@@ -28,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import longstraw_core as ls
 from longstraw_core import loading, models
 from longstraw_core.config import LoraSection, ModelSection, load_config
+from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
 from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,12 @@ def test_four_stages_load_only_their_share(large_checkpoint, tmp_path):
             f"rank {rank}: layers {result['layers']}, grew {grew:.0f} MiB ({model:.0f} MiB model)"
         )
         assert result["growth"] < 0.5 * size, (rank, result["growth"], size)
+    # The planner's load phase: each stage's own share, what the ranks measured.
+    starts = tuple(result["layers"][0] for result in results)
+    plan = compute_plan(_large_spec(), _workload(stages=4, gpus=4, stage_starts=starts))
+    for rank, (result, stage) in enumerate(zip(results, plan.stage_plans, strict=True)):
+        predicted = stage.phases["load"]
+        assert abs(result["growth"] - predicted) <= 0.1 * predicted + 16 * 2**20, rank
     for kind in ("plain", "lora"):
         expected = _reference(directory, lora=kind == "lora")
         held = [name for r in results for name in r[kind]]
@@ -87,6 +95,26 @@ def test_four_stages_load_only_their_share(large_checkpoint, tmp_path):
             for name, tensor in result[kind].items():
                 assert torch.equal(tensor, expected[name]), (kind, name)
         del expected
+
+
+def _large_spec() -> ModelSpec:
+    return ModelSpec.from_config(AutoConfig.for_model("qwen3", **LARGE), "large", torch.float32)
+
+
+def _workload(**settings: object) -> Workload:
+    return Workload(
+        prompt_tokens=1024, group=2, response_tokens=16, chunk_size=128, device="cpu", **settings
+    )
+
+
+def test_the_plan_loads_each_rank_s_share_one_tensor_at_a_time():
+    spec = _large_spec()
+    one, sharded = (compute_plan(spec, _workload(fsdp=f, gpus=g)) for f, g in ((0, 1), (1, 2)))
+    assert one.phases["load"] == one.line("parameters").device  # then the step adds to it
+    assert sharded.phases["load"] == one.phases["load"] // 2
+    assert one.load_host == spec.largest_param * 4  # the embeddings, float32
+    assert sharded.load_host == one.load_host // 2
+    assert "peak in load" in render_text(one) and one.peak_phase != "load"
 
 
 def _shard(tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:

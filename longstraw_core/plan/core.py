@@ -43,6 +43,7 @@ class MemoryPlan:
     layout: StageLayout | None = None  # the stages' layers (None: one stage)
     stage: int = 0
     per_stage: tuple[MemoryPlan, ...] = ()
+    load_host: int = 0  # host bytes while loading (``MemoryParts.load_host``)
 
     @property
     def stage_plans(self) -> tuple[MemoryPlan, ...]:
@@ -81,7 +82,7 @@ def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     if work.stages > 1:
         return pipeline_plan(spec, work)
     parts = MemoryParts(spec, work)
-    return MemoryPlan(spec, work, parts.lines(), parts.phases())
+    return MemoryPlan(spec, work, parts.lines(), parts.phases(), load_host=parts.load_host())
 
 
 def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
@@ -97,10 +98,14 @@ def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     for stage in range(layout.stages):
         sub = stage_spec(spec, layout, stage)
         parts = MemoryParts(sub, inner, stage=stage)
-        plans.append(MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage))
+        plan = MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage)
+        plans.append(dataclasses.replace(plan, load_host=parts.load_host()))
     worst = max(plans, key=lambda plan: plan.peak)
     per_stage = tuple(plans)
-    return MemoryPlan(spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage)
+    return MemoryPlan(
+        spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage,
+        load_host=max(plan.load_host for plan in plans),
+    )  # fmt: skip
 
 
 def _check_workload(work: Workload) -> None:
@@ -444,7 +449,15 @@ class MemoryParts(InFlight):
             phases["replay"] += self.waiting_branches()
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
+        # Loading (longstraw_core.loading): the rank's own share, allocated and read in place.
+        phases["load"] = self.parameters()
         return {name: phases[name] for name in PHASES if name in phases}
+
+    def load_host(self) -> int:
+        """Host bytes while loading: one tensor (of the rank's shard) at a time, read there
+        before it is cast or copied to the device (none on a CPU rank whose checkpoint has
+        the model's dtype: read in place); never the whole model."""
+        return math.ceil(self.spec.largest_param / self.work.shards) * self.pb
 
     def _param_note(self) -> str:
         work = self.work

@@ -19,7 +19,8 @@ from model_adapters.family import Preset
 # (``model_adapters.registry.presets``; each preset's numbers and sources are in its family's
 # adapter module).
 PRESETS: Mapping[str, Preset] = RegistryView("presets")
-PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
+# Loading the weights, then a step's phases, in recipe order.
+PHASES = ("load", "prefill", "rollout", "replay", "sweep", "optimizer")
 
 
 @dataclass(frozen=True)

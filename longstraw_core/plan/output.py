@@ -87,7 +87,10 @@ def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
         (line.name, human_bytes(line.device), human_bytes(line.cpu) if line.cpu else "", line.note)
         for line in plan.lines
     ]
-    rows += [(f"peak in {name}", human_bytes(value), "", "") for name, value in plan.phases.items()]
+    rows += [
+        (f"peak in {name}", human_bytes(value), _load_host(plan, name), "")
+        for name, value in plan.phases.items()
+    ]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget given"}[plan.fits]
     rows.append(
         (
@@ -98,6 +101,11 @@ def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
         )
     )
     return rows
+
+
+def _load_host(plan: MemoryPlan, phase: str) -> str:
+    """The CPU column of the load phase: one tensor at a time (``loading``)."""
+    return human_bytes(plan.load_host) if phase == "load" and plan.load_host else ""
 
 
 def _title(plan: MemoryPlan) -> str:
