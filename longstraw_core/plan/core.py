@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from longstraw_core.pipeline.layout import StageLayout
 from longstraw_core.plan.activations import Activations
-from longstraw_core.plan.model import PHASES, LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.model import LOAD, PHASES, LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
 
@@ -450,8 +450,8 @@ class MemoryParts(InFlight):
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
         # Loading (longstraw_core.loading): the rank's own share, allocated and read in place.
-        phases["load"] = self.parameters()
-        return {name: phases[name] for name in PHASES if name in phases}
+        phases[LOAD] = self.parameters()
+        return {name: phases[name] for name in (LOAD, *PHASES) if name in phases}
 
     def load_host(self) -> int:
         """Host bytes while loading: one tensor (of the rank's shard) at a time, read there

@@ -19,8 +19,8 @@ from model_adapters.family import Preset
 # (``model_adapters.registry.presets``; each preset's numbers and sources are in its family's
 # adapter module).
 PRESETS: Mapping[str, Preset] = RegistryView("presets")
-# Loading the weights, then a step's phases, in recipe order.
-PHASES = ("load", "prefill", "rollout", "replay", "sweep", "optimizer")
+PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
+LOAD = "load"  # the phase before the first step: loading the weights (``plan.phases`` first)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from longstraw_core.plan.advice import offload_keys
 from longstraw_core.plan.core import MemoryPlan
-from longstraw_core.plan.model import Workload
+from longstraw_core.plan.model import LOAD, Workload
 from longstraw_core.plan.stages import full_attention_counts
 from longstraw_core.plan.timing import TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
@@ -105,7 +105,7 @@ def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
 
 def _load_host(plan: MemoryPlan, phase: str) -> str:
     """The CPU column of the load phase: one tensor at a time (``loading``)."""
-    return human_bytes(plan.load_host) if phase == "load" and plan.load_host else ""
+    return human_bytes(plan.load_host) if phase == LOAD and plan.load_host else ""
 
 
 def _title(plan: MemoryPlan) -> str:
