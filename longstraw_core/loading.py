@@ -149,21 +149,14 @@ def materialize(
             local, first = _local_rows(tensor)
             for part in _checkpoint_parts(name, local, first, tuple(tensor.shape), checkpoint):
                 checkpoint.read_into(*part)
+        held = set(model.modules())  # the adapters of other stages' layers are gone
         for module, tensors in (lora_init or {}).items():
             for name, value in tensors.items():
-                if _has(module, name):
+                if module in held:
                     local, first = _local_rows(module.get_parameter(name))
                     local.copy_(value[first : first + len(local)] if local.dim() else value)
     if adapter.stage is not None:
         move_stage(adapter, device)
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _base_tensors(causal_lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
