@@ -62,15 +62,14 @@ def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> 
     """The policy (LoRA added, train mode) on this rank's stage and device, FSDP-sharded when
     ``distributed.fsdp``; build the optimizer afterwards. ``adapter.model`` is the model."""
     device = _as_tensors_report(device)
-    if cfg.model.tiny is not None:  # random init from a seed, and small: the old path
+    whole = builds_whole(cfg)
+    if whole:
         model = models.build_model(cfg.model, seed=cfg.train.seed)
         model = models.add_lora(model, cfg.lora).to(device).train()
-        adapter = topology.place(ls.adapt(model))
-        lora_init = None
     else:
         with keep_lora_init() as lora_init:
             model = models.add_lora(build_on_meta(cfg.model), cfg.lora).train()
-        adapter = topology.place(ls.adapt(model))  # cut while the model has no storage
+    adapter = topology.place(ls.adapt(model))  # meta: cut while the model has no storage
     if cfg.distributed.fsdp:
         distributed.shard_model(
             adapter,
@@ -79,7 +78,7 @@ def load_policy(cfg: RunConfig, topology: RunTopology, device: torch.device) -> 
             mesh=topology.shard_mesh(),  # with stages: each stage over its replicas
             device=device,
         )
-    if lora_init is not None:  # sharded (or not) on meta: only now allocated, shards only
+    if not whole:  # only now allocated: the stage's tensors, or its shards of them
         materialize(adapter, cfg.model.path, device, lora_init)
     return adapter
 
@@ -88,14 +87,21 @@ def load_reference(cfg: RunConfig, topology: RunTopology, device: torch.device) 
     """A frozen copy of the base model (full fine-tuning with ``beta > 0``), placed like the
     policy (not sharded: see issue #17, rollout under FSDP)."""
     device = _as_tensors_report(device)
-    if cfg.model.tiny is not None:
-        model = models.build_model(cfg.model, seed=cfg.train.seed).to(device)
-        adapter = topology.place(ls.adapt(model))
+    if builds_whole(cfg):
+        adapter = topology.place(ls.adapt(models.build_model(cfg.model, cfg.train.seed).to(device)))
     else:
         adapter = topology.place(ls.adapt(build_on_meta(cfg.model)))
         materialize(adapter, cfg.model.path, device)
     adapter.model.eval().requires_grad_(False)
     return adapter
+
+
+def builds_whole(cfg: RunConfig) -> bool:
+    """Whether every rank builds the whole model (``models.build_model``), as before: tiny
+    random-init models (drawn from a seed over the whole model, and small), and quantized
+    bases (``model.quantization``: quantized as they load, by their own path)."""
+    quantization = getattr(cfg.model, "quantization", None)
+    return cfg.model.tiny is not None or quantization not in (None, "none")
 
 
 # --- the mechanics --------------------------------------------------------------------------
