@@ -6,9 +6,9 @@
   tensor a rank holds is bit-equal to ``from_pretrained``'s, LoRA's initial adapters too
   (the same seed gives the same adapters as the old path); the planner's load phase
   predicts each rank's growth.
-- ``multiprocess``: the recipe's step from a saved toy checkpoint, on 2 stages (full weights,
-  KL to the reference) and with FSDP on 2 ranks (exact mode), is bit-equal to its step from
-  the toy.
+- ``multiprocess``: the recipes' step from a saved toy checkpoint, on 2 stages (Qwen3.6 with
+  KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact), is bit-equal
+  to its step from the toy.
 - In-process: a missing tensor is named with the checkpoint; GLM's per-expert checkpoint
   tensors fill transformers' fused experts; tied embeddings stay tied.
 """
@@ -22,7 +22,7 @@ import loading_worker as worker
 import pytest
 import torch
 from launch import torchrun_ok
-from test_recipes_distributed import QWEN, SMALL, tensors
+from test_recipes_distributed import GLM, QWEN, SMALL, tensors
 from test_recipes_pipeline import run
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -142,10 +142,18 @@ def test_fsdp_ranks_load_only_their_shards(large_checkpoint, tmp_path):
         del expected
 
 
-RECIPE_CASES = {  # name: (config, overrides, ranks); the tiny toy vs its saved checkpoint
-    "stages-full-kl": (QWEN, ["distributed.pipeline_stages=2", "grpo.beta=0.04"], 2),
-    "fsdp-full-exact": (QWEN, ["distributed.fsdp=true", "grpo.gradient=exact"], 2),
-}  # LoRA's adapters differ here (a toy's init draws from the RNG first); equal to the old
+RECIPE_CASES = {  # name: (recipe, config, overrides); the tiny toy vs its saved checkpoint
+    "qwen36-stages-full-kl": (
+        "grpo_qwen36.py", QWEN, ["distributed.pipeline_stages=2", "grpo.beta=0.04"],
+    ),
+    "qwen36-fsdp-full-exact": (
+        "grpo_qwen36.py", QWEN, ["distributed.fsdp=true", "grpo.gradient=exact"],
+    ),
+    "glm52-stages-full-exact": (
+        "grpo_glm52.py", GLM, ["distributed.pipeline_stages=2", "grpo.gradient=exact"],
+    ),
+}  # fmt: skip
+# LoRA's adapters differ here (a toy's init draws from the RNG first); equal to the old
 # path's from the same checkpoint: test_four_stages_load_only_their_share, test_fsdp_...
 
 
@@ -155,13 +163,13 @@ def test_recipe_from_a_checkpoint_trains_like_the_toy_it_was_saved_from(case, tm
     """The recipe's step from the toy's saved weights (loaded by ``loading``) is bit-equal
     to its step from the toy itself (built whole on every rank): the same base weights on
     each rank's stage or shard, the same reference policy."""
-    config_path, overrides, ranks = RECIPE_CASES[case]
+    recipe, config_path, overrides = RECIPE_CASES[case]
     settings = [*SMALL, "train.steps=1", "train.save_every=1", *overrides]
     toy = load_config(ROOT / config_path, settings)
     models.build_model(toy.model, seed=toy.train.seed).save_pretrained(tmp_path / "weights")
     from_path = ["model.tiny=null", "model.tiny_overrides={}", f"model.path={tmp_path / 'weights'}"]
     for name, extra in (("toy", []), ("loaded", from_path)):
-        run("grpo_qwen36.py", config_path, tmp_path / name, *settings, *extra, ranks=ranks)
+        run(recipe, config_path, tmp_path / name, *settings, *extra, ranks=2)
     got, expected = (tensors(tmp_path / n / "step-000001/model") for n in ("loaded", "toy"))
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
