@@ -277,9 +277,10 @@ class SafetensorsCheckpoint:
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(self.weight_map.values()))
         elif (self.directory / SINGLE).exists():
-            files = [SINGLE]
+            self.weight_map, files = {}, [SINGLE]
         else:
             raise FileNotFoundError(f"no {INDEX} or {SINGLE} in {self.directory}")
         self.entries: dict[str, _Entry] = {}
@@ -314,11 +315,14 @@ class SafetensorsCheckpoint:
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> _Entry:
         entry = self.entries.get(name)
-        files = ", ".join(sorted({str(e.file.name) for e in self.entries.values()}))
         if entry is None:
+            files = ", ".join(sorted({str(e.file.name) for e in self.entries.values()}))
+            where = f"files read: {files}"
+            if name in self.weight_map:
+                where = f"{INDEX} puts it in {self.weight_map[name]}, which lacks it"
             raise CheckpointTensorError(
-                f"the checkpoint in {self.directory} has no tensor {name!r} (this rank holds "
-                f"it; files read: {files})"
+                f"the checkpoint in {self.directory} has no tensor {name!r}, which this rank "
+                f"holds ({where})"
             )
         if entry.shape != shape:
             raise CheckpointTensorError(

@@ -5,16 +5,19 @@
   rank's resident memory grows by less than half the model's size while loading, and every
   tensor a rank holds is bit-equal to ``from_pretrained``'s, LoRA's initial adapters too
   (the same seed gives the same adapters as the old path); the planner's load phase
-  predicts each rank's growth.
+  predicts each rank's growth. With FSDP on 2 ranks (S=1) each rank holds exactly its rows
+  of ``from_pretrained``'s tensors.
 - ``multiprocess``: the recipes' step from a saved toy checkpoint, on 2 stages (Qwen3.6 with
   KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact), is bit-equal
   to its step from the toy.
-- In-process: a missing tensor is named with the checkpoint; GLM's per-expert checkpoint
-  tensors fill transformers' fused experts; tied embeddings stay tied.
+- In-process: a missing tensor is named with the checkpoint (and the file the index puts
+  it in); GLM's per-expert checkpoint tensors fill transformers' fused experts; tied
+  embeddings stay tied; the plan's load phase.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -220,3 +223,17 @@ def test_a_missing_tensor_is_named_with_the_checkpoint(tmp_path):
     message = str(error.value)
     assert "model.layers.1.mlp.up_proj.weight" in message and "model.safetensors" in message
     assert str(tmp_path) in message
+
+
+def test_a_tensor_the_index_places_in_a_file_that_lacks_it_names_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("qwen3").save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / loading.INDEX).read_text())["weight_map"]
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors = load_file(tmp_path / index[name])
+    del tensors[name]
+    save_file(tensors, tmp_path / index[name], metadata={"format": "pt"})
+    with pytest.raises(loading.CheckpointTensorError) as error:
+        _load(tmp_path)
+    assert name in str(error.value) and f"puts it in {index[name]}" in str(error.value)
