@@ -8,8 +8,8 @@
   predicts each rank's growth. With FSDP on 2 ranks (S=1) each rank holds exactly its rows
   of ``from_pretrained``'s tensors.
 - ``multiprocess``: the recipes' step from a saved toy checkpoint, on 2 stages (Qwen3.6 with
-  KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact), is bit-equal
-  to its step from the toy.
+  KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact, GLM-5.2
+  detached), is bit-equal to its step from the toy.
 - In-process: a missing tensor is named with the checkpoint (and the file the index puts
   it in); GLM's per-expert checkpoint tensors fill transformers' fused experts; tied
   embeddings stay tied; the plan's load phase.
@@ -154,6 +154,9 @@ RECIPE_CASES = {  # name: (recipe, config, overrides); the tiny toy vs its saved
     ),
     "glm52-stages-full-exact": (
         "grpo_glm52.py", GLM, ["distributed.pipeline_stages=2", "grpo.gradient=exact"],
+    ),
+    "glm52-fsdp-full-detached": (  # each rank's rows of the fused experts: its experts
+        "grpo_glm52.py", GLM, ["distributed.fsdp=true", "grpo.gradient=detached"],
     ),
 }  # fmt: skip
 # LoRA's adapters differ here (a toy's init draws from the RNG first); equal to the old
