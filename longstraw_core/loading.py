@@ -156,11 +156,17 @@ def materialize(
             for part in _checkpoint_parts(name, local, first, tuple(tensor.shape), checkpoint):
                 checkpoint.read_into(*part)
         held = set(model.modules())  # the adapters of other stages' layers are gone
+        filled: set[int] = set()
         for module, tensors in (lora_init or {}).items():
             for name, value in tensors.items():
                 if module in held:
-                    local, first = _local_rows(module.get_parameter(name))
+                    parameter = module.get_parameter(name)
+                    local, first = _local_rows(parameter)
                     local.copy_(value[first : first + len(local)] if local.dim() else value)
+                    filled.add(id(parameter))
+    unset = [n for n, p in model.named_parameters() if ".lora_" in n and id(p) not in filled]
+    if unset:  # PEFT no longer initialises adapters the way keep_lora_init expects
+        raise RuntimeError(f"LoRA adapters left uninitialised after loading: {unset[:3]}")
     if adapter.stage is not None:
         move_stage(adapter, device)
 
