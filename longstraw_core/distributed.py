@@ -128,6 +128,7 @@ def shard_model(
     mixed_precision: str = "auto",
     reshard_after_forward: bool = True,
     mesh: DeviceMesh | None = None,
+    device: torch.device | None = None,
 ) -> ModelAdapter:
     """Shard ``adapter``'s model with FSDP2 in place: each decoder layer, then the root.
 
@@ -146,6 +147,9 @@ def shard_model(
         mesh: a 1-D device mesh to shard over (default: every rank of the default group).
             On pipeline stages (``stage_model`` first): the mesh's ``replica`` dimension, so
             each stage's layers are sharded over the ranks holding that stage.
+        device: where the model computes (default: where its parameters are). A model
+            sharded on the ``meta`` device and materialised afterwards
+            (``longstraw_core.loading``) passes the device it will live on.
 
     Requires an initialised default process group (``torchrun``). Returns ``adapter``, whose
     ``parallel`` now routes its passes through FSDP and keeps the ranks in step.
@@ -159,7 +163,7 @@ def shard_model(
         raise ValueError(
             "this adapter's model is already sharded; use the adapter shard_model returned"
         )
-    device = adapter.device
+    device = device or adapter.device
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if mesh.ndim != 1:

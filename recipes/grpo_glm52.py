@@ -51,6 +51,7 @@ from longstraw_core import (
     data,
     distributed,
     guard,
+    loading,
     models,
     plan,
     resume,
@@ -98,11 +99,10 @@ class Recipe:
         if self.accelerator.is_main_process and self.sample_at.skipped:
             print(f"warning: data: {self.sample_at.summary()}", file=sys.stderr)
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
-        model = models.build_model(cfg.model, seed=cfg.train.seed)
-        self.model = models.add_lora(model, cfg.lora).to(self.accelerator.device).train()
-        self.adapter = self.topology.place(ls.adapt(self.model))  # its stage's layers only
+        # Only this rank's share: its stage's layers, read straight from the checkpoint.
+        self.adapter = loading.load_policy(cfg, self.topology, self.accelerator.device)
+        self.model = self.adapter.model
         self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
-        self.topology.shard(self.adapter, cfg.distributed)  # FSDP2 (with stages: per stage)
         self.reference = self._reference_policy()
         self.grpo = config.grpo_config(cfg)
         self.offload = config.offload_policy(cfg)  # prefix state on CPU, streamed per layer
@@ -138,9 +138,7 @@ class Recipe:
             return None
         if self.cfg.lora.enabled:
             return ls.lora_reference(self.adapter)
-        frozen = models.build_model(self.cfg.model, seed=self.cfg.train.seed)
-        frozen = frozen.to(self.accelerator.device).eval().requires_grad_(False)
-        return self.topology.shard(self.topology.place(ls.adapt(frozen)), self.cfg.distributed)
+        return loading.load_reference(self.cfg, self.topology, self.accelerator.device)
 
     def _resume(self) -> checkpoint.ResumeInfo:
         """Restore the checkpoint; the config's optimizer settings win over the saved ones."""

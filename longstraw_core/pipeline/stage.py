@@ -16,6 +16,7 @@ which checkpoints of the stage check and index by.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,16 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
     adapter.stage = stage
     setattr(adapter.model, _STAGED, record)
     return adapter
+
+
+def move_stage(adapter: ModelAdapter, device: torch.device) -> None:
+    """Record that ``adapter``'s stage now lives on ``device``: a model cut to its stage on
+    the ``meta`` device (``longstraw_core.loading``) and materialised there afterwards."""
+    stage = dataclasses.replace(adapter.stage, device=device)
+    stage.link.device = device
+    adapter.stage = stage
+    record = staged_model(adapter.model)
+    setattr(adapter.model, _STAGED, dataclasses.replace(record, stage=stage))
 
 
 def _ties_embeddings(adapter: ModelAdapter) -> bool:

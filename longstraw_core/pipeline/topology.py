@@ -104,9 +104,15 @@ class RunTopology:
         stages, every rank (``None``, the default) without."""
         return self.mesh[REPLICA] if self.staged else None
 
-    def shard(self, adapter: ModelAdapter, distributed: DistributedSection) -> ModelAdapter:
+    def shard(
+        self,
+        adapter: ModelAdapter,
+        distributed: DistributedSection,
+        device: torch.device | None = None,
+    ) -> ModelAdapter:
         """With ``distributed.fsdp``: FSDP2 over ``shard_mesh()`` with the config's settings
-        (after ``place``, before the optimizer is built); else ``adapter`` as it is."""
+        (after ``place``, before the optimizer is built; ``device``: where a model still on
+        ``meta`` will be materialised); else ``adapter`` as it is."""
         if not distributed.fsdp:
             return adapter
         return shard_model(
@@ -114,6 +120,7 @@ class RunTopology:
             mixed_precision=distributed.mixed_precision,
             reshard_after_forward=distributed.reshard_after_forward,
             mesh=self.shard_mesh(),
+            device=device,
         )
 
     def finish_gradients(

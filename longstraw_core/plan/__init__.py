@@ -35,6 +35,10 @@ What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` re
 NCCL buffers (~1-3 GiB, covered by ``memory.headroom``), allocator fragmentation, the
 kernels' internal scratch.
 
+Loading (phase ``load``, before the first step): the rank's own share of the parameters
+on the device and one tensor of it on the host (``MemoryPlan.load_host``), as
+``longstraw_core.loading`` reads a checkpoint; never the whole model.
+
 Pipeline stages (``Workload.stages``, ``--stages``): each rank of a stage group holds only
 its stage's layers (weights, prefix state, dS, checkpoints), the embeddings on stage 0, the
 head on the last, and what a 1F1B schedule keeps in flight; the plan is the worst stage's,

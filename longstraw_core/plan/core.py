@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from longstraw_core.pipeline.layout import StageLayout
 from longstraw_core.plan.activations import Activations
-from longstraw_core.plan.model import PHASES, LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.model import LOAD, PHASES, LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
 from longstraw_core.quantization import nf4_bytes
@@ -45,6 +45,7 @@ class MemoryPlan:
     stage: int = 0
     per_stage: tuple[MemoryPlan, ...] = ()
     rollout_gathered: bool = False  # FSDP: the layers gathered once for the whole rollout
+    load_host: int = 0  # host bytes while loading (``MemoryParts.load_host``)
 
     @property
     def stage_plans(self) -> tuple[MemoryPlan, ...]:
@@ -83,8 +84,10 @@ def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     if work.stages > 1:
         return pipeline_plan(spec, work)
     parts = MemoryParts(spec, work)
-    gathered = parts.gathers_rollout_once()
-    return MemoryPlan(spec, work, parts.lines(), parts.phases(), rollout_gathered=gathered)
+    return MemoryPlan(
+        spec, work, parts.lines(), parts.phases(),
+        rollout_gathered=parts.gathers_rollout_once(), load_host=parts.load_host(),
+    )  # fmt: skip
 
 
 def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
@@ -100,14 +103,19 @@ def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     for stage in range(layout.stages):
         sub = stage_spec(spec, layout, stage)
         parts = MemoryParts(sub, inner, stage=stage)
-        once = parts.gathers_rollout_once()
         plan = MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage)
-        plans.append(dataclasses.replace(plan, rollout_gathered=once))
+        plans.append(
+            dataclasses.replace(
+                plan, rollout_gathered=parts.gathers_rollout_once(), load_host=parts.load_host()
+            )
+        )
     worst = max(plans, key=lambda plan: plan.peak)
     per_stage = tuple(plans)
-    gathered = all(plan.rollout_gathered for plan in plans)  # the run decides for all stages
-    return MemoryPlan(spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage,
-                      rollout_gathered=gathered)  # fmt: skip
+    return MemoryPlan(
+        spec, work, worst.lines, worst.phases, [], layout, worst.stage, per_stage,
+        rollout_gathered=all(plan.rollout_gathered for plan in plans),  # one decision a run
+        load_host=max(plan.load_host for plan in plans),
+    )  # fmt: skip
 
 
 def _check_workload(work: Workload) -> None:
@@ -508,7 +516,15 @@ class MemoryParts(InFlight):
             phases["replay"] += self.waiting_branches()
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
-        return {name: phases[name] for name in PHASES if name in phases}
+        # Loading (longstraw_core.loading): the rank's own share, allocated and read in place.
+        phases[LOAD] = self.parameters()
+        return {name: phases[name] for name in (LOAD, *PHASES) if name in phases}
+
+    def load_host(self) -> int:
+        """Host bytes while loading: one tensor (of the rank's shard) at a time, read there
+        before it is cast or copied to the device (none on a CPU rank whose checkpoint has
+        the model's dtype: read in place); never the whole model."""
+        return math.ceil(self.spec.largest_param / self.work.shards) * self.pb
 
     def _param_note(self) -> str:
         work = self.work

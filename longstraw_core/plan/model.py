@@ -22,6 +22,7 @@ from model_adapters.family import Preset
 # adapter module).
 PRESETS: Mapping[str, Preset] = RegistryView("presets")
 PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
+LOAD = "load"  # the phase before the first step: loading the weights (``plan.phases`` first)
 
 
 @dataclass(frozen=True)

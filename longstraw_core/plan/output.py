@@ -6,7 +6,7 @@ from typing import Any
 
 from longstraw_core.plan.advice import offload_keys
 from longstraw_core.plan.core import MemoryPlan
-from longstraw_core.plan.model import Workload
+from longstraw_core.plan.model import LOAD, Workload
 from longstraw_core.plan.stages import full_attention_counts
 from longstraw_core.plan.timing import TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
@@ -89,7 +89,10 @@ def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
         (line.name, human_bytes(line.device), human_bytes(line.cpu) if line.cpu else "", line.note)
         for line in plan.lines
     ]
-    rows += [(f"peak in {name}", human_bytes(value), "", "") for name, value in plan.phases.items()]
+    rows += [
+        (f"peak in {name}", human_bytes(value), _load_host(plan, name), "")
+        for name, value in plan.phases.items()
+    ]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget given"}[plan.fits]
     rows.append(
         (
@@ -100,6 +103,11 @@ def table_rows(plan: MemoryPlan) -> list[tuple[str, str, str, str]]:
         )
     )
     return rows
+
+
+def _load_host(plan: MemoryPlan, phase: str) -> str:
+    """The CPU column of the load phase: one tensor at a time (``loading``)."""
+    return human_bytes(plan.load_host) if phase == LOAD and plan.load_host else ""
 
 
 def _title(plan: MemoryPlan) -> str:

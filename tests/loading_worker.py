@@ -1,0 +1,71 @@
+"""One CPU rank (gloo) of ``test_loading``: load a saved checkpoint the way the recipes do.
+
+``loading_worker.py OUT CHECKPOINT STAGES FSDP`` loads the policy twice: first without LoRA,
+measuring how much the rank's resident memory grows while loading, then with LoRA (seeded
+as the recipes seed it); each rank writes ``rank{r}.pt``: both state dicts (a sharded
+parameter as its local shard), the growth, and the stage's layers.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from longstraw_core import loading
+from longstraw_core.config import DistributedSection, LoraSection, ModelSection, TrainSection
+from longstraw_core.pipeline.topology import RunTopology
+
+SEED = 7
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _local(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def main(out: str, checkpoint: str, stages: int, fsdp: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    cfg = SimpleNamespace(
+        model=ModelSection(path=checkpoint),
+        lora=LoraSection(),
+        distributed=DistributedSection(fsdp=fsdp, pipeline_stages=stages),
+        train=TrainSection(seed=SEED),
+    )
+    topology = RunTopology.from_config(cfg.distributed, dist.get_world_size(), rank)
+    device = torch.device("cpu")
+    before = _rss_bytes()
+    adapter = loading.load_policy(cfg, topology, device)
+    # ru_maxrss (KiB) is the largest resident size so far: at least the peak while loading.
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    plain = _local({k: v.detach().clone() for k, v in adapter.model.state_dict().items()})
+    layers = list(adapter.owned_layers())
+    del adapter
+    cfg.lora = LoraSection(enabled=True, r=4)
+    torch.manual_seed(SEED)
+    adapter = loading.load_policy(cfg, topology, device)
+    assert adapter.device == device, adapter.device
+    lora = _local({k: v.detach().clone() for k, v in adapter.model.state_dict().items()})
+    torch.save(
+        {"plain": plain, "lora": lora, "growth": growth, "layers": layers},
+        Path(out) / f"rank{rank}.pt",
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fsdp")
