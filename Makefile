@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables scale-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ pipeline-benchmark: $(STAMP)
 paper-tables: $(STAMP)
 	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
 	$(PY) docs/tools/paper_tables.py --pipeline docs/pipeline_plans.md
+
+# One whole GRPO step of each paper configuration at its real dimensions, stage by stage on
+# fake tensors (no memory), each stage's tracked peak against the planner's and the 96 GiB
+# budget: docs/benchmarks/scale_check.json (hours on 2 cores; not part of `make test`, whose
+# tests/test_scale_check.py runs a 4-layer real-width version). STAGES=0,3 reports only those
+# (the stages before them run too); RUN=glm52-lora-2.1M one configuration.
+scale-check: $(STAMP)
+	$(PY) -m longstraw_core.scale_check $(if $(RUN),--run $(RUN)) $(if $(STAGES),--stages $(STAGES))
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
