@@ -12,7 +12,7 @@ FLASH_ATTN ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables gpu-check gpu-wheels clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables gpu-check gpu-wheels scale-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,14 @@ gpu-wheels:
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 		-d wheels $(GPU_WHEELS)
+
+# One whole GRPO step of each paper configuration at its real dimensions, stage by stage on
+# fake tensors (no memory), each stage's tracked peak against the planner's and the 96 GiB
+# budget: docs/benchmarks/scale_check.json (hours on 2 cores; not part of `make test`, whose
+# tests/test_scale_check.py runs a 4-layer real-width version). STAGES=0,3 reports only those
+# (the stages before them run too); RUN=glm52-lora-2.1M one configuration.
+scale-check: $(STAMP)
+	$(PY) -m longstraw_core.scale_check $(if $(RUN),--run $(RUN)) $(if $(STAGES),--stages $(STAGES))
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

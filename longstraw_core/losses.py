@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from longstraw_core.fake import is_fake
 from longstraw_core.grpo_config import GRPOConfig, normalize_scale_rewards
 
 ADVANTAGE_STD_EPS = 1e-4  # TRL's constant: (R - mean) / (std + 1e-4)
@@ -187,8 +188,8 @@ def reduce_branch_stats(stats: Sequence[dict[str, torch.Tensor]]) -> dict[str, f
     branches from every metric, except that at sequence level it still counts them in the
     clip-ratio denominators; we do not.
     """
-    if not stats:
-        return {}
+    if not stats or any(is_fake(value) for value in stats[0].values()):
+        return {}  # none, or a dry run's (fake tensors: no values to log)
     keys = list(stats[0])
     sums = torch.stack([torch.stack([s[k].float().cpu() for k in keys]) for s in stats])
     col = {k: sums[:, j] for j, k in enumerate(keys)}

@@ -22,6 +22,7 @@ import torch
 
 from longstraw_core import metrics as names
 from longstraw_core.exact import StateGrad, new_state_grad
+from longstraw_core.fake import known_float, real_values
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
 from longstraw_core.offload import OffloadPolicy
@@ -189,7 +190,12 @@ def grpo_step(
         )
     prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
     responses = _check_responses(responses, adapter.vocab_size)
-    reward_tensor = _check_rewards(rewards, len(responses))
+    with real_values():  # rewards are values even in a dry run on fake tensors
+        reward_tensor = _check_rewards(rewards, len(responses))
+        advantages = group_advantages(reward_tensor, config.scale_rewards)
+        advantage_values = [float(a) for a in advantages]
+        reward_mean = float(reward_tensor.mean())
+        reward_std = float(reward_tensor.std()) if len(responses) > 1 else 0.0
     old_logps = _check_old_logps(old_logps, responses)
     if truncated is not None and len(truncated) != len(responses):
         raise ValueError(f"truncated has {len(truncated)} entries for {len(responses)} responses")
@@ -209,7 +215,6 @@ def grpo_step(
             )
 
     names.reset_peak_memory(adapter.device)
-    advantages = group_advantages(reward_tensor, config.scale_rewards)
     lengths = [len(response) for response in responses]
     weights = loss_weights(lengths, truncated, config)
     timings = {"ref_seconds": 0.0, "prefill_seconds": 0.0, "replay_seconds": 0.0}
@@ -237,7 +242,7 @@ def grpo_step(
     contributing = [
         index
         for index in range(len(responses))
-        if not _contributes_nothing(weights[index], float(advantages[index]), config)
+        if not _contributes_nothing(weights[index], advantage_values[index], config)
     ]
     if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
         total_loss, entropy_sum, branch_stats, idle = _replay_on_stages(
@@ -257,8 +262,8 @@ def grpo_step(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
         (loss * loss_scale).backward()  # frees this branch's graph before the next one
-        total_loss += loss.item()
-        entropy_sum += entropy.sum().item()
+        total_loss += known_float(loss)
+        entropy_sum += known_float(entropy.sum())
         branch_stats.append(stats)
         replayed += 1
     timings["replay_seconds"] = time.perf_counter() - started
@@ -269,12 +274,12 @@ def grpo_step(
     if not (replayed or idle):  # no backward freed what the no-grad passes gathered
         adapter.release_parameters()
 
-    replayed_tokens = sum(int(s["num_tokens"]) for s in branch_stats)
+    replayed_tokens = sum(int(known_float(s["num_tokens"], 0)) for s in branch_stats)
     return GRPOStepResult(
         loss=total_loss,
-        advantages=[float(a) for a in advantages],
-        group_reward_mean=float(reward_tensor.mean()),
-        group_reward_std=float(reward_tensor.std()) if len(responses) > 1 else 0.0,
+        advantages=advantage_values,
+        group_reward_mean=reward_mean,
+        group_reward_std=reward_std,
         entropy=entropy_sum / replayed_tokens if replayed_tokens else math.nan,
         prompt_tokens=state.prompt_length,
         completion_tokens=sum(lengths),
@@ -316,8 +321,8 @@ def _replay_on_stages(
         loss, branch_stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
-        totals[0] += loss.item()
-        totals[1] += entropy.sum().item()
+        totals[0] += known_float(loss)
+        totals[1] += known_float(entropy.sum())
         stats.append({key: value.detach().cpu() for key, value in branch_stats.items()})
         return loss * loss_scale
 

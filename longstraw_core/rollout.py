@@ -46,6 +46,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from longstraw_core.fake import known_bool, known_list
 from longstraw_core.guard import NonFiniteError
 from longstraw_core.state import PrefixState
 from model_adapters.base import ModelAdapter
@@ -160,13 +161,14 @@ def rollout(
             finished |= ended
             steps += 1
             bar.update(1)
-            if adapter.everywhere(bool(finished.all())):  # sharded: every rank decodes on
+            # sharded: every rank decodes on; a dry run's fake tokens never end a response
+            if adapter.everywhere(known_bool(finished.all(), fake=False)):
                 break
             inputs = next_tokens[:, None]
     seconds = time.perf_counter() - started
 
-    lengths_list = lengths.tolist()
-    finished_list = finished.tolist()
+    lengths_list = known_list(lengths, fake=steps)
+    finished_list = known_list(finished, fake=False)
     responses = [tokens[i, :n].clone() for i, n in enumerate(lengths_list)]
     generated = sum(lengths_list)
     return RolloutOutput(
@@ -247,7 +249,7 @@ def _sample_on_last_stage(
     finite = tokens = logps = None
     if logits is not None:
         logits = logits[:, -1].to(logps_dtype)
-        finite = bool(torch.isfinite(logits).all())
+        finite = known_bool(torch.isfinite(logits).all(), fake=True)
         tokens = torch.zeros(group, dtype=torch.long, device=logits.device)
         logps = torch.zeros(group, dtype=logps_dtype, device=logits.device)
         if finite:
@@ -262,7 +264,7 @@ def _sample_on_last_stage(
     )
     tokens = link.from_last(tokens, like=torch.empty(group, dtype=torch.long, device=device))
     logps = link.from_last(logps, like=torch.empty(group, dtype=logps_dtype, device=device))
-    return bool(flag.item()), tokens, logps
+    return known_bool(flag[0], fake=True), tokens, logps
 
 
 def _sample(

@@ -43,6 +43,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core import quantization
 from longstraw_core.attention import accumulation_dtype, segmented_attention
+from longstraw_core.fake import is_fake
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchLatent, LatentKV
 from model_adapters.base import ModelAdapter, Span
@@ -396,6 +397,12 @@ def _scatter_rows(
     span_rows = (positions - prefix_length + offsets).reshape(-1)
     positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, dim)
     in_span = positions >= prefix_length
+    if is_fake(positions):  # a dry run: no values to select by; the worst case, every row
+        d_span.view(-1, dim).index_add_(0, span_rows.clamp(min=0), d_rows)
+        for d_prefix in d_prefixes:
+            d_prefix.index_add_(0, positions.clamp(min=0).to(d_prefix.device),
+                                d_rows.to(device=d_prefix.device, dtype=d_prefix.dtype))  # fmt: skip
+        return
     d_span.view(-1, dim).index_add_(0, span_rows[in_span], d_rows[in_span])
     if d_prefixes:
         in_prefix = (positions >= 0) & ~in_span

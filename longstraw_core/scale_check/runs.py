@@ -1,0 +1,135 @@
+"""The paper's configurations as dry runs, and their comparison with the planner.
+
+Why: each configuration's stages are run one at a time (``stage_run.run_stage``, in stage
+order: a stage receives what the previous one sent) and each stage's tracked peak is set
+beside the planner's prediction for that stage (``plan.pipeline_plan``, with the same
+layout, on the CPU kernels the fake run executes) and beside the GPU budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from longstraw_core.config import load_config
+from longstraw_core.plan import pipeline_plan
+from longstraw_core.plan.model import ModelSpec
+from longstraw_core.plan.sources import preset_config, workload_from_config
+from longstraw_core.plan.stages import layout_for
+from longstraw_core.scale_check.stage_run import StageResult, run_stage
+
+TOLERANCE = 0.10  # the target: each stage's tracked peak within 10% of the planner's
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """One configuration: a run config, the preset whose dimensions it uses, and changes
+    (``overrides``: config keys; ``model``: transformers config fields, e.g. fewer layers)."""
+
+    name: str
+    config: str
+    preset: str
+    overrides: tuple[str, ...] = ()
+    model: tuple[tuple[str, Any], ...] = ()
+    rollout_tokens: int = 4
+    todo: str | None = None  # why the run is a stand-in (e.g. NF4 not landed yet)
+
+
+QWEN = "configs/qwen36/27b_lora_grpo_8stages.yaml"
+GLM = "configs/glm52/lora_grpo_32stages.yaml"
+PAPER: tuple[DryRun, ...] = (
+    DryRun("qwen36-27b-lora-2.1M", QWEN, "Qwen3.6-27B"),
+    DryRun("qwen36-27b-lora-4.46M", QWEN, "Qwen3.6-27B", ("data.prompt_tokens=4460000",)),
+    # TODO(nf4): QLoRA (model.quantization: nf4) has not landed; this runs the bf16 base.
+    # Once it has, add "model.quantization=nf4" to the overrides (the planner counts 4-bit).
+    DryRun("qwen36-27b-qlora-2.1M", QWEN, "Qwen3.6-27B", todo="NF4 not landed: bf16 base"),
+    DryRun("glm52-lora-2.1M", GLM, "GLM-5.2"),
+)
+
+
+@dataclass
+class StageRow:
+    """One stage: tracked and planned peaks (bytes), and how they compare."""
+
+    stage: int
+    layers: list[int]
+    tracked: int
+    planned: int
+    tracked_phases: dict[str, int]
+    planned_phases: dict[str, int]
+    seconds: float
+
+    @property
+    def error(self) -> float:
+        return (self.tracked - self.planned) / self.planned
+
+
+def run_config(run: DryRun, stages: Sequence[int] | None = None) -> dict[str, Any]:
+    """Every stage of ``run`` (or the first ``max(stages) + 1``, reporting ``stages``)."""
+    cfg = load_config(run.config, ["model.path=" + run.preset, *run.overrides], check_paths=False)
+    config = preset_config(run.preset)
+    for key, value in run.model:
+        setattr(config, key, value)
+    positions = cfg.data.prompt_tokens + cfg.rollout.max_new_tokens
+    config.max_position_embeddings = max(config.max_position_embeddings, positions)
+    spec = ModelSpec.from_config(config, run.name, _dtype(cfg.model.dtype))
+    work = workload_from_config(cfg, device="cpu", model_type=config.model_type)
+    layout = layout_for(spec, work)
+    work = dataclasses.replace(work, stage_starts=tuple(layout.boundaries[:-1]))
+    plan = pipeline_plan(spec, work)
+    wanted = range(layout.stages) if stages is None else sorted(stages)
+    rows, incoming = [], []
+    for stage in range(max(wanted) + 1):
+        result: StageResult = run_stage(
+            cfg, config, layout, stage, incoming=incoming, rollout_tokens=run.rollout_tokens
+        )
+        incoming = result.sent_forward
+        if stage in wanted:
+            planned = plan.stage_plans[stage]
+            rows.append(StageRow(stage, result.layers, result.peak, planned.peak,
+                                 result.phases, dict(planned.phases), result.seconds))  # fmt: skip
+    budget = work.budget
+    return {
+        "name": run.name,
+        "config": run.config,
+        "overrides": list(run.overrides),
+        "todo": run.todo,
+        "prompt_tokens": cfg.data.prompt_tokens,
+        "group": cfg.rollout.num_generations,
+        "response_tokens": cfg.rollout.max_new_tokens,
+        "rollout_tokens": run.rollout_tokens,
+        "chunk_size": cfg.train.chunk_size,
+        "stages": layout.stages,
+        "budget": budget,
+        "rows": [dataclasses.asdict(row) | {"error": row.error} for row in rows],
+        "within_plan": all(abs(row.error) <= TOLERANCE for row in rows),
+        "within_budget": budget is None or all(row.tracked <= budget for row in rows),
+    }
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def table(result: dict[str, Any]) -> str:
+    """A text table of one run: per stage, tracked and planned peaks (GiB) and the error."""
+    gib = 2**30
+    lines = [
+        f"{result['name']}: {result['prompt_tokens']:,} positions, G={result['group']}, "
+        f"{result['stages']} stages, budget {result['budget'] / gib:.1f} GiB"
+        + (f"  [{result['todo']}]" if result["todo"] else ""),
+        f"{'stage':>5} {'layers':>9} {'tracked GiB':>12} {'planned GiB':>12} {'error':>7} "
+        f"{'peak phase':>10} {'s':>7}",
+    ]
+    for row in result["rows"]:
+        phases = row["tracked_phases"]
+        lines.append(
+            f"{row['stage']:>5} {row['layers'][0]:>4}-{row['layers'][-1]:<4} "
+            f"{row['tracked'] / gib:>12.2f} {row['planned'] / gib:>12.2f} "
+            f"{row['error']:>+7.1%} {max(phases, key=phases.get):>10} {row['seconds']:>7.0f}"
+        )
+    return "\n".join(lines)
