@@ -4,6 +4,7 @@ accelerate) and the gloo group the ranks wait in while rank 0 writes a checkpoin
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def test_accelerate_starts_the_group_with_the_configured_timeout():
     """Two CPU ranks started as the recipes start them: both see the configured timeout on
     the world and on the side group, and rank 1 waits out rank 0's (slow) write."""
     log = torchrun_ok(WORKER, "7.5")
+    # The ranks print one JSON object each; their lines may run together in the shared log.
     rows = sorted(
-        (json.loads(line) for line in log.splitlines() if line.startswith("{")),
+        (json.loads(match) for match in re.findall(r'\{"rank"[^{}]*\}', log)),
         key=lambda row: row["rank"],
     )
     assert [row["rank"] for row in rows] == [0, 1], log[-3000:]

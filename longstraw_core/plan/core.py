@@ -516,8 +516,9 @@ class MemoryParts(InFlight):
             phases["replay"] += self.waiting_branches()
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
-        # Loading (longstraw_core.loading): the rank's own share, allocated and read in place.
-        phases[LOAD] = self.parameters()
+        # Loading (longstraw_core.loading): the rank's own share, allocated and read in place
+        # (and the frozen reference model's, loaded after it).
+        phases[LOAD] = self.parameters() + self.reference()
         return {name: phases[name] for name in (LOAD, *PHASES) if name in phases}
 
     def load_host(self) -> int:
