@@ -854,10 +854,12 @@ def _fused_backward(
     )
 
 
-class _FlashSegmentedAttention(torch.autograd.Function):
-    """flash-attn 2 segmented attention; same arguments as ``_TorchSegmentedAttention``."""
+def _fused_attention_function(
+    name: str, kernels: _FusedKernels, doc: str
+) -> type[torch.autograd.Function]:
+    """A segmented-attention autograd function over fused ``kernels`` (one per backend; same
+    arguments as ``_TorchSegmentedAttention``): the kernels are all that differ."""
 
-    @staticmethod
     def forward(
         ctx: FunctionCtx,
         q: torch.Tensor,
@@ -871,39 +873,25 @@ class _FlashSegmentedAttention(torch.autograd.Function):
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         return _fused_forward(
-            _FLASH_ATTN, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
+            kernels, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
         )
 
-    @staticmethod
-    @once_differentiable
     def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _fused_backward(_FLASH_ATTN, ctx, d_result)
+        return _fused_backward(kernels, ctx, d_result)
+
+    body = {"__doc__": doc, "forward": staticmethod(forward)}
+    body["backward"] = staticmethod(once_differentiable(backward))
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _SdpaSegmentedAttention(torch.autograd.Function):
-    """The flash backend's wrapper over PyTorch's CUDA flash kernels (``sdpa_flash``)."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        block_size: int | None,
-        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
-        reuse: AttentionOutput | None,
-        keep: list[AttentionOutput] | None,
-        *flat_prefix: torch.Tensor,
-    ) -> torch.Tensor:
-        return _fused_forward(
-            _SDPA_FLASH, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
-        )
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _fused_backward(_SDPA_FLASH, ctx, d_result)
+_FlashSegmentedAttention = _fused_attention_function(
+    "_FlashSegmentedAttention", _FLASH_ATTN, "flash-attn 2 segmented attention."
+)
+_SdpaSegmentedAttention = _fused_attention_function(
+    "_SdpaSegmentedAttention",
+    _SDPA_FLASH,
+    "The flash backend's wrapper over PyTorch's CUDA flash kernels (``sdpa_flash``).",
+)
 
 
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {
