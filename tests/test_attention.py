@@ -316,14 +316,15 @@ class _FakeFlashInterface:
         return torch.empty(0)
 
 
-def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
-    """The flash backend's own logic (no GPU): against the reference, float64 on CPU."""
-    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+def _check_fused_wrapper(function: type[torch.autograd.Function]) -> torch.Tensor:
+    """A fused backend's autograd function (its kernels faked by the caller) against the
+    reference, float64 on CPU: the output and every gradient, with a prefix segment that
+    needs no gradient getting none. Returns the output."""
     case = Case(3, 4, 2, 3, 8, 8, 8, (7, 0, 5), 3)
     q, k, v, prefix = make_inputs(case)
     for t in prefix[2]:
         t.requires_grad_(False)
-    out = attention._FlashSegmentedAttention.apply(
+    out = function.apply(
         q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), None, None,
         *flat(prefix),
     )  # fmt: skip
@@ -336,6 +337,13 @@ def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
     for t, e in zip(trainable, expected, strict=True):
         assert_close(t.grad, e, tol=1e-6)
     assert prefix[2][0].grad is None and prefix[2][1].grad is None
+    return out
+
+
+def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
+    """The flash backend's own logic (no GPU): against the reference, float64 on CPU."""
+    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    _check_fused_wrapper(attention._FlashSegmentedAttention)
 
 
 @pytest.mark.gpu
@@ -404,23 +412,8 @@ def test_sdpa_wrapper_with_fake_kernel(monkeypatch):
     against the reference, float64 on CPU; a prefix segment needing no gradient too."""
     ops = _FakeSdpaOps()
     monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: (ops.forward, ops.backward))
-    case = Case(3, 4, 2, 3, 8, 8, 8, (7, 0, 5), 3)
-    q, k, v, prefix = make_inputs(case)
-    for t in prefix[2]:
-        t.requires_grad_(False)
-    out = attention._SdpaSegmentedAttention.apply(
-        q, k, v, SCALE, case.block_size, ((None, None),) * len(prefix), None, None,
-        *flat(prefix),
-    )  # fmt: skip
+    out = _check_fused_wrapper(attention._SdpaSegmentedAttention)
     assert "sdpa" in type(out.grad_fn).__name__.lower()
-    want = reference_attention(q, k, v, prefix, SCALE)
-    assert_close(out, want, "out", tol=1e-6)
-    grad_out = torch.randn_like(want)
-    trainable = [q, k, v, *prefix[0], *prefix[1]]
-    expected = grads_of(want, grad_out, trainable)
-    out.backward(grad_out)
-    for t, e in zip(trainable, expected, strict=True):
-        assert_close(t.grad, e, tol=1e-6)
     assert "forward" in ops.calls and "backward" in ops.calls
 
 

@@ -119,16 +119,26 @@ def test_the_decoder_linears_are_4bit_and_nothing_else(pair) -> None:
     assert not any(quantization.is_quantized(m) for m in reference.modules())
 
 
+def _assert_logps_match(
+    adapter: ls.ModelAdapter, reference: nn.Module, prompt: torch.Tensor, response: torch.Tensor
+) -> torch.Tensor:
+    """The adapter's no-grad log-probs of ``response`` equal transformers' full-sequence ones
+    of ``reference`` (the dequantized model) within ``LOGP_ATOL``; returns the adapter's."""
+    with torch.no_grad():
+        ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
+        theirs = full_sequence_logps(reference, prompt, response)
+    assert (ours - theirs).abs().max() <= LOGP_ATOL
+    return ours
+
+
 def test_logprobs_equal_the_dequantized_model(pair) -> None:
     """The adapters' passes over ``Linear4bit`` give transformers' log-probs of the
     dequantized model, with adapters on and off (off: the reference policy)."""
     _, policy, reference = pair
     adapter = ls.adapt(policy)
     prompt, response = _ids(33, 1), _ids(7, 2)
+    ours = _assert_logps_match(adapter, reference, prompt, response)
     with torch.no_grad():
-        ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
-        theirs = full_sequence_logps(reference, prompt, response)
-        assert (ours - theirs).abs().max() <= LOGP_ATOL
         base = ls.lora_reference(adapter)
         ours_off = base.score(base.prefill(prompt, chunk_size=10), response)
         with reference.disable_adapter():
@@ -170,12 +180,7 @@ def test_absorbed_kv_b_proj_without_an_adapter_reads_its_dequantized_weight() ->
         "base_model.model.model.layers.0.self_attn.kv_b_proj"
     ))  # fmt: skip
     reference = models.add_lora(_base("glm_moe_dsa", quantized=False), lora)
-    adapter = ls.adapt(policy)
-    prompt, response = _ids(33, 1), _ids(7, 2)
-    with torch.no_grad():
-        ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
-        theirs = full_sequence_logps(reference, prompt, response)
-    assert (ours - theirs).abs().max() <= LOGP_ATOL
+    _assert_logps_match(ls.adapt(policy), reference, _ids(33, 1), _ids(7, 2))
 
 
 def test_activation_checkpointing_recomputes_through_the_4bit_layers() -> None:
