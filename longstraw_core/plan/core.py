@@ -9,6 +9,7 @@ on it under a 1F1B schedule) and the plan is the worst stage's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -86,7 +87,7 @@ def compute_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
     parts = MemoryParts(spec, work)
     return MemoryPlan(
         spec, work, parts.lines(), parts.phases(),
-        rollout_gathered=parts.gathers_rollout_once(), load_host=parts.load_host(),
+        rollout_gathered=parts.rollout_once, load_host=parts.load_host(),
     )  # fmt: skip
 
 
@@ -106,7 +107,7 @@ def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
         plan = MemoryPlan(sub, inner, parts.lines(), parts.phases(), [], layout, stage)
         plans.append(
             dataclasses.replace(
-                plan, rollout_gathered=parts.gathers_rollout_once(), load_host=parts.load_host()
+                plan, rollout_gathered=parts.rollout_once, load_host=parts.load_host()
             )
         )
     worst = max(plans, key=lambda plan: plan.peak)
@@ -264,7 +265,8 @@ class MemoryParts(InFlight):
         biggest = max(layer.params for layer in self.spec.layers)
         return (self.spec.root_params + self.spec.layers[-1].params + 2 * biggest) * self.cb
 
-    def gathers_rollout_once(self) -> bool:
+    @functools.cached_property
+    def rollout_once(self) -> bool:
         """Whether FSDP gathers the layers once for the whole rollout
         (``distributed.rollout_gather``): ``once``; ``per_step`` not; ``auto`` once when
         that fits the budget (or no budget is known), else at every decode step."""
@@ -449,7 +451,7 @@ class MemoryParts(InFlight):
         if work.fsdp:
             lines.append(Line("FSDP gathered parameters", self.gathered(), note="during passes"))
             lines.append(Line("FSDP unsharded gradients", self.unsharded_grads(), note="backward"))
-            if self.gathers_rollout_once():
+            if self.rollout_once:
                 gathered = self.gathered_in_rollout(once=True)
                 note = "distributed.rollout_gather"
                 lines.append(Line("FSDP parameters gathered for rollout", gathered, note=note))
@@ -472,7 +474,7 @@ class MemoryParts(InFlight):
 
     def phases(self) -> dict[str, int]:
         """Peak device bytes of each phase of the step (recipe order)."""
-        return self._phases(self.gathers_rollout_once())
+        return self._phases(self.rollout_once)
 
     def _phases(self, rollout_once: bool) -> dict[str, int]:
         work = self.work
