@@ -300,7 +300,8 @@ def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
                 )
         problem = signature_problem(fn, columns)
         if problem:
-            shown = spec.name if name == spec.name else f"{spec.name} (function {name})"
+            attr = spec.name.replace(":", ".").rpartition(".")[2]
+            shown = spec.name if name == attr else f"{spec.name} (function {name})"
             raise ConfigError(f"rewards[{i}].name", f"{shown} {problem}")
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
 
