@@ -6,9 +6,12 @@ keyword only, with one entry per completion in every list::
     fn(prompts=..., completions=..., completion_ids=..., **columns,
        trainer_state=..., log_extra=..., log_metric=...)
 
-- ``prompts``: each completion's prompt as the data gives it (text, or chat messages);
+- ``prompts``: each completion's prompt as its ``Sample`` holds it (text, or chat messages;
+  the data loader's ``chat=True``, the recipes' default, makes a text prompt one user
+  message, so it counts as a chat prompt here);
 - ``completions``: text for a text prompt; for a chat prompt (TRL's "conversational" format)
-  ``[{"role": "assistant", "content": text}]``, the text decoded with special tokens skipped;
+  ``[{"role": "assistant", "content": text}]`` (the recipes decode with special tokens
+  skipped, as TRL does);
 - ``completion_ids``: the sampled token ids (lists of ints, the EOS included, as TRL's);
 - ``columns``: the sample's dataset columns (``sample_columns``: ``answer`` and the record's
   other fields), e.g. ``solution=[...]``;
@@ -31,7 +34,7 @@ A function whose signature the call cannot bind is refused, never called with wr
 arguments: a positional-only parameter, a required parameter that is neither an argument TRL
 passes nor a column of the data, or no ``**kwargs`` while TRL passes more than it names
 (``signature_problem``; the config check runs it at load time on the data's columns, and
-``RewardSet`` again before each call). LongStraw's former ``fn(completions, samples)`` is one.
+``RewardSet`` again before it calls any function on a batch). LongStraw's former ``fn(completions, samples)`` is one.
 
 ``RewardSet`` calls each function, stacks the columns into ``rewards_per_func`` ([N, F],
 None -> NaN) and sums ``weight * reward`` across functions ignoring NaN (TRL's ``nansum``).
