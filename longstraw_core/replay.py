@@ -58,8 +58,8 @@ class GRPOStepResult(Mapping[str, Any]):
     response; ``group_reward_mean``/``group_reward_std`` describe the scorable (non-NaN)
     rewards as given (a reward set reports TRL's ``reward``/``reward_std`` itself).
     ``prefill_seconds`` is 0.0 and left out of ``metrics()`` when a ``state`` was passed
-    (``prefilled`` is False): the prefill was the caller's. ``branch_stats``: TRL's clip ratios and ``kl``
-    (``losses.reduce_branch_stats``; empty when no branch was replayed).
+    (``prefilled`` is False): the prefill was the caller's. ``branch_stats``: TRL's clip
+    ratios and ``kl`` (``losses.reduce_branch_stats``; empty when no branch was replayed).
 
     It also reads like the dict ``grpo_step`` used to return: ``result["loss"]``,
     ``result["advantages"]``, ``result.get(...)``, ``dict(result)`` (the metrics and

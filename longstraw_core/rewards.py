@@ -28,13 +28,14 @@ TRL run unchanged; the built-ins here are written the same way::
 A function returns one value per completion; ``None`` (or NaN) means "not applicable", as in
 TRL. An ``async def`` function (or an object with an async ``__call__``) runs, as in TRL, after
 the synchronous ones, together with the other async ones (``asyncio.gather``) on one event
-loop in a daemon thread that lives as long as its ``RewardSet``.
+loop in a daemon thread that a ``RewardSet`` starts and keeps for the run.
 
 A function whose signature the call cannot bind is refused, never called with wrong
 arguments: a positional-only parameter, a required parameter that is neither an argument TRL
 passes nor a column of the data, or no ``**kwargs`` while TRL passes more than it names
 (``signature_problem``; the config check runs it at load time on the data's columns, and
-``RewardSet`` again before it calls any function on a batch). LongStraw's former ``fn(completions, samples)`` is one.
+``RewardSet`` again before it calls any function on a batch). LongStraw's former
+``fn(completions, samples)`` is one.
 
 ``RewardSet`` calls each function, stacks the columns into ``rewards_per_func`` ([N, F],
 None -> NaN) and sums ``weight * reward`` across functions ignoring NaN (TRL's ``nansum``).

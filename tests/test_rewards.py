@@ -517,7 +517,8 @@ USER_REWARDS = """
     ("spec", "message"),
     [
         ("user_rewards:legacy", "legacy needs 'samples', which is neither an argument TRL "
-         "passes .* nor a column of the data \\(answer, task, seed, .*fn\\(completions, samples\\)"),
+         "passes .* nor a column of the data \\(answer, task, seed, "
+         ".*fn\\(completions, samples\\)"),
         ("user_rewards:by_position", "takes 'completions' by position only"),
         ("user_rewards:no_kwargs", "does not accept 'prompts', 'completion_ids', "
          "'trainer_state', 'log_extra', 'log_metric', 'task'.*add \\*\\*kwargs"),
