@@ -60,6 +60,14 @@ def load_samples(
     return [record_to_sample(r, where, chat=chat) for where, r in _records(path, split, False)]
 
 
+def first_sample(path: str | os.PathLike, *, chat: bool = True, split: str | None = None) -> Sample:
+    """The first record of ``path`` as a Sample, the rest unread: what the config check needs
+    to know the data's columns (``rewards.sample_columns``) before the full scan."""
+    for where, record in _records(path, split, False):
+        return record_to_sample(record, where, chat=chat)
+    raise DataError(f"{path}: no records")
+
+
 def _records(
     path: str | os.PathLike, split: str | None, progress: bool | None
 ) -> Iterator[tuple[str, Any]]:

@@ -67,6 +67,11 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data_position"] == 2
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
+    # The completions table: TRL's columns (prompt, completion, each reward, advantage).
+    table = next((out / "wandb").glob("offline-run-*/files/media/table/completions_*.json"))
+    assert json.loads(table.read_text())["columns"] == [
+        "sample", "answer", "prompt", "completion", "answer_char_recall", "reward", "advantage",
+    ]  # fmt: skip
     if "lora" in config or "lora.enabled=true" in extra:
         assert list((out / "step-000002").rglob("adapter_config.json")), "adapters not saved"
     kept = [metrics["attention_output_bytes"] for _, metrics in state["extra"]["logger"]["history"]]
