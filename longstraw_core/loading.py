@@ -24,7 +24,9 @@ the rank's 4-bit share.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -161,6 +163,7 @@ def materialize(
                 checkpoint.read_into(name, values)
                 quantization.fill_nf4_(module, values, device)
                 del values
+                _return_freed_host_memory()
                 continue
             local, first = _local_rows(tensor)
             for part in _checkpoint_parts(name, local, first, tuple(tensor.shape), checkpoint):
@@ -179,6 +182,25 @@ def materialize(
         raise RuntimeError(f"LoRA adapters left uninitialised after loading: {unset[:3]}")
     if adapter.stage is not None:
         move_stage(adapter, device)
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's ``malloc_trim`` (None where the C library has none, e.g. macOS or musl)."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def _return_freed_host_memory() -> None:
+    """Give the free pages of the C heap back to the OS, after a weight is quantized.
+
+    Quantizing a weight on the CPU allocates and frees scratch several times its size while
+    its small 4-bit results stay allocated. glibc keeps freed chunks under its mmap threshold
+    (which grows up to 32 MiB) in its heap, where the 4-bit results allocated between them
+    pin them: without a trim a rank's resident memory keeps about two weights' scratch beyond
+    its share (measured: 538 MB qwen3, 4 stages, 224-268 MiB growth instead of ~185)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _allocate(model: nn.Module, device: torch.device) -> None:
