@@ -11,9 +11,12 @@ applies. bitsandbytes is imported only here, and only when a quantized model is 
   quantization (each block's absmax in 8 bits, one float32 scale per 256 blocks), as QLoRA
   does. A pass dequantizes the weight (to the compute dtype) and multiplies; backward uses
   the same dequantized weight, so gradients flow through the quantized weights' values.
-- **Same for checkpoints and toys**: a model is built in its dtype (``from_pretrained`` or
-  a random-init toy) and quantized here, so ``model.path`` and ``model.tiny`` get the same
-  modules; transformers' ``BitsAndBytesConfig`` loading is not used for that reason.
+- **Same for checkpoints and toys**: every weight is quantized here from its values in the
+  model dtype, so ``model.path`` and ``model.tiny`` get the same modules; transformers'
+  ``BitsAndBytesConfig`` loading is not used for that reason. A toy is built whole and
+  quantized (``quantize_nf4``); a checkpoint is built on ``meta`` with placeholder weights
+  and each weight a rank holds is quantized as ``longstraw_core.loading`` reads it
+  (``fill_nf4_``), by the same steps: the same codes, bit for bit.
 """
 
 from __future__ import annotations

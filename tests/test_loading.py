@@ -9,9 +9,9 @@
   of ``from_pretrained``'s tensors.
 - ``multiprocess``: the same checkpoint as a QLoRA base (``model.quantization=nf4``) on 4
   stages: each rank quantizes only its layers' weights, one at a time as it reads them
-  (growth: its 4-bit share, its embeddings or head, one weight being quantized, as the
-  planner says), and every tensor (packed codes, absmax, nested scales, the rest, LoRA's)
-  is bit-equal to quantizing the whole model (``models.build_model``).
+  (growth below half the model: the planner's 4-bit share, its embeddings or head, and one
+  weight being quantized), and every tensor (packed codes, absmax, nested scales, the rest,
+  LoRA's) is bit-equal to quantizing the whole model (``models.build_model``).
 - ``multiprocess``: the recipes' step from a saved toy checkpoint, on 2 stages (Qwen3.6 with
   KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact, GLM-5.2
   detached), is bit-equal to its step from the toy.
