@@ -160,7 +160,7 @@ def materialize(
         for name, module, tensor in _base_tensors(adapter.causal_lm):
             if quantization.is_nf4_placeholder(module) and tensor is module.weight:
                 # A 4-bit weight: read in the model's dtype, quantized, moved to the device.
-                values = torch.empty(tensor.shape, dtype=tensor.dtype)
+                values = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
                 checkpoint.read_into(name, values)
                 quantization.fill_nf4_(module, values, device)
                 del values
