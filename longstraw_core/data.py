@@ -63,7 +63,7 @@ def load_samples(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> list
     """Every row of a data file or dataset directory as a Sample, in order (no length check,
     no shuffling: for looking at data; a run reads it through ``sample_source``)."""
     data = open_data(path, split, progress=False)
-    return [record_to_sample(row, data.where(i)) for i, row in enumerate(data.rows)]
+    return [record_to_sample(row, data.where(i)) for i, row in data]
 
 
 def record_to_sample(record: Any, where: str) -> Sample:
@@ -282,7 +282,8 @@ def scan_samples(
     overlong: list[Skipped] = []
     longest = missing_answer = 0
     bar = tqdm(
-        data.rows,
+        data,
+        total=len(data),
         desc=f"scanning {Path(path).name}",
         unit="row",
         disable=None if progress is None else not progress,
@@ -290,7 +291,7 @@ def scan_samples(
         dynamic_ncols=True,
     )
     with bar:
-        for i, row in enumerate(bar):
+        for i, row in bar:
             where = data.where(i)
             sample = record_to_sample(row, where)
             tokens = len(encode_prompt(tokenizer, sample.prompt, chat_template_kwargs))
@@ -323,7 +324,7 @@ def scan_samples(
 def _read_sample(data: OpenedData, kept: array, order: DataOrder, index: int) -> Sample:
     """Sample ``index`` of the run: kept row ``order(index)``, read from the dataset."""
     row = kept[order(index)]
-    return record_to_sample(data.rows[row], data.where(row))
+    return record_to_sample(data[row], data.where(row))
 
 
 def _overlong_message(origin: str, overlong: list[Skipped], kept: int, limit: int) -> str:

@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import datasets
@@ -61,11 +61,43 @@ class OpenedData:
     rows: datasets.Dataset
     origin: str  # the path, with [split] for a dataset of several splits
     lines: array | None = None  # JSON Lines: the file line each row came from
+    path: Path | None = None  # the data file, when there is one
 
     def where(self, row: int) -> str:
         if self.lines is not None:
             return f"{self.origin}:{self.lines[row]}"
         return f"{self.origin}:row {row}"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(index, row)`` in order. A row that cannot be decoded (a string column holding
+        bytes that are not UTF-8, which pyarrow stores without checking) raises ``DataError``
+        naming it."""
+        rows = iter(self.rows)
+        for index in range(len(self.rows)):
+            try:
+                row = next(rows)
+            except Exception as exc:  # decoded a batch at a time: find the row at fault
+                raise self._undecodable(index, exc) from exc
+            yield index, row
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        try:
+            return self.rows[index]
+        except Exception as exc:
+            raise DataError(f"{self.where(index)}: cannot be read: {exc}") from exc
+
+    def _undecodable(self, start: int, exc: Exception) -> DataError:
+        if self.path is not None and self.lines is not None:
+            _diagnose_json_lines(self.path)  # raises naming the line, if one is at fault
+        for index in range(start, len(self.rows)):
+            try:
+                self.rows[index]
+            except Exception as error:
+                return DataError(f"{self.where(index)}: cannot be read: {error}")
+        return DataError(f"{self.where(start)}: cannot be read: {exc}")
 
 
 def open_data(
@@ -92,7 +124,7 @@ def open_data(
             )
         if p.stat().st_size == 0:
             raise DataError(f"{p}: no records (the file is empty or holds only blank lines)")
-        json_lines = builder == "json" and _starts_with(p, b"{")
+        json_lines = builder == "json" and not _starts_with(p, b"[")
         try:
             rows = datasets.load_dataset(builder, data_files=str(p), split=split)
         except Exception as exc:  # datasets raises many types; all mean "cannot read this"
@@ -105,7 +137,7 @@ def open_data(
                 else ""
             )
             raise DataError(f"{_unreadable(p, builder, split, exc)}{hint}") from exc
-    return OpenedData(rows, str(p), _line_numbers(p, len(rows)) if json_lines else None)
+    return OpenedData(rows, str(p), _line_numbers(p, len(rows)) if json_lines else None, p)
 
 
 def _open_directory(path: Path, split: str) -> OpenedData:
@@ -182,8 +214,9 @@ def _line_numbers(path: Path, rows: int) -> array | None:
 
 def _diagnose_json_lines(path: Path) -> int | None:
     """Raise ``DataError`` for the first line that is not a UTF-8 JSON object (a BOM is
-    accepted); else return the first blank line's number (None: there is none)."""
-    blank = None
+    accepted), or for no records at all; else return the first blank line's number (None:
+    there is none)."""
+    blank, records = None, False
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
@@ -198,6 +231,7 @@ def _diagnose_json_lines(path: Path) -> int | None:
             if not line.strip():
                 blank = blank or number
                 continue
+            records = True
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -206,4 +240,6 @@ def _diagnose_json_lines(path: Path) -> int | None:
                 ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
     return blank
