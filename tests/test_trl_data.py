@@ -110,11 +110,14 @@ FORMATS = ["jsonl", "json-array", "parquet", "csv", "arrow", "save_to_disk", "da
            "data_files_dir"]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [STANDARD, CONVERSATIONAL], ids=["standard", "conversational"])
-def test_every_format_gives_the_rows_with_every_column(tmp_path, fmt, rows):
-    if fmt == "csv" and rows is CONVERSATIONAL:
-        pytest.skip("a CSV cell holds text, not a list of messages")
+# A CSV cell holds text, not a list of messages: conversational rows are not written as CSV.
+CASES = [(fmt, kind) for fmt in FORMATS for kind in ("standard", "conversational")
+         if not (fmt == "csv" and kind == "conversational")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "kind"), CASES)
+def test_every_format_gives_the_rows_with_every_column(tmp_path, fmt, kind):
+    rows = STANDARD if kind == "standard" else CONVERSATIONAL
     path, split = write(tmp_path, rows, fmt)
     samples = load_samples(path, split=split)
     assert [s.columns for s in samples] == rows  # what TRL passes its reward functions
@@ -282,3 +285,14 @@ def test_data_and_rollout_keys_and_their_defaults(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(TINY, [override])
         assert info.value.key == key
+
+
+def test_a_task_fits_its_prompt_with_the_template_kwargs(tok):
+    """data.chat_template_kwargs reach the task's length fitting: a generated prompt has the
+    tokens the recipe will encode it to, think block included."""
+    off = {"enable_thinking": False}
+    data = DataSection(task="passkey_retrieval", prompt_tokens=400, chat_template_kwargs=off)
+    sample = sample_source(data, tok)(2)
+    encoded = len(encode_prompt(tok, sample.prompt, off))
+    assert encoded == sample.meta["prompt_tokens"] and abs(encoded - 400) <= 4
+    assert len(encode_prompt(tok, sample.prompt)) == encoded - len("<think>\n\n</think>\n\n")
