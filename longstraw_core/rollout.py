@@ -32,8 +32,9 @@ the log-probs of the unscaled logits (temperature 1).
 
 A response ends at an end-of-sequence token or at the token that completes one of the
 ``stop_strings`` (transformers' ``StopStringCriteria``: the decoded response contains the
-string, also when it starts or ends inside a token); both are kept in the response, as TRL
-keeps the token vLLM or ``generate`` stopped at, and such a response is not truncated.
+string, also when it starts or ends inside a token, reading special tokens' text too); both
+are kept in the response, as TRL keeps the token vLLM or ``generate`` stopped at, and such a
+response is not truncated.
 Unlike ``generate``, a stop string is looked for in the response only, never across the
 prompt's end (vLLM's rule). Finished branches stay in the batch (their later tokens are
 masked) until every branch has finished or ``max_new_tokens`` is reached.
