@@ -6,15 +6,14 @@ keyword only, with one entry per completion in every list::
     fn(prompts=..., completions=..., completion_ids=..., **columns,
        trainer_state=..., log_extra=..., log_metric=...)
 
-- ``prompts``: each completion's prompt as its ``Sample`` holds it (text, or chat messages;
-  the data loader's ``chat=True``, the recipes' default, makes a text prompt one user
-  message, so it counts as a chat prompt here);
+- ``prompts``: each completion's prompt as its ``Sample`` holds it: text (TRL's standard
+  format) or chat messages (conversational), as the data row gave it;
 - ``completions``: text for a text prompt; for a chat prompt (TRL's "conversational" format)
   ``[{"role": "assistant", "content": text}]`` (the recipes decode with special tokens
   skipped, as TRL does);
 - ``completion_ids``: the sampled token ids (lists of ints, the EOS included, as TRL's);
-- ``columns``: the sample's dataset columns (``sample_columns``: ``answer`` and the record's
-  other fields), e.g. ``solution=[...]``;
+- ``columns``: the sample's dataset columns (``sample_columns``: every column of its row but
+  ``prompt``), e.g. ``solution=[...]``;
 - ``trainer_state``: a ``transformers.TrainerState`` (``global_step``: optimizer steps done,
   ``max_steps``), for rewards shaped by training progress;
 - ``log_extra(column, values)`` adds a column to the completions table, ``log_metric(name,
@@ -107,15 +106,18 @@ class RewardError(RuntimeError):
 
 
 def sample_columns(sample: Sample) -> dict[str, Any]:
-    """The dataset columns TRL would pass for ``sample``: ``answer`` (when it has one) and the
-    record's other fields (``Sample.meta``), in that order.
+    """The dataset columns TRL would pass for ``sample``: a data row's every column but
+    ``NOT_COLUMNS`` (``Sample.columns``, as ``datasets`` read it; ``prompt`` is passed as
+    ``prompts``), with ``answer`` added when the row's answer came from elsewhere (a
+    ``messages`` row's last assistant turn). A generated task sample has no row: its
+    ``answer`` (when it has one) and its ``meta``.
 
-    The one place that maps a ``Sample`` onto TRL's columns. Not columns: ``prompt`` (passed
-    as ``prompts``), ``completion``/``completion_ids`` (TRL leaves those out) and
-    ``Sample.id`` (LongStraw's label for a sample, ``<file>:<line>`` when the record had none).
+    The one place that maps a ``Sample`` onto TRL's columns.
     """
-    columns = {} if sample.answer is None else {"answer": sample.answer}
-    columns |= {k: v for k, v in sample.meta.items() if k not in NOT_COLUMNS}
+    row = sample.columns or sample.meta
+    columns = {k: v for k, v in row.items() if k not in NOT_COLUMNS}
+    if sample.answer and "answer" not in columns:
+        columns = {"answer": sample.answer, **columns}
     return columns
 
 

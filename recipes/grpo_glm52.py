@@ -200,7 +200,10 @@ class Recipe:
         ``index``: the sample's position in the data, which seeds the rollout.
         """
         cfg, progress = self.cfg, self.progress
-        prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
+        # Plain text as it is, messages through the chat template (TRL's rules).
+        prompt_ids = torch.tensor(
+            tokenizer.encode_prompt(self.tokenizer, sample.prompt, cfg.data.chat_template_kwargs)
+        )
         device = self.accelerator.device
         names.reset_peak_memory(device)  # this step's peak: prefill to optimizer step
         with progress.phase("prefill"):
@@ -221,7 +224,11 @@ class Recipe:
                     temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
+                    min_p=cfg.rollout.min_p,
+                    repetition_penalty=cfg.rollout.repetition_penalty,
                     eos_token_ids=[self.tokenizer.eos_token_id],
+                    stop_strings=cfg.rollout.stop,
+                    tokenizer=self.tokenizer,
                     seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
                     progress=self.bars,
                     gather_parameters=self.rollout_once,

@@ -695,7 +695,7 @@ def score_like_the_recipe(tiny_policy, trainer, inputs, output, funcs, **kwargs)
     ids = [row[mask.bool()].tolist() for row, mask in
            zip(output["completion_ids"], output["completion_mask"], strict=True)]  # fmt: skip
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    samples = [record_to_sample(row, f"row {i // G}", chat=False) for i, row in enumerate(inputs)]
+    samples = [record_to_sample(row, f"row {i // G}") for i, row in enumerate(inputs)]
     trl_calls = dict(_TRL_CALLS)
     _TRL_CALLS.clear()
     scored = RewardSet(funcs, **kwargs)(

@@ -206,6 +206,14 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
         _check_task_kwargs(data.task, data.task_kwargs)
     elif data.task_kwargs:
         raise ConfigError("data.task_kwargs", "only applies with data.task, not data.path")
+    else:
+        from longstraw_core.data_files import path_problem  # no `datasets` import here
+
+        problem = path_problem(data.path)
+        if problem:
+            raise ConfigError("data.path", problem)
+    if not data.split:
+        raise ConfigError("data.split", 'empty; name a split ("train", as TRL scripts do)')
     from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
 
     _check_choice("data.on_overlong", data.on_overlong, ON_OVERLONG)
@@ -229,7 +237,7 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
 
 
 def _check_task_kwargs(task: str, kwargs: dict[str, Any]) -> None:
-    reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id"}
+    reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id", "chat_template_kwargs"}
     parameters = inspect.signature(TASKS[task]).parameters
     for key in kwargs:
         if key in reserved or key not in parameters:
@@ -276,6 +284,16 @@ def _check_rollout(rollout: RolloutSection) -> None:
     )
     _check_range("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a float in (0, 1] (1: off)")
     _check_range("rollout.top_k", r.top_k, r.top_k >= 0, "an int >= 0 (0: off)")
+    _check_range("rollout.min_p", r.min_p, 0 <= r.min_p <= 1, "a float in [0, 1] (0: off)")
+    _check_range(
+        "rollout.repetition_penalty",
+        r.repetition_penalty,
+        r.repetition_penalty > 0,
+        "a float > 0 (1: off; > 1 discourages repeats)",
+    )
+    for i, stop in enumerate(r.stop):
+        if not stop:
+            raise ConfigError(f"rollout.stop[{i}]", "an empty string would stop every response")
 
 
 def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
@@ -325,7 +343,7 @@ def _data_columns(data: DataSection, check_paths: bool) -> tuple[str, ...] | Non
                 data.seed, 0, depth=data.depth, **data.task_kwargs,
             )  # fmt: skip
         elif check_paths:
-            sample = first_sample(data.path)
+            sample = first_sample(data.path, split=data.split)
         else:
             return None
     except (DataError, ValueError, OSError):
