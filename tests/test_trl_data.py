@@ -268,7 +268,9 @@ def test_split_and_format_errors_name_the_path_and_the_fix(tmp_path, tok):
 
 def test_data_and_rollout_keys_and_their_defaults(tmp_path):
     path, _ = write(tmp_path, STANDARD, "parquet")
-    cfg = load_config(TINY, ["data.task=null", f"data.path={path}"])
+    # a reward that reads the data's own column (the tiny config's built-ins read `answer`)
+    reward = "rewards=[{name: tests.trl_rewards:solution_char_recall}]"
+    cfg = load_config(TINY, ["data.task=null", f"data.path={path}", reward])
     assert (cfg.data.split, cfg.data.shuffle, cfg.data.chat_template_kwargs) == ("train", True, {})
     assert (cfg.rollout.min_p, cfg.rollout.repetition_penalty, cfg.rollout.stop) == (0.0, 1.0, [])
     cfg = load_config(TINY, ["data.chat_template_kwargs={enable_thinking: false}",
