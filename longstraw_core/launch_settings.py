@@ -37,7 +37,6 @@ from longstraw_core.config import ConfigError, RunConfig, validate
 FSDP_EQUIVALENTS = {
     "FSDP_RESHARD_AFTER_FORWARD": "distributed.reshard_after_forward",
     "FSDP_ACTIVATION_CHECKPOINTING": "train.activation_checkpointing",
-    "FSDP_OFFLOAD_PARAMS": "offload.* (LongStraw offloads the prefix state, not parameters)",
 }
 SHARD_YOURSELF = (
     "LongStraw shards the model itself (FSDP2 per decoder layer, or pipeline stages) and "
@@ -140,10 +139,15 @@ def _mixed_precision(result: Resolution) -> None:
 def _sharding_plugins(result: Resolution) -> None:
     if parse_flag_from_env("ACCELERATE_USE_FSDP"):
         equivalents = [
-            f"{name.lower()} -> {key}"
+            f"{name.lower()}: {os.environ[name]} -> {key}={os.environ[name]}"
             for name, key in FSDP_EQUIVALENTS.items()
-            if name in os.environ
+            if os.environ.get(name, "").lower() in ("true", "false")
         ]
+        if parse_flag_from_env("FSDP_OFFLOAD_PARAMS"):
+            equivalents.append(
+                "fsdp_offload_params: true -> none (LongStraw offloads the prefix state, "
+                "offload.*, not the parameters)"
+            )
         also = f" (fsdp_config: {'; '.join(equivalents)})" if equivalents else ""
         result.refusals.append(
             f"distributed_type: FSDP (ACCELERATE_USE_FSDP=true): {SHARD_YOURSELF}{also}"
