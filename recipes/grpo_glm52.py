@@ -18,6 +18,11 @@ Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own group 
 step's loss is TRL's over every rank's responses as one batch, metrics are averaged over the
 ranks, and rank 0 logs and writes the checkpoints.
 
+accelerate launch settings are honoured or refused at start (``launch_settings``): its
+``mixed_precision: bf16`` becomes ``distributed.mixed_precision=bf16`` (bf16 compute over float32
+master weights, on one device too); its FSDP, DeepSpeed, dynamo or gradient accumulation
+settings stop the run before any weight loads, naming the run config keys to use instead.
+
 Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the step, saves a checkpoint and
 exits 128+signal; a step with a non-finite loss, gradient or logits is skipped (the guard
 stops the run after ``train.max_skipped_steps`` in a row); ``train.resume_from=latest``
@@ -30,7 +35,9 @@ Run it:
         recipes/grpo_glm52.py --config configs/glm52/lora_grpo_32xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_glm52.py distributed.fsdp=true   # sharded CPU run
 
-Copy this file and edit it: every mechanism is a ``longstraw_core`` call.
+Serve a checkpoint: ``python -m longstraw_core.export <output_dir>/step-NNNNNN <dir>`` writes a
+plain transformers model (LoRA merged). Copy this file and edit it: every mechanism is a
+``longstraw_core`` call.
 """
 
 from __future__ import annotations
