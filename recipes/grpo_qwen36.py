@@ -16,6 +16,11 @@ Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own group 
 step's loss is TRL's over every rank's responses as one batch, metrics are averaged over the
 ranks, and rank 0 logs and writes the checkpoints.
 
+accelerate launch settings are honoured or refused at start (``launch_settings``): its
+``mixed_precision: bf16`` becomes ``distributed.mixed_precision=bf16`` (bf16 compute over float32
+master weights, on one device too); its FSDP, DeepSpeed, dynamo or gradient accumulation
+settings stop the run before any weight loads, naming the run config keys to use instead.
+
 Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the step, saves a checkpoint and
 exits 128+signal; a step with a non-finite loss, gradient or logits is skipped (the guard
 stops the run after ``train.max_skipped_steps`` in a row); ``train.resume_from=latest``
@@ -28,7 +33,9 @@ Run it:
         recipes/grpo_qwen36.py --config configs/qwen36/27b_lora_grpo_8xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_qwen36.py distributed.fsdp=true   # sharded CPU run
 
-Copy this file and edit it: every mechanism is a ``longstraw_core`` call.
+Serve a checkpoint: ``python -m longstraw_core.export <output_dir>/step-NNNNNN <dir>`` writes a
+plain transformers model (LoRA merged). Copy this file and edit it: every mechanism is a
+``longstraw_core`` call.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from longstraw_core import (
     data,
     distributed,
     guard,
+    launch_settings,
     loading,
+    mixed_precision,
     models,
     plan,
     resume,
@@ -103,6 +112,9 @@ class Recipe:
         self.model = self.adapter.model
         self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
         self.reference = self._reference_policy()
+        # distributed.mixed_precision=bf16 without FSDP: bf16 working weights for each step
+        # over the float32 masters the optimizer holds (FSDP2 applies its own policy).
+        self.precision = mixed_precision.step_precision(cfg, self.model, self.reference)
         self.grpo = config.grpo_config(cfg)
         self.offload = config.offload_policy(cfg)  # prefix state on CPU, streamed per layer
         # FSDP: gather the layers once per rollout, unless the planner says that won't fit.
@@ -176,7 +188,9 @@ class Recipe:
         with GracefulStop() as stop:
             while self.step < cfg.train.steps:
                 index = self.data_position + self.topology.replica
-                metrics = self.topology.reduce(self.train_step(self.sample_at(index), index))
+                with self.precision.step():  # bf16 working weights until the optimizer step
+                    metrics = self.train_step(self.sample_at(index), index)
+                metrics = self.topology.reduce(metrics)
                 self.step += 1
                 self.data_position += self.topology.replicas
                 metrics |= self.progress.step_done()
@@ -294,6 +308,7 @@ class Recipe:
     def _optimizer_step(self, loss: float) -> tuple[float, str | None]:
         """Clip and step; a non-finite loss or gradient norm (on any rank) skips the update.
         Returns the gradient norm and why the update was skipped (None: it was not)."""
+        self.precision.to_masters()  # float32 weights and gradients for the clip and AdamW
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         # Replicas of a stage average their gradients; the clip uses the whole model's norm.
         norm = self.topology.finish_gradients(parameters, self.cfg.optim.max_grad_norm)
@@ -312,6 +327,7 @@ class Recipe:
 
     def _skip(self, reason: str) -> dict[str, float]:
         """This step changes nothing (no update, no scheduler step): count it, say why."""
+        self.precision.to_masters()
         self.optimizer.zero_grad(set_to_none=True)
         write = self.progress.write if self.accelerator.is_main_process else lambda line: None
         self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
@@ -364,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         cfg = config.load_config(args.config, args.overrides)
+        # accelerate launch's settings (mixed_precision, FSDP, DeepSpeed, ...): each mapped
+        # onto the run config or refused here, never silently ignored.
+        cfg = launch_settings.honour(cfg)
     except (config.ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
     try:  # before any weight is loaded: refuse a step the GPUs cannot hold

@@ -218,7 +218,16 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
         (["train.steps=0"], "train.steps"),
         (["train.resume_from=/nonexistent/run"], "train.resume_from"),
         (["tracking.mode=cloud"], "tracking.mode"),
-        (["distributed.mixed_precision=bf16"], "distributed.mixed_precision"),  # needs fsdp
+        # bf16 compute without FSDP keeps float32 masters, in one process, over no 4-bit base
+        (["distributed.mixed_precision=bf16", "model.dtype=bfloat16"], "model.dtype"),
+        (
+            ["distributed.mixed_precision=bf16", "distributed.pipeline_stages=2"],
+            "distributed.mixed_precision",
+        ),
+        (
+            ["distributed.mixed_precision=bf16", "model.quantization=nf4", "lora.enabled=true"],
+            "distributed.mixed_precision",
+        ),
         (["model.dtype=fp8"], "model.dtype"),
         (["model.tiny=gpt2"], "model.tiny"),
         (["model.tiny_overrides.vocab_size=128"], "model.tiny_overrides.vocab_size"),

@@ -9,6 +9,7 @@ scratch), and compares its peak with the planner's prediction, made from the con
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import longstraw_core as ls
 import model_adapters.base as base
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.memory import LiveTensorMemory, parse_bytes
+from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
 from longstraw_core.plan import (
     MemoryPlanError,
     ModelSpec,
@@ -54,6 +56,7 @@ class Case:
     vocab: int = 512  # the tiny models' own
     head_chunk: int = 0  # model_adapters.base.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
     keep_outputs: bool = False  # GRPOConfig.keep_attention_outputs
+    bf16: bool = False  # bf16 working weights over float32 masters (mixed_precision.py)
 
 
 CASES = [
@@ -73,6 +76,9 @@ CASES = [
     # the head to be the step's peak.
     Case("qwen3", "detached", 1024, 2, 512, 256, vocab=8192, head_chunk=64 * 8192),
     Case("qwen3_5_text", "exact", 1024, 2, 512, 256, True, vocab=8192, head_chunk=64 * 8192),
+    # bf16 working weights: a bf16 state, the bf16 copy and one backward's bf16 gradients.
+    Case("qwen3", "exact", 4096, 2, 64, 512, bf16=True),
+    Case("qwen3_5_text", "detached", 3072, 3, 32, 512, bf16=True),
 ]
 
 
@@ -93,7 +99,8 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
     )
     checkpoints = "device" if case.gradient == "exact" else None
     tracked = [*model.parameters(), *model.buffers(), optimizer.state_dict()["state"], prompt]
-    with LiveTensorMemory(tracked) as memory:
+    weights = WorkingWeights(model) if case.bf16 else FullPrecision()
+    with LiveTensorMemory(tracked) as memory, weights.step():
         with memory.phase("prefill"):
             state = adapter.prefill(
                 prompt, chunk_size=case.chunk, checkpoints=checkpoints,
@@ -108,6 +115,7 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
                 chunk_size=case.chunk,
             )  # fmt: skip
         with memory.phase("optimizer"):
+            weights.to_masters()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -118,6 +126,7 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
 def _case_id(case: Case) -> str:
     name = f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
     name += "-kept-outputs" if case.keep_outputs else ""
+    name += "-bf16" if case.bf16 else ""
     return name + ("-head-chunks" if case.head_chunk else "")
 
 
@@ -130,7 +139,10 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) 
     overrides = {"vocab_size": case.vocab} if case.vocab != 512 else {}
     model = tiny_model(case.model_type, max_position_embeddings=positions, **overrides).train()
     memory, metrics = measure_step(model, case)
-    spec = ModelSpec.from_model(model, case.model_type)
+    # The planner reads the state's records from a model in the compute dtype (as
+    # plan_for_config builds it).
+    spec_model = copy.deepcopy(model).to(torch.bfloat16) if case.bf16 else model
+    spec = ModelSpec.from_model(spec_model, case.model_type)
     work = Workload(
         prompt_tokens=case.prompt,
         group=case.group,
@@ -140,6 +152,7 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) 
         device="cpu",
         activation_checkpointing=case.checkpointing,
         keep_attention_outputs=case.keep_outputs,
+        compute_dtype=torch.bfloat16 if case.bf16 else torch.float32,
     )
     plan = plan_memory(spec, work)
     error = (plan.peak - memory.peak) / memory.peak

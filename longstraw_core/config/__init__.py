@@ -9,14 +9,14 @@ Import from here; the modules hold:
 
 - ``schema``: the sections, ``RunConfig`` and their defaults, the allowed-value tuples,
   ``ConfigError``.
-- ``loading``: ``load_config`` (YAML ``defaults:`` chain, merge, overrides, unknown-key
+- ``loading``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge, overrides, unknown-key
   checks, OmegaConf errors as ``ConfigError``), ``to_dict`` and ``to_yaml``.
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
   ``offload_policy``.
 - ``model_tables``: ``DEFAULT_LORA_TARGETS``, ``lora_targets``, ``model_facts``.
 """
 
-from longstraw_core.config.loading import load_config, to_dict, to_yaml
+from longstraw_core.config.loading import config_from_dict, load_config, to_dict, to_yaml
 from longstraw_core.config.model_tables import (
     DEFAULT_LORA_TARGETS,
     ModelFacts,
@@ -74,6 +74,7 @@ __all__ = [
     "TokenizerSection",
     "TrackingSection",
     "TrainSection",
+    "config_from_dict",
     "grpo_config",
     "load_config",
     "lora_targets",

@@ -55,6 +55,22 @@ def load_config(
     return cfg
 
 
+def config_from_dict(body: dict[str, Any], source: str, *, check_paths: bool = True) -> RunConfig:
+    """The validated config a plain dict describes (a run config a checkpoint recorded, as
+    ``to_dict`` wrote it), with the same key checks as a YAML file; ``source`` names it in
+    errors."""
+    merged = OmegaConf.structured(RunConfig)
+    _open_free_dicts(merged)
+    _check_keys(body, RunConfig, "", f"in {source}")
+    merged = _merge(merged, body, f"in {source}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, f"in {source}") from None
+    validate(cfg, check_paths=check_paths)
+    return cfg
+
+
 def _open_free_dicts(cfg: DictConfig) -> None:
     """``dict[str, Any]`` settings take any key: lift OmegaConf's struct flag there only."""
     for section in dataclasses.fields(RunConfig):

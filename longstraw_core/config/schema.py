@@ -184,7 +184,11 @@ class TrackingSection:
 @dataclass
 class DistributedSection:
     fsdp: bool = False  # fully_shard per decoder layer (FSDP2)
-    mixed_precision: str = "fp32"  # bf16: FSDP2 computes in bf16 over fp32 sharded params
+    # bf16: compute in bf16 over float32 master weights (model.dtype=float32): with fsdp,
+    # FSDP2's policy over the fp32 shards; without, bf16 working weights per step
+    # (longstraw_core/mixed_precision.py): half the matmul time and prefix-state memory, for
+    # bf16 rounding in every pass. fp32: everything in model.dtype.
+    mixed_precision: str = "fp32"
     reshard_after_forward: bool = True  # False keeps gathered params: faster, more memory
     # FSDP in rollout: "once" gathers each layer once for the whole rollout and keeps it (the
     # unsharded model's memory, or a stage's, while decoding); "per_step" gathers at every

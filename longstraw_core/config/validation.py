@@ -419,10 +419,34 @@ def _check_distributed(cfg: RunConfig) -> None:
             "(null: boundaries balanced by the planner)",
         )
     if dist.mixed_precision == "bf16" and not dist.fsdp:
+        _check_working_weights(cfg)
+
+
+def _check_working_weights(cfg: RunConfig) -> None:
+    """``distributed.mixed_precision=bf16`` without FSDP: bf16 working weights over float32
+    master weights in one process (``longstraw_core.mixed_precision``)."""
+    key = "distributed.mixed_precision"
+    if cfg.model.quantization is not None:
         raise ConfigError(
-            "distributed.mixed_precision",
-            "'bf16' is FSDP2's MixedPrecisionPolicy and needs distributed.fsdp=true; "
-            "for bf16 parameters without FSDP set model.dtype=bfloat16",
+            key,
+            f"'bf16' with model.quantization={cfg.model.quantization!r}: the 4-bit layers "
+            "compute in model.dtype, fixed when they are quantized; set model.dtype=bfloat16 "
+            "and distributed.mixed_precision=fp32 (the adapters stay float32)",
+        )
+    if cfg.model.dtype != "float32":
+        raise ConfigError(
+            "model.dtype",
+            f"{cfg.model.dtype!r} with distributed.mixed_precision='bf16': bf16 compute keeps "
+            "float32 master weights, so model.dtype must be float32 (or keep "
+            f"model.dtype={cfg.model.dtype!r} and set distributed.mixed_precision=fp32: the "
+            "model then computes in its own dtype)",
+        )
+    if cfg.distributed.pipeline_stages > 1:
+        raise ConfigError(
+            key,
+            "'bf16' on pipeline stages without FSDP is not built yet (one process only); "
+            "set distributed.fsdp=true (FSDP2's bf16 policy per stage), or model.dtype=bfloat16 "
+            "and distributed.mixed_precision=fp32",
         )
 
 

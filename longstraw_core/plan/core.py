@@ -173,10 +173,18 @@ class MemoryParts(InFlight):
             return 0
         return sum(layer.quantizable for layer in self.spec.layers)
 
+    @property
+    def working_weights(self) -> bool:
+        """bf16 compute over float32 masters without FSDP (``longstraw_core.mixed_precision``):
+        frozen weights are cast to the compute dtype once, trained ones copied per step."""
+        return not self.work.fsdp and self.cb < self.pb
+
     def parameters(self) -> int:
         """The weights (4-bit ones at ``nf4_bytes``: ~0.516 byte each) and the adapters."""
         quantized = self.quantized_params()
-        total = (self.spec.params - quantized) * self.pb + self.lora_params() * FP32
+        frozen_base = self.working_weights and self.work.lora_rank
+        base_bytes = self.cb if frozen_base else self.pb
+        total = (self.spec.params - quantized) * base_bytes + self.lora_params() * FP32
         total += math.ceil(nf4_bytes(quantized))
         return total // self.work.shards
 
@@ -185,7 +193,18 @@ class MemoryParts(InFlight):
         base weights, sharded like the policy (LoRA's reference is its own base)."""
         if not self.work.reference_model or self.work.lora_rank:
             return 0
-        return self.spec.params * self.pb // self.work.shards
+        frozen_bytes = self.cb if self.working_weights else self.pb
+        return self.spec.params * frozen_bytes // self.work.shards
+
+    def working_copy(self) -> int:
+        """Working weights: the compute-dtype copy of every trained parameter, from prefill
+        to the optimizer step (the float32 masters stay where they are)."""
+        return self.trainable * self.cb if self.working_weights else 0
+
+    def working_grads(self) -> int:
+        """Working weights: one backward's gradients in the compute dtype, each added into
+        its float32 sum (``gradients``) as soon as autograd has accumulated it."""
+        return self.trainable * self.cb if self.working_weights else 0
 
     def dequantized(self) -> int:
         """A 4-bit linear's weight, dequantized to the compute dtype for its matmul (forward
@@ -455,6 +474,13 @@ class MemoryParts(InFlight):
                 gathered = self.gathered_in_rollout(once=True)
                 note = "distributed.rollout_gather"
                 lines.append(Line("FSDP parameters gathered for rollout", gathered, note=note))
+        if self.working_weights:
+            note = "trained parameters, prefill to optimizer step"
+            lines.append(Line("bf16 working weights", self.working_copy(), note=note))
+            note = "one backward's, then added into the fp32 gradients"
+            lines.append(
+                Line("bf16 working gradients (transient)", self.working_grads(), note=note)
+            )
         if work.quantization is not None:
             note = f"the largest 4-bit linear in {dtype_name(self.cb)}, during each pass"
             lines.append(Line("NF4 dequantized weight (transient)", self.dequantized(), note=note))
@@ -492,7 +518,9 @@ class MemoryParts(InFlight):
         base += state_device + self.checkpoints()[0] + self.kept_outputs()[0]
         chunk = min(work.chunk_size, work.stored)
         backward = grad_device + self.gradients() + self.gathered() + self.unsharded_grads()
-        passes = base + self.dequantized()  # the phases that run the layers
+        backward += self.working_grads()
+        # The phases that run the layers (working weights: on their compute-dtype copies).
+        passes = base + self.dequantized() + self.working_copy()
         phases = {
             "prefill": passes
             + self.gathered()
