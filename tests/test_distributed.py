@@ -223,7 +223,8 @@ def test_spread_groups_gives_every_rank_the_same_number():
         spread_groups(groups, 0, 4)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+@pytest.mark.parametrize("loss_type", list(ls.grpo_config.LOSS_TYPES))
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_loss_scales_weight_groups_as_one_batch(loss_type, mask_truncated):
     """Each group's own weights times its scale are the weights of the step's batch."""

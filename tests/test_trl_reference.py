@@ -23,6 +23,7 @@ kernel), so where LongStraw computes its own (float64) the tolerances are float3
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -104,6 +105,17 @@ def assert_same_grads(actual, expected, rtol=1e-8):
         scale = want.abs().max().clamp_min(1e-30)
         err = ((actual[name] - want).abs().max() / scale).item()
         assert err <= rtol, f"{name}: relative error {err:.2e}"
+
+
+def test_config_defaults_are_trls(tmp_path):
+    """Every field LongStraw's GRPOConfig shares with TRL's has TRL's default."""
+    trl_config = TRLConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    shared = [f for f in dataclasses.fields(ls.GRPOConfig) if hasattr(trl_config, f.name)]
+    assert {f.name for f in dataclasses.fields(ls.GRPOConfig)} - {f.name for f in shared} == {
+        "gradient", "recurrent_checkpoints", "keep_attention_outputs",  # LongStraw's own
+    }  # fmt: skip
+    for f in shared:
+        assert f.default == getattr(trl_config, f.name), f.name
 
 
 # --- every loss type: branch_loss on the model's log-probs == TRL's _compute_loss -------------
