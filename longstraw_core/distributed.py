@@ -38,8 +38,9 @@ mean over all responses of each response's token mean; ``dr_grpo``: the sum over
 token-level losses, responses for ``grpo``/``dr_grpo``. FSDP averages gradients over the
 ranks, so ``group_loss_scales`` gives each group ``world_size x`` its share, to pass to
 ``grpo_step(..., loss_scale=...)``. One process with several groups per step gets the same
-gradient with the same call. Rewards are scaled within each group (``scale_rewards``
-``"batch"`` takes its std over the group, not the step).
+gradient with the same call. ``scale_rewards="batch"`` divides by the std of every reward of
+the step (``step_reward_std``); ``generation.GenerationBatch`` does both for groups that
+arrive one rollout at a time, as the recipes' do.
 
 Typical use under ``torchrun``::
 
@@ -55,8 +56,9 @@ Typical use under ``torchrun``::
         optimizer.zero_grad()
         metrics = reduce_metrics(metrics)
 
-The recipes run this way under ``torchrun ... distributed.fsdp=true``: one group per rank and
-step (sample ``data_position + rank``), ``require_sharding`` refuses several unsharded
+The recipes run this way under ``torchrun ... distributed.fsdp=true``: ``prompts_per_step``
+groups per rank and step (samples ``data_position + rank * prompts_per_step + k``), through
+``GenerationBatch``; ``require_sharding`` refuses several unsharded
 processes, ``gather_rows`` collects every rank's completions for the table rank 0 logs,
 ``longstraw_core.checkpoint`` gathers and restores the sharded state, and ``exit_ranks`` ends
 a finished rank without gloo's fragile interpreter teardown.
