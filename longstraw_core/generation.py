@@ -133,7 +133,9 @@ class GenerationBatch:
         self._totals.append(total)
         if self._first_total is None:
             self._first_total = total
-            self._first_std = self._batch_std([group.rewards])
+            std = self._batch_std([group.rewards])
+            # Fewer than two scorable rewards so far: any positive stand-in, finish corrects.
+            self._first_std = 1.0 if std is not None and math.isnan(std) else std
         return None if self.defers_replay else self._provisional_share(len(self.groups) - 1)
 
     def finish(self, parameters: Iterable[torch.nn.Parameter]) -> float:
@@ -147,7 +149,10 @@ class GenerationBatch:
             )
         self.finished = True
         self._final_total = sum(self._totals)
-        self._final_std = self._batch_std([g.rewards for g in self.groups])
+        std = self._batch_std([g.rewards for g in self.groups])
+        # TRL's std of fewer than two scorable rewards is NaN and its advantages then 0
+        # (nan_to_num); an infinite std gives those zeros.
+        self._final_std = math.inf if std is not None and math.isnan(std) else std
         if self.defers_replay or not any(self._replayed):
             return 1.0
         factor = self._normaliser_guess() / max(self._final_total, 1.0)
