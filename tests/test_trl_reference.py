@@ -214,9 +214,9 @@ def test_loss_types_equal_trl_compute_loss(
 # --- several prompts per step, scale_rewards: GenerationBatch == TRL's one batch --------------
 
 
-def trl_generation(trainer, rewards_seed: int = 0):
+def trl_generation(trainer, seed: int = 0):
     """TRL samples the two prompts' groups and scores them (its own advantages)."""
-    torch.manual_seed(rewards_seed)
+    torch.manual_seed(seed)  # TRL samples with the global generator
     batch = [{"prompt": p} for p in PROMPTS for _ in range(G)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
