@@ -13,6 +13,7 @@ result.loss, result.advantages, result.metrics()  # typed fields; the scalars to
 # First: quiets a bitsandbytes import-time notice before peft imports it (see quantization).
 from longstraw_core import quantization as _quantization  # noqa: F401
 from longstraw_core.attention import segmented_attention
+from longstraw_core.generation import GenerationBatch
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import group_advantages
 from longstraw_core.offload import OffloadPolicy
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionKV",
     "GRPOConfig",
     "GRPOStepResult",
+    "GenerationBatch",
     "ModelAdapter",
     "OffloadPolicy",
     "PrefixState",

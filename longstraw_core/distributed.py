@@ -38,8 +38,9 @@ mean over all responses of each response's token mean; ``dr_grpo``: the sum over
 token-level losses, responses for ``grpo``/``dr_grpo``. FSDP averages gradients over the
 ranks, so ``group_loss_scales`` gives each group ``world_size x`` its share, to pass to
 ``grpo_step(..., loss_scale=...)``. One process with several groups per step gets the same
-gradient with the same call. Rewards are scaled within each group (``scale_rewards``
-``"batch"`` takes its std over the group, not the step).
+gradient with the same call. ``scale_rewards="batch"`` divides by the std of every reward of
+the step (``step_reward_std``); ``generation.GenerationBatch`` does both for groups that
+arrive one rollout at a time, as the recipes' do.
 
 Typical use under ``torchrun``::
 
@@ -55,8 +56,9 @@ Typical use under ``torchrun``::
         optimizer.zero_grad()
         metrics = reduce_metrics(metrics)
 
-The recipes run this way under ``torchrun ... distributed.fsdp=true``: one group per rank and
-step (sample ``data_position + rank``), ``require_sharding`` refuses several unsharded
+The recipes run this way under ``torchrun ... distributed.fsdp=true``: ``prompts_per_step``
+groups per rank and step (samples ``data_position + rank * prompts_per_step + k``), through
+``GenerationBatch``; ``require_sharding`` refuses several unsharded
 processes, ``gather_rows`` collects every rank's completions for the table rank 0 logs,
 ``longstraw_core.checkpoint`` gathers and restores the sharded state, and ``exit_ranks`` ends
 a finished rank without gloo's fragile interpreter teardown.
@@ -101,6 +103,7 @@ from torch.distributed.fsdp import (
 
 from longstraw_core.config import ConfigError
 from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.losses import normaliser_share
 
 if TYPE_CHECKING:
     from accelerate.utils import InitProcessGroupKwargs
@@ -113,7 +116,6 @@ MIXED_PRECISION = ("auto", "bf16", "fp32")
 # FSDP warns about every view among a forward's outputs (an in-place op on one would skip its
 # hook); a recomputed chunk's writes are views, and nothing writes into them.
 _VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
-_TOKEN_LEVEL_LOSSES = ("bnpo", "dapo", "cispo")
 
 Group = TypeVar("Group")
 Row = TypeVar("Row")
@@ -461,10 +463,12 @@ def group_loss_scales(
 
     ``completion_lengths[k]`` (and ``truncated[k]``) describe this rank's group ``k``. The
     step's loss is TRL's over all the step's responses (module docstring): each group's loss
-    weighted by its share of the step's active tokens (``bnpo``/``dapo``/``cispo``) or of its
-    responses (``grpo``/``dr_grpo``), shares summed over every rank. FSDP averages the
-    ranks' gradients, so each share is multiplied by the world size. Collective when a
-    process group is initialised: every rank calls it, with its own groups.
+    weighted by its share of the step's normaliser (``losses.normaliser_share``: active tokens
+    for ``bnpo``/``dapo``/``cispo``/``vespo``, responses for ``grpo``/``sapo``/``dr_grpo``/
+    ``luspo``), shares summed over every rank. FSDP averages the ranks' gradients, so each
+    share is multiplied by the world size. Collective when a process group is initialised:
+    every rank calls it, with its own groups. (``generation.GenerationBatch`` does the same
+    for groups that arrive one at a time.)
     """
     if truncated is None:
         truncated = [None] * len(completion_lengths)
@@ -472,23 +476,43 @@ def group_loss_scales(
         raise ValueError(
             f"truncated has {len(truncated)} entries for {len(completion_lengths)} groups"
         )
-    counts = []
-    for lengths, flags in zip(completion_lengths, truncated, strict=True):
-        flags = [False] * len(lengths) if flags is None else list(flags)
-        if len(flags) != len(lengths):
-            raise ValueError(f"truncated has {len(flags)} flags for {len(lengths)} responses")
-        if config.loss_type in _TOKEN_LEVEL_LOSSES:
-            masked = config.mask_truncated_completions
-            counts.append(sum(n for n, t in zip(lengths, flags, strict=True) if not (masked and t)))
-        else:  # grpo, dr_grpo: truncated responses still count in G, as in TRL
-            counts.append(len(lengths))
-    total, world_size = float(sum(counts)), 1
-    if dist.is_available() and dist.is_initialized():
-        world_size = dist.get_world_size(group)
-        value = torch.tensor([total], dtype=torch.float64, device=_collective_device(group))
-        dist.all_reduce(value, group=group)
-        total = float(value.item())
+    counts = [
+        normaliser_share(lengths, flags, config)
+        for lengths, flags in zip(completion_lengths, truncated, strict=True)
+    ]
+    total, world_size = sum_over_ranks(float(sum(counts)), group=group)
     return [world_size * count / max(total, 1.0) for count in counts]
+
+
+def sum_over_ranks(
+    value: float | Sequence[float], *, group: dist.ProcessGroup | None = None
+) -> tuple[Any, int]:
+    """``value`` (a number or a list of them) summed over the ranks in float64, and the
+    number of ranks. Collective when a process group is initialised; else ``(value, 1)``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value, 1
+    values = torch.tensor(value, dtype=torch.float64, device=_collective_device(group))
+    dist.all_reduce(values, group=group)
+    return values.tolist(), dist.get_world_size(group)
+
+
+def step_reward_std(
+    rewards: Sequence[Sequence[float] | torch.Tensor], *, group: dist.ProcessGroup | None = None
+) -> float:
+    """TRL's ``scale_rewards="batch"`` std: Bessel-corrected, over every reward of the
+    optimizer step, this rank's groups ``rewards[k]`` and every other rank's, NaN rewards
+    (unscorable rows) left out as TRL's ``nanstd`` does. Two passes (the mean, then the squared
+    deviations from it), each one collective of two float64 numbers. NaN with fewer than two
+    rewards, as TRL. Collective: every rank calls it, with its own groups.
+    """
+    values = torch.cat([torch.as_tensor(r, dtype=torch.float64).flatten() for r in rewards])
+    values = values[~torch.isnan(values)]
+    (count, total), _ = sum_over_ranks([float(values.numel()), float(values.sum())], group=group)
+    mean = total / count if count else math.nan
+    (squares,), _ = sum_over_ranks([float(((values - mean) ** 2).sum())], group=group)
+    if count < 2:
+        return math.nan
+    return math.sqrt(squares / count * (count / (count - 1)))
 
 
 # --- metrics --------------------------------------------------------------------------------------

@@ -9,7 +9,12 @@ import math
 import warnings
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# Loss types whose per-token term has no hard clip: TRL reads neither delta nor epsilon_high.
+SOFT_LOSS_TYPES = ("sapo", "vespo")
+# TRL's warning list: these sum per-token terms, so a sequence-level ratio weights each
+# sequence by its length.
+TOKEN_SUM_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRADIENT_MODES = ("detached", "exact")
@@ -70,9 +75,22 @@ class GRPOConfig:
     - ``delta``: INTELLECT-2 two-sided clipping, caps the unclipped ratio at ``delta``.
     - ``importance_sampling_level``: ``"token"`` ratios, or one ``"sequence"`` ratio per branch
       from the mean log-ratio over its tokens (GSPO).
-    - ``scale_rewards``: divide centred rewards by the group std (``"group"``/``"batch"``, the
-      same for one group) or not (``"none"``).
-    - ``loss_type``: how per-token terms are normalised, see ``losses.loss_weights``.
+    - ``num_iterations``: optimizer updates per generation (TRL's mu). Updates after the first
+      read the behaviour log-probs of the first (``old_logps``) and clip the ratio with
+      ``epsilon``/``epsilon_high``; each costs one prefill per prompt (the prefix state
+      depends on the weights). ``grpo_step`` takes one update; the recipes loop
+      (``longstraw_core.generation.GenerationBatch``).
+    - ``scale_rewards``: divide centred rewards by the group's std (``"group"``), by the std of
+      every reward of the optimizer step on every rank (``"batch"``: pass
+      ``grpo_step(reward_std=...)``, see ``GenerationBatch``), or not (``"none"``).
+    - ``loss_type``: the per-token term and how it is normalised (``losses.per_token_loss``,
+      ``losses.loss_weights``). ``sapo``: a sigmoid gate of temperature
+      ``sapo_temperature_pos``/``sapo_temperature_neg`` (by the advantage's sign) instead of
+      the clip. ``vespo``: ``-phi(w) * A * logp`` with ``w`` the sequence's ratio and
+      ``phi(w) = exp(lambda) * w**k * exp(-lambda * w)`` (``vespo_k_*``, ``vespo_lambda_*``
+      by the sign of A), token-normalised like ``dapo``. ``luspo``: the clipped surrogate
+      summed over each sequence's tokens, averaged over sequences (GSPO scaled by length; TRL
+      recommends ``importance_sampling_level="sequence"``).
     - ``mask_truncated_completions``: truncated responses get no loss and no token count.
     - ``use_bias_correction_kl``: multiply the KL term by the (differentiable) ratio, TRL's
       default since the DeepSeek-V3.2 correction.
@@ -92,9 +110,16 @@ class GRPOConfig:
     num_generations: int = 8
     max_completion_length: int | None = 512
     beta: float = 0.0
+    num_iterations: int = 1
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     importance_sampling_level: str = "token"
     scale_rewards: str = "group"
     loss_type: str = "dapo"
@@ -167,6 +192,17 @@ class GRPOConfig:
             raise _invalid("max_completion_length", mcl, "None or an int >= 1")
         if not _is_real(self.beta) or self.beta < 0:
             raise _invalid("beta", self.beta, "a finite float >= 0")
+        if not _is_int(self.num_iterations) or self.num_iterations < 1:
+            raise _invalid(
+                "num_iterations", self.num_iterations, "an int >= 1 (updates per generation)"
+            )
+        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):
+            value = getattr(self, name)
+            if not _is_real(value) or value <= 0:
+                raise _invalid(name, value, "a finite float > 0 (the sapo gate divides by it)")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not _is_real(getattr(self, name)):
+                raise _invalid(name, getattr(self, name), "a finite float")
         if not _is_real(self.epsilon) or self.epsilon < 0:
             raise _invalid("epsilon", self.epsilon, "a finite float >= 0")
         if self.epsilon_high is not None and (
@@ -206,9 +242,33 @@ class GRPOConfig:
                 )
             if self.delta is not None:
                 raise _invalid("delta", self.delta, "None with loss_type='cispo' (TRL ignores it)")
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+        if self.loss_type in SOFT_LOSS_TYPES:
+            # TRL would silently ignore them: no clip in these losses.
+            for name in ("delta", "epsilon_high"):
+                if getattr(self, name) is not None:
+                    raise _invalid(
+                        name,
+                        getattr(self, name),
+                        f"None with loss_type={self.loss_type!r} (it has no clip; TRL ignores it)",
+                    )
+        # TRL's warnings, in its words' sense (it only warns: the loss is still defined).
+        level = self.importance_sampling_level
+        if level == "sequence" and self.loss_type in TOKEN_SUM_LOSS_TYPES:
             warnings.warn(
                 f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums "
                 "per-token terms, weighting each sequence by its length; GSPO uses loss_type='grpo'.",
+                stacklevel=4,
+            )
+        if self.loss_type == "luspo" and level != "sequence":
+            warnings.warn(
+                "loss_type='luspo' is GSPO's sequence-level loss scaled by length: the LUSPO "
+                "paper uses importance_sampling_level='sequence'.",
+                stacklevel=4,
+            )
+        if self.loss_type == "vespo" and level != "token":
+            warnings.warn(
+                "loss_type='vespo' computes its sequence-level weight itself from the token "
+                "log-ratios; importance_sampling_level should be 'token' (it only changes the "
+                "KL term's bias correction here).",
                 stacklevel=4,
             )

@@ -10,11 +10,19 @@ known after rollout and before any branch is replayed. So replaying branch i alo
 ``backward()`` on ``branch_loss`` (``w_i * sum_t l_it``) accumulates exactly ``dL/dtheta``;
 a branch with ``w_i == 0`` need not be replayed at all.
 
-Not supported (rejected by ``GRPOConfig``): TRL's ``sapo``/``luspo``/``vespo`` losses,
-``top_entropy_quantile < 1`` (its threshold is a quantile over all of the group's tokens),
-tool masks inside a response, vLLM importance-sampling correction, off-policy masking.
+The three loss types TRL 1.16 added keep that form. ``sapo`` gates each token's ratio with
+a sigmoid instead of clipping it (``grpo``'s weights). ``luspo`` is the clipped surrogate with
+weight ``1 / G`` on each sequence's token sum. ``vespo``'s term ``-phi(w_i) A_i logp_it``
+reads a sequence-level quantity, ``phi`` of the branch's summed log-ratio ``w_i``, but only
+branch i's own tokens, and TRL detaches it: it is computed from the branch's log-probs
+within its own replay, with no gradient (``dapo``'s weights).
+
+Not supported (rejected by ``GRPOConfig``): ``top_entropy_quantile < 1`` (its threshold is a
+quantile over all of the group's tokens), tool masks inside a response, vLLM
+importance-sampling correction, off-policy masking.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -26,12 +34,17 @@ ADVANTAGE_STD_EPS = 1e-4  # TRL's constant: (R - mean) / (std + 1e-4)
 
 
 def group_advantages(
-    rewards: torch.Tensor | Sequence[float], scale_rewards: str | bool = "group"
+    rewards: torch.Tensor | Sequence[float],
+    scale_rewards: str | bool = "group",
+    *,
+    std: float | None = None,
 ) -> torch.Tensor:
     """[G] rewards -> [G] advantages, centred on the group mean, optionally std-scaled.
 
-    Mirrors TRL's Bessel-corrected ``nanstd``; with one group per step ``"batch"`` and
-    ``"group"`` agree. Equal rewards give exact zeros (TRL can leave float noise / 1e-4 there).
+    Mirrors TRL's Bessel-corrected ``nanstd``. ``std``: what ``"batch"`` divides by, the std
+    of every reward of the optimizer step (``distributed.step_reward_std``); None takes this
+    group's, which is the batch's when the group is the whole step (one group, one rank).
+    Equal rewards give exact zeros (TRL can leave float noise / 1e-4 there).
     A NaN reward marks a completion no reward function could score (all returned None): as
     in TRL 1.16 (``_generate_and_score_completions``: ``torch.nanmean``, ``nanstd``, then
     ``nan_to_num(advantages, nan=0.0)``) it is left out of the group's mean and std and gets
@@ -46,19 +59,29 @@ def group_advantages(
         raise ValueError(f"rewards must be a non-empty 1-D tensor [G], got shape {tuple(r.shape)}")
     if bool(torch.isinf(r).any()):
         raise ValueError(f"rewards must be finite, or NaN for an unscorable one, got {r.tolist()}")
+    if std is not None and scale != "batch":
+        raise ValueError(f"std is the step's std for scale_rewards='batch', not {scale!r}")
     scorable = ~torch.isnan(r)
     if not bool(scorable.any()):
         return torch.zeros_like(r)
     kept = r[scorable]
     centred = r - kept.mean()
     all_equal = (kept == kept[0]).all()  # one scorable reward too: TRL's std is NaN, then 0
-    if scale != "none":
+    if std is not None:
+        centred = centred / (std + ADVANTAGE_STD_EPS)
+    elif scale != "none":
         n = kept.numel()
         # TRL: mean squared deviation * n / (n - 1); a single reward has std 0 (TRL's eval case).
         var = (centred[scorable] ** 2).mean() * (n / (n - 1)) if n > 1 else torch.zeros_like(r[0])
         centred = centred / (var.sqrt() + ADVANTAGE_STD_EPS)
     zeros = torch.zeros_like(centred)
     return torch.where(all_equal | ~scorable, zeros, centred)
+
+
+# How each loss type normalises the step's sum of per-token terms (TRL's aggregation):
+# by the active tokens of the whole batch, or per response (a mean over the responses).
+TOKEN_NORMALISED = ("bnpo", "dapo", "cispo", "vespo")
+RESPONSE_NORMALISED = ("grpo", "sapo", "dr_grpo", "luspo")
 
 
 def loss_weights(
@@ -68,11 +91,13 @@ def loss_weights(
 ) -> list[float]:
     """Per-branch multiplier w_i of the summed per-token loss; fixed before replay.
 
-    grpo: 1 / (G * max(|o_i|, 1)); bnpo, dapo, cispo: 1 / max(active tokens in the group, 1);
-    dr_grpo: 1 / (G * max_completion_length). With ``mask_truncated_completions`` a truncated
-    branch gets weight 0 and its tokens leave the token count, but, as in TRL, it still
-    counts in G. (bnpo is TRL's with the whole group in one micro-batch, hence equals dapo.)
-    Pass every response of the optimizer step: several groups per step just concatenate.
+    grpo, sapo: 1 / (G * max(|o_i|, 1)); luspo: 1 / G; dr_grpo: 1 / (G * max_completion_length);
+    bnpo, dapo, cispo, vespo: 1 / max(active tokens in the group, 1). With
+    ``mask_truncated_completions`` a truncated branch gets weight 0 and its tokens leave the
+    token count, but, as in TRL, it still counts in G. (bnpo is TRL's with the whole group in
+    one micro-batch, hence equals dapo.) Pass every response of the optimizer step: several
+    groups per step just concatenate (or use ``normaliser_share`` and
+    ``distributed.group_loss_scales``).
     """
     lengths = [int(n) for n in completion_lengths]
     G = len(lengths)
@@ -83,8 +108,10 @@ def loss_weights(
     if len(truncated) != G:
         raise ValueError(f"truncated has {len(truncated)} entries for {G} completion_lengths")
     active = [not (config.mask_truncated_completions and bool(t)) for t in truncated]
-    if config.loss_type == "grpo":
+    if config.loss_type in ("grpo", "sapo"):
         return [1.0 / (G * max(n, 1)) if a else 0.0 for n, a in zip(lengths, active, strict=True)]
+    if config.loss_type == "luspo":
+        return [1.0 / G if a else 0.0 for a in active]
     if config.loss_type == "dr_grpo":
         cap = config.max_completion_length
         if max(lengths) > cap:
@@ -95,6 +122,24 @@ def loss_weights(
         return [1.0 / (G * cap) if a else 0.0 for a in active]
     total = sum(n for n, a in zip(lengths, active, strict=True) if a)
     return [1.0 / max(total, 1) if a else 0.0 for a in active]
+
+
+def normaliser_share(
+    completion_lengths: Sequence[int], truncated: Sequence[bool] | None, config: GRPOConfig
+) -> int:
+    """This group's part of the step's loss normaliser: its active tokens for the
+    token-normalised losses, its responses for the others (truncated ones included, as TRL's
+    mean over the batch counts them). A group's loss times ``share / step total`` is its
+    part of TRL's loss over the step's whole batch."""
+    if config.loss_type in RESPONSE_NORMALISED:
+        return len(completion_lengths)
+    flags = [False] * len(completion_lengths) if truncated is None else list(truncated)
+    if len(flags) != len(completion_lengths):
+        raise ValueError(
+            f"truncated has {len(flags)} flags for {len(completion_lengths)} responses"
+        )
+    masked = config.mask_truncated_completions
+    return sum(int(n) for n, t in zip(completion_lengths, flags, strict=True) if not (masked and t))
 
 
 def _check_branch(
@@ -119,7 +164,7 @@ def per_token_loss(
     advantage: float | torch.Tensor,
     config: GRPOConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One branch's [R] per-token loss (policy term + beta * KL), TRL's formulas verbatim.
+    """One branch's [R] per-token loss (policy term + beta * KL), TRL's formulas.
 
     ``old_logps=None`` means on-policy (ratio 1, gradient of the ratio kept), as TRL does with
     ``logps.detach()``. ``ref_logps`` is read only when ``beta != 0``. The stats are detached
@@ -128,14 +173,19 @@ def per_token_loss(
     _check_branch(logps, old_logps, ref_logps, config)
     n = logps.shape[0]
     old = logps.detach() if old_logps is None else old_logps.detach()
-    # At least float32, as TRL keeps advantages: a bf16 advantage would lose ~3 digits.
+    # At least float32, as TRL keeps advantages (a bf16 advantage would lose ~3 digits), and
+    # the advantage's own dtype when wider: grpo_step's are float64, like its rewards. Shape
+    # [1], not a scalar, so that it promotes the per-token terms as TRL's [B, 1] does.
     adv_dtype = torch.promote_types(logps.dtype, torch.float32)
-    adv = torch.as_tensor(advantage, dtype=adv_dtype, device=logps.device).detach()
+    if isinstance(advantage, torch.Tensor) and advantage.is_floating_point():
+        adv_dtype = torch.promote_types(adv_dtype, advantage.dtype)
+    adv = torch.as_tensor(advantage, dtype=adv_dtype, device=logps.device).detach().reshape(1)
     log_ratio = logps - old
     if config.importance_sampling_level == "token":
         log_weights = log_ratio
     else:  # GSPO: mean log-ratio over this branch's own tokens, so still per-branch.
-        log_weights = (log_ratio.sum() / max(n, 1)).reshape(1)
+        # Summed in the log-probs' dtype, divided in the advantage's, as TRL's masked mean.
+        log_weights = log_ratio.sum() / adv.new_tensor(float(max(n, 1)))
     coef_1 = torch.exp(log_weights)
 
     kl = None
@@ -145,29 +195,72 @@ def per_token_loss(
         if config.use_bias_correction_kl:
             kl = kl * coef_1  # before delta clamps coef_1, as in TRL
 
+    loss, flags, extra = _policy_term(logps, log_ratio, coef_1, adv, config)
+    if kl is not None:
+        loss = loss + config.beta * kl
+    stats = _branch_stats(n, log_weights.numel(), flags, kl, logps.device)
+    return loss.expand_as(logps), stats | extra
+
+
+def _policy_term(
+    logps: torch.Tensor,
+    log_ratio: torch.Tensor,
+    coef_1: torch.Tensor,
+    adv: torch.Tensor,
+    config: GRPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The loss type's per-token policy term, the flags TRL's clip metrics count, and any
+    extra statistic (vespo's weight)."""
     eps_high = config.effective_epsilon_high
     if config.loss_type == "cispo":
         clamped = torch.clamp(coef_1, max=eps_high).detach()
-        loss = -clamped * adv * logps
-        clipped = {"cispo_clip": (coef_1 > eps_high) & (adv > 0)}
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - config.epsilon_low, 1 + eps_high)
-        if config.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=config.delta)
-        loss = -torch.min(coef_1 * adv, coef_2 * adv)
-        low = (coef_1 < 1 - config.epsilon_low) & (adv < 0)
-        high = (coef_1 > 1 + eps_high) & (adv > 0)
-        clipped = {"clip_low": low, "clip_high": high, "clip_region": low | high}
-    if kl is not None:
-        loss = loss + config.beta * kl
-    return loss.expand_as(logps), _branch_stats(n, log_weights.numel(), clipped, kl)
+        flags = {"cispo_clip": (coef_1 > eps_high) & (adv > 0)}
+        return -clamped * adv * logps, flags, {}
+    if config.loss_type == "sapo":
+        # A smooth gate instead of the clip: 4/tau * sigmoid(tau * (r - 1)), slope 1 at r = 1.
+        pos, neg = config.sapo_temperature_pos, config.sapo_temperature_neg
+        tau = torch.where(adv > 0, adv.new_tensor(pos), adv.new_tensor(neg))
+        gate = torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau
+        return -gate * adv, {}, {}
+    if config.loss_type == "vespo":
+        phi = _vespo_weight(log_ratio.detach(), adv, config)
+        return -phi * adv * logps, {}, {"vespo_phi": phi.detach().sum(dtype=torch.float32)}
+    # grpo, bnpo, dr_grpo, dapo, luspo: PPO's clipped surrogate.
+    coef_2 = torch.clamp(coef_1, 1 - config.epsilon_low, 1 + eps_high)
+    if config.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=config.delta)
+    loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    low = (coef_1 < 1 - config.epsilon_low) & (adv < 0)
+    high = (coef_1 > 1 + eps_high) & (adv > 0)
+    return loss, {"clip_low": low, "clip_high": high, "clip_region": low | high}, {}
+
+
+_VESPO_LOG_MIN = math.log(1e-8)  # TRL's lower clamp of log w (w >= 1e-8)
+
+
+@torch.no_grad()
+def _vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOConfig) -> torch.Tensor:
+    """VESPO's gamma weight phi(w) = e^lambda * w^k * e^(-lambda * w) of the branch's
+    sequence ratio w = exp(sum_t clamp(log r_t, -20, 20)), with log w clamped to
+    [log 1e-8, 20]; (k, lambda) by the advantage's sign (A >= 0: the positive pair), lambda
+    at least 1e-4. A constant of the replay (no gradient), shape [1]."""
+    log_w = torch.clamp(log_ratio.clamp(-20.0, 20.0).sum(), _VESPO_LOG_MIN, 20.0)
+    positive = adv >= 0  # a tensor condition: no host sync, and dry runs' fake tensors pass
+    k = torch.where(positive, adv.new_tensor(config.vespo_k_pos), config.vespo_k_neg)
+    lam = torch.where(positive, adv.new_tensor(config.vespo_lambda_pos), config.vespo_lambda_neg)
+    lam = lam.clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).reshape(1)
 
 
 def _branch_stats(
-    n: int, clip_denom: int, clipped: dict[str, torch.Tensor], kl: torch.Tensor | None
+    n: int,
+    clip_denom: int,
+    clipped: dict[str, torch.Tensor],
+    kl: torch.Tensor | None,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     # float32 sums: exact counts up to 2**24 tokens per branch, no host sync per branch.
-    device = next(iter(clipped.values())).device
     stats = {k: v.detach().sum(dtype=torch.float32) for k, v in clipped.items()}
     stats["clip_denom"] = torch.tensor(float(clip_denom), device=device)
     stats["num_tokens"] = torch.tensor(float(n), device=device)
@@ -217,6 +310,8 @@ def reduce_branch_stats(stats: Sequence[dict[str, torch.Tensor]]) -> dict[str, f
         out["clip_ratio/high_max"] = _nan_reduce(high, torch.max)
     if "cispo_clip" in col:
         out["cispo_clip_ratio"] = mean("cispo_clip")
+    if "vespo_phi" in col:  # TRL: the mean over sequences of their weight
+        out["vespo/phi_seq_mean"] = float(col["vespo_phi"].mean())
     if "kl_sum" in col:
         out["kl"] = float(col["kl_sum"].sum() / col["num_tokens"].sum().clamp(min=1.0))
     return out

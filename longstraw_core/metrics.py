@@ -31,7 +31,7 @@ REF_SECONDS = "ref_seconds"
 PREFILL_SECONDS = "prefill_seconds"  # only when grpo_step prefilled the prompt itself
 REPLAY_SECONDS = "replay_seconds"
 SWEEP_SECONDS = "sweep_seconds"
-KL = "kl"  # and clip_ratio/*, cispo_clip_ratio: losses.reduce_branch_stats (TRL's names)
+KL = "kl"  # and clip_ratio/*, cispo_clip_ratio, vespo/phi_seq_mean: losses.reduce_branch_stats (TRL's)
 
 # --- the reward set (rewards.RewardResult.metrics(), TRL's names) ---------------------------
 REWARD = "reward"  # nan-mean of the weighted rewards, unscorable (all-None) rows left out

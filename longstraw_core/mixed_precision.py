@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from longstraw_core import generation
+
 if TYPE_CHECKING:
     from longstraw_core.config import RunConfig
 
@@ -47,6 +49,11 @@ class FullPrecision:
 
     def to_masters(self) -> None:
         return None
+
+    @staticmethod
+    def scale_gradients(parameters: Iterable[nn.Parameter], factor: float) -> None:
+        """Multiply the gradients accumulated so far (in ``.grad``) by ``factor``."""
+        generation.scale_gradients(parameters, factor)
 
 
 class WorkingWeights:
@@ -99,6 +106,17 @@ class WorkingWeights:
         total = self._sums.get(parameter)
         self._sums[parameter] = grad if total is None else total.add_(grad)
         parameter.grad = None
+
+    def scale_gradients(self, parameters: Iterable[nn.Parameter], factor: float) -> None:
+        """Multiply the gradients accumulated so far by ``factor``: the float32 sums during a
+        step, ``.grad`` otherwise (``GenerationBatch.finish``'s correction)."""
+        with torch.no_grad():
+            for parameter in parameters:
+                total = self._sums.get(parameter)
+                if total is not None:
+                    total.mul_(factor)
+                elif parameter.grad is not None:
+                    parameter.grad.mul_(factor)
 
     def to_masters(self) -> None:
         """The float32 values back in the parameters, the float32 gradient sums in ``.grad``

@@ -87,6 +87,8 @@ class GRPOStepResult(Mapping[str, Any]):
     prefilled: bool = False
     branch_stats: dict[str, float] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)
+    logps: list[torch.Tensor | None] = field(default_factory=list)
+    ref_logps: list[torch.Tensor | None] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         """The scalars to log, by the names of ``longstraw_core.metrics``."""
@@ -140,7 +142,7 @@ class GRPOStepResult(Mapping[str, Any]):
 _SCALAR_FIELDS = {
     f.name
     for f in dataclasses.fields(GRPOStepResult)
-    if f.name not in ("advantages", "branch_stats", "extra")
+    if f.name not in ("advantages", "branch_stats", "extra", "logps", "ref_logps")
 }
 
 
@@ -151,12 +153,14 @@ def grpo_step(
     rewards: Sequence[float] | torch.Tensor,
     *,
     config: GRPOConfig | None = None,
-    old_logps: Sequence[torch.Tensor] | None = None,
+    old_logps: Sequence[torch.Tensor | None] | None = None,
     ref_adapter: Policy | None = None,
+    ref_logps: Sequence[torch.Tensor | None] | None = None,
     state: PrefixState | None = None,
     truncated: Sequence[bool] | None = None,
     chunk_size: int = 4096,
     loss_scale: float = 1.0,
+    reward_std: float | None = None,
     offload: OffloadPolicy | str | dict | None = None,
 ) -> GRPOStepResult:
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return what it did
@@ -165,8 +169,11 @@ def grpo_step(
     ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each;
     NaN marks a completion no reward function could score (``RewardSet``'s all-None rows):
     as in TRL it gets zero advantage and stays out of the group's mean and std.
-    ``old_logps`` are the behaviour policy's per-token log-probs (``None``: on-policy).
-    ``ref_adapter`` scores the reference policy when ``config.beta > 0``. ``state`` reuses a
+    ``old_logps`` are the behaviour policy's per-token log-probs (``None``, or a ``None``
+    entry: on-policy; a later update on the same rollout passes the first's
+    ``result.logps``). ``ref_adapter`` scores the reference policy when ``config.beta > 0``,
+    unless ``ref_logps`` gives its log-probs already (a later update's ``result.ref_logps``:
+    the reference does not change, so it is scored once per rollout). ``state`` reuses a
     prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
     ``truncated`` marks responses cut at the length limit (for
     ``mask_truncated_completions``). No optimizer step is taken. ``offload`` places the prefix
@@ -178,7 +185,10 @@ def grpo_step(
     over the prompt's chunks turns it into parameter gradients (``longstraw_core.exact``).
 
     ``loss_scale`` multiplies the gradient (not the reported ``loss``): the group's share of
-    an optimizer step over several groups, from ``longstraw_core.distributed.group_loss_scales``.
+    an optimizer step over several groups, from ``longstraw_core.distributed.group_loss_scales``
+    or ``longstraw_core.generation.GenerationBatch``. ``reward_std``: with
+    ``scale_rewards="batch"``, the std of every reward of the optimizer step
+    (``distributed.step_reward_std``); None uses this group's, right for one group per step.
     On a sharded model every rank must call ``grpo_step`` the same number of times; the
     replay and the sweep are padded with idle passes so that their collectives pair up.
     """
@@ -190,20 +200,26 @@ def grpo_step(
             f"loss_scale must be a finite number >= 0 (the group's share of the step's loss), "
             f"got {loss_scale!r}"
         )
+    if reward_std is not None and config.scale_rewards != "batch":
+        raise ValueError(
+            f"reward_std={reward_std!r} is the optimizer step's std for scale_rewards='batch'; "
+            f"this config scales by {config.scale_rewards!r}: pass reward_std=None"
+        )
     prompt_ids = as_token_ids(prompt_ids, "prompt_ids", adapter.vocab_size)
     responses = _check_responses(responses, adapter.vocab_size)
     with real_values():  # rewards are values even in a dry run on fake tensors
         reward_tensor = _check_rewards(rewards, len(responses))
-        advantages = group_advantages(reward_tensor, config.scale_rewards)
+        advantages = group_advantages(reward_tensor, config.scale_rewards, std=reward_std)
         advantage_values = [float(a) for a in advantages]
         reward_mean, reward_std = _scorable_mean_std(reward_tensor)
-    old_logps = _check_old_logps(old_logps, responses)
+    old_logps = _check_logps(old_logps, responses, "old_logps")
+    given_ref_logps = None if ref_logps is None else _check_logps(ref_logps, responses, "ref_logps")
     if truncated is not None and len(truncated) != len(responses):
         raise ValueError(f"truncated has {len(truncated)} entries for {len(responses)} responses")
-    if config.beta != 0.0 and ref_adapter is None:
+    if config.beta != 0.0 and ref_adapter is None and given_ref_logps is None:
         raise ValueError(
             f"config.beta={config.beta} needs a reference policy: pass ref_adapter "
-            "(ls.lora_reference(adapter) for LoRA, or ls.adapt(frozen_model))"
+            "(ls.lora_reference(adapter) for LoRA, or ls.adapt(frozen_model)) or ref_logps"
         )
     if state is not None:
         adapter.check_state(state)
@@ -222,8 +238,8 @@ def grpo_step(
     timings["sweep_seconds"] = 0.0
     prefilled = state is None
 
-    ref_logps: list[torch.Tensor | None] = [None] * len(responses)
-    if config.beta != 0.0:
+    ref_logps = given_ref_logps or [None] * len(responses)
+    if config.beta != 0.0 and given_ref_logps is None:
         started = time.perf_counter()
         ref_logps = _reference_logps(
             ref_adapter, prompt_ids, responses, weights, chunk_size, offload
@@ -240,6 +256,7 @@ def grpo_step(
     state_grad = new_state_grad(state) if config.gradient == "exact" else None
     started = time.perf_counter()
     total_loss, branch_stats, entropy_sum, replayed, idle = 0.0, [], 0.0, 0, 0
+    policy_logps: list[torch.Tensor | None] = [None] * len(responses)
     contributing = [
         index
         for index in range(len(responses))
@@ -248,7 +265,7 @@ def grpo_step(
     if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
         total_loss, entropy_sum, branch_stats, idle = _replay_on_stages(
             adapter, state, responses, contributing, old_logps, ref_logps, advantages,
-            weights, config, loss_scale, state_grad,
+            weights, config, loss_scale, state_grad, policy_logps,
         )  # fmt: skip
         replayed, contributing = len(contributing), []
     for index in adapter.in_step(contributing):
@@ -263,6 +280,7 @@ def grpo_step(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
         (loss * loss_scale).backward()  # frees this branch's graph before the next one
+        policy_logps[index] = logps.detach()
         total_loss += known_float(loss)
         entropy_sum += known_float(entropy.sum())
         branch_stats.append(stats)
@@ -292,6 +310,8 @@ def grpo_step(
         peak_memory_bytes=names.peak_memory_bytes(adapter.device),
         prefilled=prefilled,
         branch_stats=reduce_branch_stats(branch_stats),
+        logps=policy_logps,
+        ref_logps=list(ref_logps),
         **timings,
     )
 
@@ -308,12 +328,14 @@ def _replay_on_stages(
     config: GRPOConfig,
     loss_scale: float,
     state_grad: StateGrad | None,
+    policy_logps: list[torch.Tensor | None],
 ) -> tuple[float, float, list[dict[str, Any]], int]:
     """The replay loop on pipeline stages: every contributing branch is a microbatch of the
     stages' 1F1B schedule (``ModelAdapter.replay_branches``), its loss computed and
     backpropagated on the last stage; replicas sharded together pad with idle branches
     (``in_step``). Returns the group's loss, the entropy sum and the branches' stats, which
-    the last stage sends to every stage, and the number of idle branches."""
+    the last stage sends to every stage, and the number of idle branches; the last stage
+    also fills ``policy_logps``."""
     totals, stats = [0.0, 0.0], []
     items = list(adapter.in_step(contributing))
 
@@ -322,6 +344,7 @@ def _replay_on_stages(
         loss, branch_stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
+        policy_logps[index] = logps.detach()
         totals[0] += known_float(loss)
         totals[1] += known_float(entropy.sum())
         stats.append({key: value.detach().cpu() for key, value in branch_stats.items()})
@@ -401,17 +424,18 @@ def _scorable_mean_std(rewards: torch.Tensor) -> tuple[float, float]:
     return float(kept.mean()), float(kept.std()) if kept.numel() > 1 else 0.0
 
 
-def _check_old_logps(
-    old_logps: Sequence[torch.Tensor] | None, responses: list[torch.Tensor]
+def _check_logps(
+    logps: Sequence[torch.Tensor | None] | None, responses: list[torch.Tensor], name: str
 ) -> list[torch.Tensor | None]:
-    if old_logps is None:
+    """One per-token log-prob tensor (or None) per response, each shaped like it."""
+    if logps is None:
         return [None] * len(responses)
-    if len(old_logps) != len(responses):
-        raise ValueError(f"old_logps has {len(old_logps)} entries for {len(responses)} responses")
-    for index, (old, response) in enumerate(zip(old_logps, responses, strict=True)):
-        if old.shape != response.shape:
+    if len(logps) != len(responses):
+        raise ValueError(f"{name} has {len(logps)} entries for {len(responses)} responses")
+    for index, (values, response) in enumerate(zip(logps, responses, strict=True)):
+        if values is not None and values.shape != response.shape:
             raise ValueError(
-                f"old_logps[{index}] has shape {tuple(old.shape)}, but responses[{index}] has "
+                f"{name}[{index}] has shape {tuple(values.shape)}, but responses[{index}] has "
                 f"{len(response)} tokens"
             )
-    return list(old_logps)
+    return list(logps)

@@ -143,7 +143,32 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path | None, list[Change]]:
     saved = saved_config(path)
     changes = config_changes(saved, to_dict(cfg)) if saved is not None else []
     check_resumable(changes, str(path))
+    check_rollout_boundary(saved_step(path), cfg.grpo.num_iterations, str(path))
     return path, changes
+
+
+def saved_step(checkpoint_dir: Path) -> int | None:
+    """The step a checkpoint was saved at (None when its trainer state is unreadable:
+    ``load_checkpoint`` reports that properly)."""
+    try:
+        state = json.loads((checkpoint_dir / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    step = state.get("step")
+    return step if isinstance(step, int) else None
+
+
+def check_rollout_boundary(step: int | None, num_iterations: int, checkpoint: str) -> None:
+    """A run continues with a fresh rollout: the checkpoint's step must end one, i.e. be a
+    multiple of ``grpo.num_iterations`` (a run only saves there; a resume that changes it may
+    not fit)."""
+    if step is not None and num_iterations > 1 and step % num_iterations:
+        raise ConfigError(
+            "grpo.num_iterations",
+            f"{num_iterations}: {checkpoint} was saved at step {step}, not a multiple of it, "
+            "so the resumed run's rollouts would not end where its checkpoints must; resume "
+            "with the num_iterations that checkpoint's run used, or one dividing its step",
+        )
 
 
 def describe(changes: list[Change], checkpoint_dir: Path) -> str | None:

@@ -11,22 +11,28 @@ state is the smallest of any architecture here. Each step
 3. scores them with the configured reward functions (TRL's weights and NaN semantics);
 4. replays each response alone with autograd, then, with ``grpo.gradient=exact``, sweeps
    back over the prompt's chunks so the gradient equals the full-graph one (the indexer
-   stays frozen, as in transformers); the optimizer steps once per group.
+   stays frozen, as in transformers).
 
-Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own group every step
-(sample ``data_position + rank``, its own rollout seed), FSDP2 averages the gradients so the
-step's loss is TRL's over every rank's responses as one batch, metrics are averaged over the
-ranks, and rank 0 logs and writes the checkpoints.
+Steps 1-4 run for each of the ``train.prompts_per_step`` prompts in turn (one prefix state
+at a time); then the optimizer steps once, the loss TRL's over all their groups.
+``grpo.num_iterations`` > 1 takes that many optimizer steps on the same rollouts, each
+prompt prefilled again with the new weights.
+
+Sharded (``torchrun ... distributed.fsdp=true``): each rank takes its own groups every step
+(samples ``data_position + rank * prompts_per_step + k``, each its own rollout seed), FSDP2
+averages the gradients so the step's loss is TRL's over every rank's responses as one batch,
+metrics are averaged over the ranks, and rank 0 logs and writes the checkpoints.
 
 accelerate launch settings are honoured or refused at start (``launch_settings``): its
 ``mixed_precision: bf16`` becomes ``distributed.mixed_precision=bf16`` (bf16 compute over float32
 master weights, on one device too); its FSDP, DeepSpeed, dynamo or gradient accumulation
 settings stop the run before any weight loads, naming the run config keys to use instead.
 
-Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the step, saves a checkpoint and
-exits 128+signal; a step with a non-finite loss, gradient or logits is skipped (the guard
-stops the run after ``train.max_skipped_steps`` in a row); ``train.resume_from=latest``
-continues from the newest complete checkpoint, applying changed optimizer settings.
+Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the rollout's optimizer steps,
+saves a checkpoint and exits 128+signal; a step with a non-finite loss, gradient or logits
+is skipped (the guard stops the run after ``train.max_skipped_steps`` in a row);
+``train.resume_from=latest`` continues from the newest complete checkpoint, applying changed
+optimizer settings.
 
 Run it:
     python recipes/grpo_glm52.py                                   # tiny CPU default
@@ -45,7 +51,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -58,6 +66,7 @@ from longstraw_core import (
     config,
     data,
     distributed,
+    generation,
     guard,
     launch_settings,
     loading,
@@ -71,10 +80,20 @@ from longstraw_core import (
 from longstraw_core import metrics as names
 from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
-from longstraw_core.rewards import RewardError, RewardSet
+from longstraw_core.rewards import RewardError, RewardResult, RewardSet
 from longstraw_core.stop import GracefulStop, exit_after_stop
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/glm52/tiny_grpo_cpu.yaml"
+
+
+class Rollout(NamedTuple):
+    """One group of a step, as rolled out and scored (its prompt state is not kept)."""
+
+    sample: data.Sample
+    out: ls.RolloutOutput
+    completions: list[str]
+    scored: RewardResult
+    state_bytes: dict[str, int]  # the prompt's prefix state by layer type
 
 
 class Recipe:
@@ -184,19 +203,21 @@ class Recipe:
         return {"resume": {"from": str(self.resume_path), "step": self.step, "changed": changed}}
 
     def train(self) -> signal.Signals | None:
-        """Train to ``train.steps``; on SIGTERM/SIGINT, stop after the step with a checkpoint
-        and return the signal."""
+        """Train to ``train.steps``; on SIGTERM/SIGINT, stop after the rollout's steps with a
+        checkpoint and return the signal."""
         cfg = self.cfg
+        per_step = cfg.train.prompts_per_step
         with GracefulStop() as stop:
             while self.step < cfg.train.steps:
-                index = self.data_position + self.topology.replica
-                with self.precision.step():  # bf16 working weights until the optimizer step
-                    metrics = self.train_step(self.sample_at(index), index)
-                metrics = self.topology.reduce(metrics)
-                self.step += 1
-                self.data_position += self.topology.replicas
-                metrics |= self.progress.step_done()
-                self.logger.log(self.step, metrics)
+                # Replica r of n takes samples data_position + r * per_step + k, as TRL
+                # slices a generation batch across processes.
+                first = self.data_position + self.topology.replica * per_step
+                indices = list(range(first, first + per_step))
+                for metrics in self.train_rollout([self.sample_at(i) for i in indices], indices):
+                    self.step += 1
+                    metrics = self.topology.reduce(metrics) | self.progress.step_done()
+                    self.logger.log(self.step, metrics)
+                self.data_position += self.topology.replicas * per_step
                 stopping = stop.requested()
                 if stopping or (
                     cfg.train.save_every
@@ -208,102 +229,175 @@ class Recipe:
                     return stopping
         return None
 
-    def train_step(self, sample: data.Sample, index: int) -> dict[str, float]:
-        """prefill -> rollout -> rewards -> grpo_step -> optimizer step; this rank's metrics.
+    def train_rollout(
+        self, samples: list[data.Sample], indices: list[int]
+    ) -> Iterator[dict[str, float]]:
+        """prefill -> rollout -> rewards -> grpo_step for each sample, optimizer step; then
+        ``grpo.num_iterations - 1`` more steps on the same rollouts. Yields this rank's
+        metrics of each optimizer step. ``indices``: the samples' positions, which seed the
+        rollouts. ``GenerationBatch`` makes each step's loss TRL's over every replica's groups
+        (``docs/design.md``, "Several prompts and updates per step")."""
+        names.reset_peak_memory(self.accelerator.device)  # this step's peak: prefill to optimizer
+        self.step_peak = 0
+        batch = ls.GenerationBatch(self.grpo, len(samples), group=self.topology.replica_group())
+        rollouts: list[Rollout] = []
+        results: dict[int, ls.GRPOStepResult] = {}
+        with self.precision.step():  # bf16 working weights until the optimizer step
+            metrics = yield from self._first_update(batch, samples, indices, rollouts, results)
+        if metrics is None:  # the rollout was skipped
+            return
+        yield metrics
+        for _ in range(1, self.grpo.num_iterations):  # the same rollouts with the new weights
+            names.reset_peak_memory(self.accelerator.device)
+            self.step_peak = 0
+            with self.precision.step():
+                results = {k: self._replay(batch, k, None) for k in range(len(samples))}
+                metrics = self._update(batch, rollouts, list(results.values()))
+            yield metrics
 
-        ``index``: the sample's position in the data, which seeds the rollout.
-        """
+    def _first_update(
+        self,
+        batch: ls.GenerationBatch,
+        samples: list[data.Sample],
+        indices: list[int],
+        rollouts: list[Rollout],
+        results: dict[int, ls.GRPOStepResult],
+    ) -> Generator[dict[str, float], None, dict[str, float] | None]:
+        """Each sample's prefill, rollout, rewards and (when its share is known) replay, then
+        the step's correction and the optimizer step; returns its metrics (None: the rollout
+        was skipped, its steps yielded)."""
         cfg, progress = self.cfg, self.progress
-        # Plain text as it is, messages through the chat template (TRL's rules).
-        prompt_ids = torch.tensor(
-            tokenizer.encode_prompt(self.tokenizer, sample.prompt, cfg.data.chat_template_kwargs)
-        )
-        device = self.accelerator.device
-        names.reset_peak_memory(device)  # this step's peak: prefill to optimizer step
-        with progress.phase("prefill"):
-            state = self.adapter.prefill(
+        for k, (sample, index) in enumerate(zip(samples, indices, strict=True)):
+            # Plain text as it is, messages through the chat template (TRL's rules).
+            chat_options = cfg.data.chat_template_kwargs
+            prompt_ids = torch.tensor(
+                tokenizer.encode_prompt(self.tokenizer, sample.prompt, chat_options)
+            )
+            state = self._prefill(prompt_ids)
+            try:
+                with progress.phase("rollout"):
+                    out = ls.rollout(
+                        self.adapter,
+                        state,
+                        cfg.rollout.num_generations,
+                        cfg.rollout.max_new_tokens,
+                        temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p,
+                        top_k=cfg.rollout.top_k,
+                        min_p=cfg.rollout.min_p,
+                        repetition_penalty=cfg.rollout.repetition_penalty,
+                        eos_token_ids=[self.tokenizer.eos_token_id],
+                        stop_strings=cfg.rollout.stop,
+                        tokenizer=self.tokenizer,
+                        seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
+                        progress=self.bars,
+                        gather_parameters=self.rollout_once,
+                    )
+            except guard.NonFiniteError as error:  # raised on every rank at once
+                yield from self._skip_rollout(str(error))
+                return None
+            completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
+            with progress.phase("reward"):  # TRL's call: prompts, completions, ids, columns
+                self.trainer_state.global_step = self.step
+                scored = self.rewards(
+                    completions,
+                    [sample] * len(completions),
+                    completion_ids=[response.tolist() for response in out.responses],
+                    trainer_state=self.trainer_state,
+                )
+            if distributed.any_rank(scored.all_failed):
+                yield from self._skip_rollout("every reward function failed on every completion")
+                return None
+            state_bytes = {names.STATE_BYTES_BY_TYPE.format(kind): v["bytes"]
+                           for kind, v in state.summary().items()}  # fmt: skip
+            rollouts.append(Rollout(sample, out, completions, scored, state_bytes))
+            # This group's share of the step's loss (a collective); None: its replay waits.
+            if batch.add(prompt_ids, out.responses, scored.rewards, out.truncated) is not None:
+                results[k] = self._replay(batch, k, state)
+            if k < len(samples) - 1:
+                state = None  # one prefix state at a time
+        # the step's normaliser: corrects what the replays accumulated so far
+        batch.finish(self.model.parameters(), scale=self.precision.scale_gradients)
+        for k in batch.waiting():  # scale_rewards="batch" with beta > 0: after the step's std
+            live, state = (state if k == len(samples) - 1 else None), None
+            results[k] = self._replay(batch, k, live)  # the last group's state, then prefills
+        state = None
+        return self._update(batch, rollouts, list(results.values()))
+
+    def _prefill(self, prompt_ids: torch.Tensor) -> ls.PrefixState:
+        with self.progress.phase("prefill"):
+            return self.adapter.prefill(
                 prompt_ids,
-                chunk_size=cfg.train.chunk_size,
+                chunk_size=self.cfg.train.chunk_size,
                 progress=self.bars,
                 offload=self.offload,
                 **self.grpo.prefill_options(),  # exact mode's checkpoints, kept outputs
             )
-        try:
-            with progress.phase("rollout"):
-                out = ls.rollout(
-                    self.adapter,
-                    state,
-                    cfg.rollout.num_generations,
-                    cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p,
-                    top_k=cfg.rollout.top_k,
-                    min_p=cfg.rollout.min_p,
-                    repetition_penalty=cfg.rollout.repetition_penalty,
-                    eos_token_ids=[self.tokenizer.eos_token_id],
-                    stop_strings=cfg.rollout.stop,
-                    tokenizer=self.tokenizer,
-                    seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
-                    progress=self.bars,
-                    gather_parameters=self.rollout_once,
-                )
-        except guard.NonFiniteError as error:  # raised on every rank at once
-            return self._skip(str(error))
-        # This group's share of the step's loss over every rank's responses (TRL's one batch).
-        (loss_scale,) = distributed.group_loss_scales(
-            [[len(r) for r in out.responses]], self.grpo, [out.truncated],
-            group=self.topology.replica_group(),
-        )  # fmt: skip
-        completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
-        with progress.phase("reward"):  # TRL's call: prompts, completions, ids, columns
-            self.trainer_state.global_step = self.step
-            scored = self.rewards(
-                completions,
-                [sample] * len(completions),
-                completion_ids=[response.tolist() for response in out.responses],
-                trainer_state=self.trainer_state,
-            )
-        if distributed.any_rank(scored.all_failed):
-            return self._skip("every reward function failed on every completion (errors above)")
-        peak_before_replay = names.peak_memory_bytes(device)  # grpo_step measures its own
-        with progress.phase("replay"):
+
+    def _replay(
+        self, batch: ls.GenerationBatch, k: int, state: ls.PrefixState | None
+    ) -> ls.GRPOStepResult:
+        """grpo_step of group ``k`` with its share of the step; ``state=None``: prefilled
+        again (the weights changed since its rollout, or its replay waited)."""
+        group = batch.groups[k]
+        if state is None:
+            state = self._prefill(group.prompt_ids)
+        self.step_peak = max(self.step_peak, names.peak_memory_bytes(self.accelerator.device))
+        with self.progress.phase("replay"):
             result = ls.grpo_step(
                 self.adapter,
-                prompt_ids,
-                out.responses,
-                scored.rewards,
+                group.prompt_ids,
+                group.responses,
+                group.rewards,
                 config=self.grpo,
                 ref_adapter=self.reference,
                 state=state,
-                truncated=out.truncated,
-                chunk_size=cfg.train.chunk_size,
-                loss_scale=loss_scale,
+                chunk_size=self.cfg.train.chunk_size,
                 offload=self.offload,
+                **batch.replay_kwargs(k),  # loss_scale, reward_std, old/ref log-probs
             )
-        with progress.phase("optimizer"):
-            grad_norm, skip_reason = self._optimizer_step(result.loss)
-        if cfg.train.completions_every and (self.step + 1) % cfg.train.completions_every == 0:
-            rows = tracking.completion_rows(
-                scored, result.advantages, sample=sample.id, answer=sample.answer
-            )
+        batch.record(k, result)
+        self.step_peak = max(self.step_peak, result.peak_memory_bytes)
+        return result
+
+    def _update(
+        self, batch: ls.GenerationBatch, rollouts: list[Rollout], results: list[ls.GRPOStepResult]
+    ) -> dict[str, float]:
+        """The optimizer step on what the replays accumulated; this rank's metrics of it."""
+        cfg = self.cfg
+        with self.progress.phase("optimizer"):
+            grad_norm, skip_reason = self._optimizer_step(batch.step_loss())
+        every = cfg.train.completions_every
+        if every and (self.step + 1) % every == 0:
+            rows = [
+                row
+                for k, ro in enumerate(rollouts)
+                for row in tracking.completion_rows(
+                    ro.scored, batch.advantages(k), sample=ro.sample.id, answer=ro.sample.answer
+                )
+            ]
             rows = distributed.gather_rows(self.topology.rows_to_log(rows))  # one per replica
             self.logger.log_completions(self.step + 1, rows)
-        state_bytes = {
-            names.STATE_BYTES_BY_TYPE.format(k): v["bytes"] for k, v in state.summary().items()
-        }
-        # grpo_step's metrics (no prefill_seconds: the prefill is the recipe's, time/prefill);
-        # the reward set's reward and reward_std (TRL's) are their own names.
+        # grpo_step's metrics (no prefill_seconds: the prefill is the recipe's, time/prefill)
+        # and the reward set's (TRL's reward and reward_std), over this rank's groups.
+        groups = generation.combine_group_metrics(
+            [r.metrics() for r in results]
+            + [ro.scored.metrics() | ro.state_bytes for ro in rollouts]
+        )
+        advantages = [abs(a) for k in range(len(rollouts)) for a in batch.advantages(k)]
+        truncated = [t for ro in rollouts for t in ro.out.truncated]
+        speed = [ro.out.stats["tokens_per_second"] for ro in rollouts]
         return {
-            **result.metrics(),
-            names.LOSS: result.loss * loss_scale,  # averaged over ranks: the step's loss
-            **scored.metrics(),
-            **state_bytes,
-            names.ADVANTAGE_ABS_MEAN: sum(map(abs, result.advantages)) / len(out.responses),
+            **groups,
+            names.LOSS: batch.step_loss(),  # averaged over ranks: the step's loss
+            names.ADVANTAGE_ABS_MEAN: sum(advantages) / len(advantages),
             names.GRAD_NORM: grad_norm,
             names.LR: self.scheduler.get_last_lr()[0],
-            names.ROLLOUT_TOKENS_PER_SECOND: out.stats["tokens_per_second"],
-            names.TRUNCATED_FRACTION: sum(out.truncated) / len(out.truncated),
-            names.STEP_PEAK_MEMORY_BYTES: max(peak_before_replay, names.peak_memory_bytes(device)),
+            names.ROLLOUT_TOKENS_PER_SECOND: sum(speed) / len(speed),
+            names.TRUNCATED_FRACTION: sum(truncated) / len(truncated),
+            names.STEP_PEAK_MEMORY_BYTES: max(
+                self.step_peak, names.peak_memory_bytes(self.accelerator.device)
+            ),
             **(self._skip(skip_reason) if skip_reason else self._passed()),
         }
 
@@ -326,6 +420,11 @@ class Recipe:
 
     def _passed(self) -> dict[str, float]:
         return {names.SKIPPED: 0.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
+
+    def _skip_rollout(self, reason: str) -> Iterator[dict[str, float]]:
+        """A rollout that cannot be trained on: each of its optimizer steps is skipped."""
+        for _ in range(self.grpo.num_iterations):
+            yield self._skip(reason)
 
     def _skip(self, reason: str) -> dict[str, float]:
         """This step changes nothing (no update, no scheduler step): count it, say why."""

@@ -12,7 +12,9 @@ group ``r``. Rank 0 writes the first step's gradients, the parameters after the 
 (gathered whole) and the last step's metrics summed over the ranks to ``OUT_DIR/CASE.pt``;
 the test compares them with one process running every group on an unsharded copy. The
 ``rollout`` case decodes one group per rank (ranks stop at different steps) and writes the
-responses.
+responses. The ``generation-batch`` case takes two groups per rank into one step through
+``GenerationBatch`` (``scale_rewards="batch"``, ``dapo``): its loss normaliser and reward std
+span both ranks, and the gradient equals one process running all four groups.
 """
 
 from __future__ import annotations
@@ -99,6 +101,48 @@ def random_groups(
         responses = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
         groups.append(Group(prompt, responses, rewards))
     return groups
+
+
+def generation_groups() -> list[Group]:
+    """One step's four groups (rank ``r`` of two takes groups ``2r`` and ``2r + 1``): their
+    token counts and reward spreads differ, so the first round's normaliser and std are not
+    the step's, and one group's equal rewards leave it nothing to replay."""
+    shapes = [
+        (21, [5, 3, 7], [1.0, 0.0, 0.5]),
+        (12, [2, 6], [0.3, 0.3]),
+        (17, [4, 1, 6, 2], [0.0, 2.0, 0.5, 1.0]),
+        (9, [8, 3], [1.0, 0.0]),
+    ]
+    return random_groups(shapes, seed=7)
+
+
+GENERATION_CONFIG = ls.GRPOConfig(loss_type="dapo", scale_rewards="batch", gradient="exact")
+
+
+def train_generation(
+    model: torch.nn.Module, adapter: ls.ModelAdapter, groups: list[Group]
+) -> dict[str, Any]:
+    """The recipes' step over ``groups`` (this rank's): each replayed after its prefill with
+    the provisional shares, then ``finish``. Returns the whole gradients (a collective when
+    sharded), this rank's part of the loss, its groups' advantages and the correction."""
+    config = GENERATION_CONFIG
+    batch = ls.GenerationBatch(config, len(groups))
+    for k, group in enumerate(groups):
+        state = adapter.prefill(group.prompt, chunk_size=CHUNK_SIZE, **config.prefill_options())
+        flags = [False] * len(group.responses)
+        if batch.add(group.prompt, group.responses, group.rewards, flags) is not None:
+            result = ls.grpo_step(
+                adapter, group.prompt, group.responses, group.rewards, config=config,
+                state=state, chunk_size=CHUNK_SIZE, **batch.replay_kwargs(k),
+            )  # fmt: skip
+            batch.record(k, result)
+    batch.finish(model.parameters())
+    return {
+        "grads": full_tensors(model, grads=True),
+        "loss": batch.step_loss(),
+        "advantages": [batch.advantages(k) for k in range(len(groups))],
+        "factor": batch.gradient_factor,
+    }
 
 
 def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
@@ -242,6 +286,15 @@ def main(out_dir: str, names: list[str]) -> None:
             result = rollouts(adapter, rank)
             gathered = [None] * world_size
             dist.all_gather_object(gathered, result)
+            if rank == 0:
+                torch.save(gathered, out / f"{name}.pt")
+            continue
+        if name == "generation-batch":
+            model, adapter = build(Case("qwen3", "exact"))
+            shard_model(adapter)
+            mine = generation_groups()[2 * rank : 2 * rank + 2]
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, train_generation(model, adapter, mine))
             if rank == 0:
                 torch.save(gathered, out / f"{name}.pt")
             continue

@@ -216,6 +216,12 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
         (["optim.scheduler=step"], "optim.scheduler"),
         (["optim.warmup_steps=100"], "optim.warmup_steps"),
         (["train.steps=0"], "train.steps"),
+        (["train.prompts_per_step=0"], "train.prompts_per_step"),
+        (["grpo.num_iterations=0"], "grpo.num_iterations"),
+        (["grpo.num_iterations=2", "train.steps=5"], "train.steps"),  # whole rollouts
+        (["grpo.num_iterations=2", "train.steps=4", "train.save_every=3"], "train.save_every"),
+        (["grpo.loss_type=sapo", "grpo.sapo_temperature_neg=0"], "grpo.sapo_temperature_neg"),
+        (["grpo.loss_type=vespo", "grpo.delta=2.0"], "grpo.delta"),  # TRL would ignore it
         (["train.resume_from=/nonexistent/run"], "train.resume_from"),
         (["tracking.mode=cloud"], "tracking.mode"),
         # bf16 compute without FSDP keeps float32 masters, in one process, over no 4-bit base

@@ -56,7 +56,7 @@ def sharded_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     torchrun_ok(
         ROOT / "tests" / "distributed_worker.py", str(out), *TRAINING_CASES, "rollout",
-        "rollout-gathers",
+        "rollout-gathers", "generation-batch",
     )  # fmt: skip
     return out
 
@@ -97,6 +97,22 @@ def test_a_sharded_rollout_gathers_the_model_once(sharded_runs):
         assert counts[False, 9] > counts[False, 3] > counts[True, 9]
         assert responses[True, 3] == responses[False, 3]
         assert responses[True, 9] == responses[False, 9]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_of_two_groups_step_like_one_process_of_four(sharded_runs):
+    """``GenerationBatch`` across ranks: the token normaliser and the reward std
+    (``scale_rewards="batch"``) span every rank's groups, so two ranks of two groups give one
+    process's gradient, loss and advantages over all four."""
+    ranks = torch.load(sharded_runs / "generation-batch.pt")
+    model, adapter = worker.build(worker.Case("qwen3", "exact"))
+    alone = worker.train_generation(model, adapter, worker.generation_groups())
+    assert_grads_close(ranks[0]["grads"], alone["grads"], rtol=1e-5)
+    assert sum(rank["loss"] for rank in ranks) / 2 == pytest.approx(alone["loss"], rel=1e-5)
+    advantages = [a for rank in ranks for group in rank["advantages"] for a in group]
+    assert advantages == pytest.approx([a for g in alone["advantages"] for a in g], rel=1e-12)
+    # The first round's normaliser and std were not the step's: finish corrected them.
+    assert all(rank["factor"] != 1.0 for rank in ranks) and alone["factor"] != 1.0
 
 
 # --- a world of one rank, in this process ---------------------------------------------------------
@@ -207,7 +223,8 @@ def test_spread_groups_gives_every_rank_the_same_number():
         spread_groups(groups, 0, 4)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+@pytest.mark.parametrize("loss_type", list(ls.grpo_config.LOSS_TYPES))
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_loss_scales_weight_groups_as_one_batch(loss_type, mask_truncated):
     """Each group's own weights times its scale are the weights of the step's batch."""

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from longstraw_core.losses import (
     branch_loss,
     group_advantages,
     loss_weights,
+    normaliser_share,
     per_token_loss,
     reduce_branch_stats,
 )
@@ -99,6 +101,44 @@ def test_cispo_clamps_the_detached_ratio_at_epsilon_high():
     assert stats["cispo_clip"].item() == 1.0
     _, _, stats_neg = loss_and_grad(lp, OLD[:2], None, -2.0, cfg)
     assert stats_neg["cispo_clip"].item() == 0.0  # TRL counts only A > 0
+
+
+def test_sapo_gates_the_ratio_with_a_sigmoid_by_the_advantage_sign():
+    cfg = GRPOConfig(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+    for adv, tau in ((2.0, 1.0), (-2.0, 2.0)):
+        values, grads, stats = loss_and_grad(LOGPS, OLD, None, adv, cfg)
+        # -A * 4/tau * sigmoid(tau (r - 1)); d/dlogp = -A * 4 * s (1 - s) * r (slope 1 at r=1)
+        sig = [1 / (1 + math.exp(-tau * (r - 1))) for r in RATIOS]
+        assert_list_close(values, [-adv * 4 / tau * g for g in sig])
+        assert_list_close(
+            grads, [-adv * 4 * g * (1 - g) * r for g, r in zip(sig, RATIOS, strict=True)]
+        )
+        assert "clip_low" not in stats and "cispo_clip" not in stats  # TRL logs no clip ratio
+
+
+def test_vespo_weights_the_sequence_by_its_gamma_function():
+    cfg = GRPOConfig(loss_type="vespo")
+    lp, old = [-1.0, -2.0], [-1.1, -2.3]  # log w = 0.1 + 0.3 = 0.4, summed (not averaged)
+    for adv, k, lam in ((0.5, 2.0, 3.0), (-0.5, 3.0, 2.0), (0.0, 2.0, 3.0)):  # A >= 0: pos
+        values, grads, stats = loss_and_grad(lp, old, None, adv, cfg)
+        w = math.exp(0.4)
+        phi = math.exp(lam) * w**k * math.exp(-lam * w)
+        # -phi * A * logp with phi a constant: the gradient is -phi * A on every token
+        assert_list_close(values, [-phi * adv * x for x in lp])
+        assert_list_close(grads, [-phi * adv] * 2)
+        assert stats["vespo_phi"].item() == pytest.approx(phi, rel=1e-6)
+    # log w is clamped to [log 1e-8, 20] (TRL's bounds): phi underflows to 0, no NaN
+    values, grads, _ = loss_and_grad([0.0], [-30.0], None, 1.0, cfg)
+    assert values == [0.0] and grads == [0.0]
+
+
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+def test_luspo_is_the_clipped_surrogate_with_weight_one_over_g():
+    cfg = GRPOConfig(loss_type="luspo", epsilon=0.2, epsilon_high=0.28)
+    values, grads, _ = loss_and_grad(LOGPS, OLD, None, 2.0, cfg)
+    assert_list_close(values, [-2.56, -1.0, -2.2, -1.4])  # as grpo/dapo per token
+    assert_list_close(grads, [0.0, -1.0, -2.2, -1.4])
+    assert loss_weights([3, 7, 0], None, cfg) == [1 / 3] * 3  # a sum per sequence, mean over G
 
 
 def test_k3_kl_on_policy_without_bias_correction():
@@ -230,14 +270,37 @@ TRUNC = [False, True, False, True]
         ("bnpo", True, [1 / 4, 0.0, 1 / 4, 0.0]),
         ("dr_grpo", False, [1 / 40] * 4),  # G * max_completion_length = 4 * 10
         ("dr_grpo", True, [1 / 40, 0.0, 1 / 40, 0.0]),
+        ("sapo", True, [1 / 12, 0.0, 1 / 4, 0.0]),  # grpo's
+        ("luspo", True, [1 / 4, 0.0, 1 / 4, 0.0]),  # 1 / G on the token sum
+        ("vespo", True, [1 / 4, 0.0, 1 / 4, 0.0]),  # dapo's
     ],
 )
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
 def test_loss_weights(loss_type, mask, expected):
     extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
     cfg = GRPOConfig(
         loss_type=loss_type, mask_truncated_completions=mask, max_completion_length=10, **extra
     )
     assert_list_close(loss_weights(LENGTHS, TRUNC, cfg), expected, tol=1e-15)
+
+
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo"])
+def test_normaliser_shares_make_groups_one_batch(loss_type):
+    """Each group's weights times its share of the step's normaliser are the weights of the
+    step's concatenated batch (what group_loss_scales and GenerationBatch rely on)."""
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_length=10, mask_truncated_completions=True)
+    groups = [(LENGTHS, TRUNC), ([4, 9], [False, False]), ([2, 2, 6], [True, False, False])]
+    shares = [normaliser_share(lengths, flags, cfg) for lengths, flags in groups]
+    batch = loss_weights(
+        [n for lengths, _ in groups for n in lengths], [t for _, f in groups for t in f], cfg
+    )
+    scaled = [
+        weight * share / sum(shares)
+        for (lengths, flags), share in zip(groups, shares, strict=True)
+        for weight in loss_weights(lengths, flags, cfg)
+    ]
+    assert scaled == pytest.approx(batch, rel=1e-12)
 
 
 def test_loss_weights_edge_cases():
@@ -378,6 +441,15 @@ def test_group_advantages_known_values():
     assert_list_close(group_advantages([1, 2, 3, 4], "group").tolist(), expected, tol=1e-6)
 
 
+def test_batch_scaling_divides_by_the_given_step_std():
+    rewards = t([1.0, 2.0, 3.0, 4.0])
+    out = group_advantages(rewards, "batch", std=2.5)
+    assert_list_close(out.tolist(), [x / (2.5 + 1e-4) for x in (-1.5, -0.5, 0.5, 1.5)])
+    assert torch.equal(group_advantages(t([0.5] * 3), "batch", std=2.5), torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match="batch"):
+        group_advantages(rewards, "group", std=2.5)
+
+
 def test_group_advantages_without_scaling():
     for scale in ("none", False):
         out = group_advantages(t([1.0, 2.0, 3.0, 4.0]), scale)
@@ -473,8 +545,14 @@ def test_config_maps_boolean_scale_rewards_like_trl():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("loss_type", "sapo"),
+        ("loss_type", "ppo"),
         ("loss_type", "GRPO"),
+        ("num_iterations", 0),
+        ("num_iterations", 2.0),
+        ("sapo_temperature_pos", 0.0),
+        ("sapo_temperature_neg", -1.0),
+        ("vespo_k_pos", float("nan")),
+        ("vespo_lambda_neg", "2"),
         ("beta", -0.1),
         ("beta", float("nan")),
         ("epsilon", -0.2),
@@ -508,8 +586,25 @@ def test_config_combination_errors():
     with pytest.raises(ValueError, match="delta"):
         GRPOConfig(loss_type="cispo", epsilon_high=5.0, delta=2.0)
     assert GRPOConfig(loss_type="dr_grpo").max_completion_length == 512
+    for soft in ("sapo", "vespo"):  # no clip: TRL would ignore them
+        with pytest.raises(ValueError, match="delta"):
+            GRPOConfig(loss_type=soft, delta=2.0)
+        with pytest.raises(ValueError, match="epsilon_high"):
+            GRPOConfig(loss_type=soft, epsilon_high=0.28)
 
 
 def test_config_warns_like_trl_on_sequence_level_with_token_sum_losses():
     with pytest.warns(UserWarning, match="sequence"):
         GRPOConfig(loss_type="dapo", importance_sampling_level="sequence")
+
+
+def test_config_warns_where_trl_warns_on_the_new_losses():
+    with pytest.warns(UserWarning, match="luspo"):
+        GRPOConfig(loss_type="luspo")  # TRL: the paper's luspo is sequence-level
+    with pytest.warns(UserWarning, match="vespo"):
+        GRPOConfig(loss_type="vespo", importance_sampling_level="sequence")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the settings TRL recommends: no warning
+        GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
+        GRPOConfig(loss_type="sapo", importance_sampling_level="sequence")
+        GRPOConfig(loss_type="vespo")

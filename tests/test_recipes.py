@@ -82,12 +82,21 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     assert all(kept) if "grpo.keep_attention_outputs=true" in extra else not any(kept)
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        # Two prompts per step, two optimizer steps per rollout, the step's reward std: the
+        # checkpoint at step 2 falls between the two rollouts.
+        ["train.prompts_per_step=2", "grpo.num_iterations=2", "grpo.scale_rewards=batch"],
+    ],
+)
+def test_resumed_run_equals_uninterrupted_run(tmp_path, extra):
     config = "configs/qwen36/tiny_learn_cpu.yaml"  # rewards with variance from the start
     # The stopped run is told train.steps=2: a schedule over the run's length (cosine) would
     # differ from the uninterrupted run's, so the learning rate is kept constant here.
     common = ["train.save_every=2", "grpo.gradient=exact", "rollout.num_generations=8",
-              "rollout.max_new_tokens=16", "optim.scheduler=constant"]  # fmt: skip
+              "rollout.max_new_tokens=16", "optim.scheduler=constant", *extra]  # fmt: skip
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_recipe("grpo_qwen36.py", config, straight, "train.steps=4", *common)
     run_recipe("grpo_qwen36.py", config, stopped, "train.steps=2", *common)
@@ -100,10 +109,13 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         assert torch.equal(first[name], second[name]), name
     initial = weights(straight / "step-000002")
     assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
-    history = [
-        json.loads((run / "step-000004" / "trainer_state.json").read_text())["extra"]["logger"]
+    states = [
+        json.loads((run / "step-000004" / "trainer_state.json").read_text())
         for run in (straight, stopped)
     ]
+    # Samples drawn: one per step, or two per rollout of two steps.
+    assert states[0]["data_position"] == states[1]["data_position"] == 4
+    history = [state["extra"]["logger"] for state in states]
     assert history[0] == history[1] or _same_metrics(history[0], history[1])
 
 

@@ -146,6 +146,33 @@ def test_unscorable_branches_get_zero_advantage_as_in_trl(models, rewards):
         assert math.isnan(result.group_reward_mean)  # nothing scorable
 
 
+def test_a_later_update_reads_the_first_ones_log_probs(models):
+    """``result.logps`` / ``result.ref_logps`` of one update are the next update's
+    ``old_logps`` / ``ref_logps``: given them, grpo_step scores no reference and equals a call
+    that scored it. Without KL a branch of zero advantage is skipped: it has none, and
+    needs none."""
+    policy, reference = models
+    adapter, ref_adapter = ls.adapt(policy), ls.adapt(reference)
+    prompt, responses = _group(seed=30)
+    rewards = [1.0, 0.5, 0.0]  # the mean: branch 1 has no advantage and is skipped
+    cfg = ls.GRPOConfig(loss_type="dapo", beta=0.04)
+    first, grads = step_grads(policy, adapter, prompt, responses, rewards, cfg,
+                              ref_adapter=ref_adapter)  # fmt: skip
+    assert all(lp is not None for lp in first.logps + first.ref_logps)  # KL: all replayed
+    cfg0 = ls.GRPOConfig(loss_type="dapo")
+    on_policy, _ = step_grads(policy, adapter, prompt, responses, rewards, cfg0)
+    assert on_policy.logps[1] is None and on_policy.ref_logps == [None] * 3
+    for i in range(3):
+        with torch.no_grad():
+            assert torch.equal(first.logps[i], adapter.score(adapter.prefill(prompt), responses[i]))
+    again, same = step_grads(policy, adapter, prompt, responses, rewards, cfg,
+                             old_logps=first.logps, ref_logps=first.ref_logps)  # fmt: skip
+    assert again.ref_seconds == 0.0 and again.loss == pytest.approx(first.loss, rel=1e-12)
+    assert_grads_close(same, grads, rtol=1e-12)  # same weights: the ratios are exactly 1
+    with pytest.raises(ValueError, match="reward_std"):
+        ls.grpo_step(adapter, prompt, responses, rewards, config=cfg0, reward_std=1.0)
+
+
 def test_lora_reference_uses_the_same_weights_with_adapters_disabled():
     model = tiny_model("qwen3", dtype=torch.float64, seed=2)
     peft_model = with_lora(model, ["q_proj", "v_proj"], std=0.2)

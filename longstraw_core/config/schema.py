@@ -157,8 +157,12 @@ class OptimSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 100
+    steps: int = 100  # optimizer steps (TRL's max_steps); grpo.num_iterations per rollout
     chunk_size: int = 4096  # prefill chunk; also the exact sweep's recompute unit
+    # Prompts (groups) each replica rolls out and accumulates into one optimizer step, the
+    # loss normalised as TRL's over all of them: a larger batch per step for one more
+    # rollout + replay each (one prefix state at a time, so no more memory).
+    prompts_per_step: int = 1
     activation_checkpointing: bool = (
         False  # recompute layers in backward: less memory, ~1 more forward
     )

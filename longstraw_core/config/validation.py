@@ -72,6 +72,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_rewards(cfg, check_paths)
     _check_optim(cfg.optim, cfg.train)
     _check_train(cfg.train, check_paths)
+    _check_iterations(cfg)
     _check_choice("tracking.mode", cfg.tracking.mode, TRACKING_MODES)
     _check_distributed(cfg)
     _check_memory(cfg.memory)
@@ -389,6 +390,26 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
         )
     if check_paths and train.resume_from not in (None, "latest"):
         _check_exists("train.resume_from", train.resume_from, directory=True)
+
+
+def _check_iterations(cfg: RunConfig) -> None:
+    """A checkpoint falls between two rollouts: each rollout's grpo.num_iterations updates
+    are steps of one step range, so train.steps and train.save_every count whole rollouts."""
+    per_step = cfg.train.prompts_per_step
+    if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
+        raise ConfigError("train.prompts_per_step", f"must be an int >= 1, got {per_step!r}")
+    mu = cfg.grpo.num_iterations
+    if not isinstance(mu, int) or mu <= 1:
+        return  # grpo_config reports a bad value
+    for key in ("steps", "save_every"):
+        value = getattr(cfg.train, key)
+        if value % mu:
+            raise ConfigError(
+                f"train.{key}",
+                f"{value} is not a multiple of grpo.num_iterations={mu}: each rollout is "
+                f"trained on for {mu} optimizer steps, and checkpoints fall between rollouts; "
+                f"use {value - value % mu or mu}",
+            )
 
 
 def _check_distributed(cfg: RunConfig) -> None:

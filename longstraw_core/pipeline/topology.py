@@ -1,14 +1,15 @@
 """How a recipe's rank takes part in a run: which prompt it trains, which stage it runs.
 
 ``RunTopology.from_config`` reads ``distributed.pipeline_stages`` and the world. One process
-and FSDP runs (S=1): every rank is its own replica (its own prompt each step), and FSDP
+and FSDP runs (S=1): every rank is its own replica (its own prompts each step), and FSDP
 averages the gradients. Pipeline runs (S>1): the world is S stages x D replicas; the S ranks
-of a replica train one prompt together, its stages exchanging hidden states, and the
+of a replica train its prompts together, its stages exchanging hidden states, and the
 replicas of each stage average their gradients here, or, with ``distributed.fsdp=true``,
 FSDP2 shards each stage over its replicas (``shard_mesh``) and averages them itself.
 Recipes make the same few calls either way: ``place`` the adapter, shard it over
-``shard_mesh()``, take sample ``data_position + replica``, ``finish_gradients`` before the
-optimizer step, ``reduce`` the metrics, ``rows_to_log`` for the completions table.
+``shard_mesh()``, take samples ``data_position + replica * prompts_per_step + k``,
+``finish_gradients`` before the optimizer step, ``reduce`` the metrics, ``rows_to_log`` for
+the completions table.
 """
 
 from __future__ import annotations
