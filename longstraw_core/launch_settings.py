@@ -13,9 +13,11 @@ before any weight loads, naming the accelerate setting, why, and the LongStraw k
 
 - ``mixed_precision: bf16`` -> ``distributed.mixed_precision=bf16`` (bf16 compute over float32
   master weights; already so when ``model.dtype`` is bfloat16); ``fp16`` / ``fp8``: refused;
+- ``gradient_accumulation_steps: N`` -> ``train.prompts_per_step=N`` (a micro-batch is one
+  prompt's group per replica); refused when the run config sets another value;
 - ``distributed_type: FSDP`` (``ACCELERATE_USE_FSDP`` and ``FSDP_*``), ``DEEPSPEED``,
-  ``MEGATRON_LM``, ``parallelism_config``, a dynamo backend, ``gradient_accumulation_steps``:
-  refused, each with the run config keys that do the same in LongStraw;
+  ``MEGATRON_LM``, ``parallelism_config``, a dynamo backend: refused, each with the run
+  config keys that do the same in LongStraw;
 - what the launcher itself does (processes, machines, GPU ids, ports, ``use_cpu``,
   ``num_cpu_threads_per_process``, ``debug``, CPU affinity) needs nothing from the recipe.
 
@@ -172,15 +174,40 @@ def _sharding_plugins(result: Resolution) -> None:
 
 
 def _gradient_accumulation(result: Resolution) -> None:
+    """accelerate accumulates N micro-batches per optimizer step; LongStraw's micro-batch is
+    one prompt's group on each replica, so N is ``train.prompts_per_step``."""
     raw = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if raw is None or raw.strip() == "1":
         return
-    result.refusals.append(
-        f"gradient_accumulation_steps: {raw} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS={raw}): "
-        "accelerate accumulates over accelerator.accumulate() blocks the recipe never runs; a "
-        "LongStraw optimizer step takes one prompt's group per replica, and "
-        "train.prompts_per_step (not in this version's run config) is the setting for more "
-        "prompts per optimizer step"
+    setting = f"gradient_accumulation_steps: {raw} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS={raw})"
+    try:
+        steps = int(raw)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        result.refusals.append(f"{setting}: not a positive integer")
+        return
+    cfg = result.cfg
+    if cfg.train.prompts_per_step not in (1, steps):
+        result.refusals.append(
+            f"{setting} means train.prompts_per_step={steps} in LongStraw (one prompt's group "
+            f"per replica is a micro-batch), but the run config sets train.prompts_per_step="
+            f"{cfg.train.prompts_per_step}: make them agree, or drop one"
+        )
+        return
+    mapped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, prompts_per_step=steps))
+    try:
+        validate(mapped, check_paths=False)
+    except ConfigError as error:
+        result.refusals.append(
+            f"{setting} means train.prompts_per_step={steps} in LongStraw, which this run "
+            f"config cannot take: {error}"
+        )
+        return
+    result.cfg = mapped
+    result.notes.append(
+        f"accelerate {setting} -> train.prompts_per_step={steps} (each replica accumulates "
+        f"{steps} prompts' groups per optimizer step)"
     )
 
 

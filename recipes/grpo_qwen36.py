@@ -23,8 +23,9 @@ metrics are averaged over the ranks, and rank 0 logs and writes the checkpoints.
 
 accelerate launch settings are honoured or refused at start (``launch_settings``): its
 ``mixed_precision: bf16`` becomes ``distributed.mixed_precision=bf16`` (bf16 compute over float32
-master weights, on one device too); its FSDP, DeepSpeed, dynamo or gradient accumulation
-settings stop the run before any weight loads, naming the run config keys to use instead.
+master weights, on one device too) and ``gradient_accumulation_steps: N``
+``train.prompts_per_step=N``; its FSDP, DeepSpeed or dynamo settings stop the run before any
+weight loads, naming the run config keys to use instead.
 
 Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the rollout's optimizer steps,
 saves a checkpoint and exits 128+signal; a step with a non-finite loss, gradient or logits

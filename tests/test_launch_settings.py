@@ -125,22 +125,26 @@ def test_distributed_type_fsdp_is_refused_with_the_run_config_keys(launched):
     assert "fsdp_offload_params: true" in message
 
 
-def test_deepspeed_and_its_gradient_accumulation_are_refused_together(launched):
+def test_deepspeed_is_refused_naming_its_equivalents(launched):
     deepspeed = {"zero_stage": 3, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0}
     settings = {"distributed_type": "DEEPSPEED", "num_processes": 2}
     message = _refusals(load_config(TINY), launched, settings | {"deepspeed_config": deepspeed})
     assert "distributed_type: DEEPSPEED" in message and "distributed.fsdp=true" in message
     assert "optim.max_grad_norm" in message
-    assert "gradient_accumulation_steps: 4" in message and "train.prompts_per_step" in message
+    assert "gradient_accumulation_steps" not in message  # it maps (train.prompts_per_step)
 
 
-def test_gradient_accumulation_alone_is_refused(launched, monkeypatch):
+def test_gradient_accumulation_becomes_prompts_per_step(launched, monkeypatch):
     launched({})
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "8")  # read by Accelerator()
-    with pytest.raises(launch_settings.LaunchSettingsError, match=r"train\.prompts_per_step"):
-        launch_settings.honour(load_config(TINY))
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")  # read by Accelerator()
+    assert launch_settings.honour(load_config(TINY)).train.prompts_per_step == 4
+    # the run config's own setting wins only when the two agree
+    agreeing = load_config(TINY, ["train.prompts_per_step=4"])
+    assert launch_settings.honour(agreeing).train.prompts_per_step == 4
+    with pytest.raises(launch_settings.LaunchSettingsError, match=r"train\.prompts_per_step=2"):
+        launch_settings.honour(load_config(TINY, ["train.prompts_per_step=2"]))
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
-    launch_settings.honour(load_config(TINY))
+    assert launch_settings.honour(load_config(TINY)).train.prompts_per_step == 1
 
 
 def test_megatron_lm_is_refused_for_pipeline_stages(launched):

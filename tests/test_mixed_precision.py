@@ -159,3 +159,25 @@ def test_a_step_refuses_gradients_left_from_before():
     next(model.parameters()).grad = torch.zeros_like(next(model.parameters()))
     with pytest.raises(RuntimeError, match="zero_grad"), WorkingWeights(model).step():
         pass
+
+
+def test_a_generation_batchs_correction_scales_the_float32_sums():
+    """Several prompts a step (``GenerationBatch.finish``): the correction of what the
+    replays accumulated reaches the float32 sums a bf16 step keeps, not a ``.grad`` that is
+    empty during the step."""
+    model, adapter = worker.build(worker.Case("qwen3", "exact"))
+    weights = WorkingWeights(model)
+    group = worker.step_groups(0)[1]
+    config = worker.grpo_config(worker.Case("qwen3", "exact"))
+    grads = []
+    for factor in (1.0, 0.25):
+        with weights.step():
+            ls.grpo_step(adapter, group.prompt, group.responses, group.rewards, config=config,
+                         chunk_size=worker.CHUNK_SIZE)  # fmt: skip
+            assert all(p.grad is None for p in weights.masters)  # in the float32 sums
+            weights.scale_gradients(model.parameters(), factor)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for name, full in grads[0].items():
+        assert torch.equal(grads[1][name], full * 0.25), name
