@@ -507,9 +507,7 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
             hidden = self.decoder.norm(hidden[0])
-            return _head_log_probs(
-                self.lm_head, hidden, response_ids, return_entropy, temperature
-            )
+            return _head_log_probs(self.lm_head, hidden, response_ids, return_entropy, temperature)
 
         with self._checkpointed_pass():
             logps, entropy = self._call_model(replay)

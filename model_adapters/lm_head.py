@@ -67,12 +67,10 @@ def head_log_probs(
     pieces = []
     for rows_hidden, rows_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
         if recompute:
-            pieces.append(
-                _checkpointed_chunk(
-                    chunk, run_checkpointed, head, with_entropy, rows_hidden, rows_targets,
-                    temperature,
-                )  # fmt: skip
+            piece = _checkpointed_chunk(
+                chunk, run_checkpointed, head, with_entropy, rows_hidden, rows_targets, temperature
             )
+            pieces.append(piece)
         else:
             pieces.append(chunk(head, with_entropy, rows_hidden, rows_targets, temperature))
     logps = torch.cat([logps for logps, _ in pieces])
