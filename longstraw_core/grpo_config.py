@@ -67,6 +67,11 @@ class GRPOConfig:
 
     - ``num_generations``: G, responses sampled per prompt (TRL requires at least 2).
     - ``max_completion_length``: generation cap; also the ``dr_grpo`` normaliser constant.
+    - ``temperature``: the sampling temperature, and the one every log-prob of the loss is
+      taken at (the policy's, the old and the reference's, and the entropy): TRL's
+      ``log_softmax(logits / temperature)``, so that the on-policy ratio is 1 for responses
+      sampled at it. It must be > 0: greedy decoding (0) has no distribution to train on
+      (TRL would divide by zero).
     - ``beta``: KL coefficient (k3 estimator against a reference policy); 0 disables it.
     - ``epsilon``: lower clip, the ratio is clipped below at ``1 - epsilon``.
     - ``epsilon_high``: upper clip, ratio clipped above at ``1 + epsilon_high``; ``None`` means
@@ -109,6 +114,7 @@ class GRPOConfig:
 
     num_generations: int = 8
     max_completion_length: int | None = 512
+    temperature: float = 1.0
     beta: float = 0.0
     num_iterations: int = 1
     epsilon: float = 0.2
@@ -190,6 +196,13 @@ class GRPOConfig:
         mcl = self.max_completion_length
         if mcl is not None and (not _is_int(mcl) or mcl < 1):
             raise _invalid("max_completion_length", mcl, "None or an int >= 1")
+        if not _is_real(self.temperature) or self.temperature <= 0:
+            raise _invalid(
+                "temperature",
+                self.temperature,
+                "a finite float > 0 (the loss's log-probs are log_softmax(logits / temperature), "
+                "as TRL's; greedy decoding, 0, has no sampling distribution to train on)",
+            )
         if not _is_real(self.beta) or self.beta < 0:
             raise _invalid("beta", self.beta, "a finite float >= 0")
         if not _is_int(self.num_iterations) or self.num_iterations < 1:

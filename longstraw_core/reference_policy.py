@@ -35,9 +35,16 @@ class LoraDisabledReference:
         with self._adapters_off():
             return self.adapter.prefill(prompt_ids, chunk_size=chunk_size, **kwargs)
 
-    def score(self, state: PrefixState, response_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def score(
+        self,
+        state: PrefixState,
+        response_ids: torch.Tensor | Sequence[int],
+        *,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """The adapter's ``score`` (at ``temperature``) with the adapters off."""
         with self._adapters_off():
-            return self.adapter.score(state, response_ids)
+            return self.adapter.score(state, response_ids, temperature=temperature)
 
     @contextmanager
     def _adapters_off(self) -> Iterator[None]:

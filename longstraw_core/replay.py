@@ -33,13 +33,18 @@ from model_adapters.base import ModelAdapter, as_token_ids
 class Policy(Protocol):
     """What a reference policy must offer: an adapter, or ``lora_reference(adapter)``.
 
+    ``score`` takes the ``temperature`` the loss's log-probs are taken at (TRL scores the
+    reference at its sampling temperature too).
+
     ``in_step`` and ``idle_forward`` keep the ranks of a sharded model in step (see
     ``ModelAdapter.in_step``).
     """
 
     def prefill(self, prompt_ids: torch.Tensor, chunk_size: int = ...) -> PrefixState: ...
 
-    def score(self, state: PrefixState, response_ids: torch.Tensor) -> torch.Tensor: ...
+    def score(
+        self, state: PrefixState, response_ids: torch.Tensor, *, temperature: float = ...
+    ) -> torch.Tensor: ...
 
     def in_step(self, items: Sequence[int]) -> Iterator[int | None]: ...
 
@@ -169,6 +174,9 @@ def grpo_step(
     ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each;
     NaN marks a completion no reward function could score (``RewardSet``'s all-None rows):
     as in TRL it gets zero advantage and stays out of the group's mean and std.
+    Every log-prob of the loss (the policy's, the reference's, the entropy) is taken at
+    ``config.temperature``, TRL's ``log_softmax(logits / temperature)``; ``old_logps`` must be
+    too (a rollout's ``out.logps`` at that temperature are, and so are ``result.logps``).
     ``old_logps`` are the behaviour policy's per-token log-probs (``None``, or a ``None``
     entry: on-policy; a later update on the same rollout passes the first's
     ``result.logps``). ``ref_adapter`` scores the reference policy when ``config.beta > 0``,
@@ -242,7 +250,7 @@ def grpo_step(
     if config.beta != 0.0 and given_ref_logps is None:
         started = time.perf_counter()
         ref_logps = _reference_logps(
-            ref_adapter, prompt_ids, responses, weights, chunk_size, offload
+            ref_adapter, prompt_ids, responses, weights, chunk_size, config.temperature, offload
         )
         timings["ref_seconds"] = time.perf_counter() - started
 
@@ -274,8 +282,9 @@ def grpo_step(
             idle += 1
             continue
         logps, entropy = adapter.score(
-            state, responses[index], return_entropy=True, state_grad=state_grad
-        )
+            state, responses[index], return_entropy=True, state_grad=state_grad,
+            temperature=config.temperature,
+        )  # fmt: skip
         loss, stats = branch_loss(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
@@ -351,7 +360,7 @@ def _replay_on_stages(
         return loss * loss_scale
 
     branches = [None if index is None else responses[index] for index in items]
-    adapter.replay_branches(state, branches, loss_of, state_grad)
+    adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature)
     loss, entropy, stats = adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
     return loss, entropy, stats, len(items) - len(contributing)
 
@@ -370,9 +379,11 @@ def _reference_logps(
     responses: list[torch.Tensor],
     weights: list[float],
     chunk_size: int,
+    temperature: float,
     offload: OffloadPolicy | str | dict | None = None,
 ) -> list[torch.Tensor | None]:
-    """The reference policy's log-probs, from its own prefill (freed before the policy's)."""
+    """The reference policy's log-probs at ``temperature``, from its own prefill (freed
+    before the policy's)."""
     logps: list[torch.Tensor | None] = [None] * len(responses)
     options = {} if offload is None else {"offload": offload}  # other policies may not take it
     with torch.no_grad():
@@ -381,7 +392,9 @@ def _reference_logps(
             if index is None:
                 ref_adapter.idle_forward()
             else:
-                logps[index] = ref_adapter.score(ref_state, responses[index]).detach()
+                logps[index] = ref_adapter.score(
+                    ref_state, responses[index], temperature=temperature
+                ).detach()
     del ref_state
     return logps
 

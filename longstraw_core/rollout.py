@@ -25,10 +25,12 @@ same responses). ``temperature=0`` decodes greedily: the argmax after the repeti
 as ``generate(do_sample=False)``.
 
 Behaviour log-probs (``out.logps``) are ``log_softmax(logits / temperature)`` at the sampled
-token, before any processor, as TRL computes the policy's log-probs; at temperature 1 they
-equal ``adapter.score(state, response)`` (so the on-policy importance ratio is 1). The
-processors choose which token is drawn, not how the policy scores it. Greedy decoding reports
-the log-probs of the unscaled logits (temperature 1).
+token, before any processor, as TRL computes the policy's log-probs; they equal
+``adapter.score(state, response, temperature=temperature)``, which is how ``grpo_step``
+scores at ``GRPOConfig.temperature`` (the run config's one ``rollout.temperature``), so the
+on-policy importance ratio is 1. The processors choose which token is drawn, not how the
+policy scores it. Greedy decoding reports the log-probs of the unscaled logits (temperature
+1); it cannot be trained on (``GRPOConfig`` refuses temperature 0, as TRL cannot divide by it).
 
 A response ends at an end-of-sequence token or at the token that completes one of the
 ``stop_strings`` (transformers' ``StopStringCriteria``: the decoded response contains the

@@ -55,6 +55,7 @@ from model_adapters.validation import (
     check_positions,
     check_prefill_options,
     check_state,
+    check_temperature,
 )
 
 __all__ = [
@@ -140,12 +141,19 @@ def head_rows(tokens: int, vocab: int) -> int:
 
 
 def _head_log_probs(
-    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``score``'s LM head over ``hidden`` ``[T, width]`` in ``head_rows`` row chunks
-    (``model_adapters.lm_head.head_log_probs``), with this module's chunk and checkpoint."""
+    (``model_adapters.lm_head.head_log_probs``), with this module's chunk and checkpoint,
+    at ``temperature``."""
     rows = head_rows(len(hidden), head_width(head, hidden))
-    return head_log_probs(head, hidden, targets, with_entropy, rows, _head_chunk, checkpoint)
+    return head_log_probs(
+        head, hidden, targets, with_entropy, rows, _head_chunk, checkpoint, temperature
+    )
 
 
 class ModelAdapter(ShardedPasses, StagedPasses, ABC):
@@ -464,11 +472,14 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         response_ids: torch.Tensor | Sequence[int],
         return_entropy: bool = False,
         state_grad: StateGrad | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probabilities of a response given the prompt held by ``state``.
 
         ``logps[t] = log p(response[t] | prompt, response[:t])``, differentiable with respect
-        to the parameters. The branch replays the last prompt token first, so every logit
+        to the parameters, of the distribution at ``temperature``
+        (``log_softmax(logits / temperature)``: TRL's GRPO scores every log-prob of its loss
+        at its sampling temperature, ``GRPOConfig.temperature``; > 0). The branch replays the last prompt token first, so every logit
         that scores a response token runs with autograd. ``state`` is only read. With
         ``return_entropy`` also returns the (detached) entropy of each predictive distribution.
         With ``state_grad`` (exact mode), backward also adds ``dL/dstate`` into it. The LM head
@@ -476,6 +487,7 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         backward when there are several (``_head_log_probs``).
         """
         self.check_state(state)
+        check_temperature(temperature)
         response_ids = as_token_ids(response_ids, "response_ids", self.vocab_size)
         self._check_positions(state.prompt_length, len(response_ids))
         response_ids = response_ids.to(self.device)
@@ -486,14 +498,16 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
                 raise RuntimeError(
                     "on pipeline stages exact mode's replay runs in grpo_step (replay_branches)"
                 )
-            logps, entropy = self._staged_score(state, inputs, response_ids, span, return_entropy)
+            logps, entropy = self._staged_score(
+                state, inputs, response_ids, span, return_entropy, temperature
+            )
             return (logps, entropy) if return_entropy else logps
         reads = state if state_grad is None else exact_state(state, state_grad, produced=None)
 
         def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
             hidden = self.decoder.norm(hidden[0])
-            return _head_log_probs(self.lm_head, hidden, response_ids, return_entropy)
+            return _head_log_probs(self.lm_head, hidden, response_ids, return_entropy, temperature)
 
         with self._checkpointed_pass():
             logps, entropy = self._call_model(replay)

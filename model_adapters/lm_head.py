@@ -1,6 +1,9 @@
 """``score``'s LM head in row chunks: log-probabilities (and entropy) of the targets, with only
 one chunk's logits alive, each chunk recomputed in backward when there are several.
 
+Every distribution is taken at a ``temperature``: ``log_softmax(logits / temperature)``, as
+TRL's GRPO scores the policy, the old and the reference policy at its sampling temperature.
+
 The engine (``model_adapters.base``) owns the budget (``HEAD_CHUNK_ELEMENTS``) and passes the
 chunk function and the checkpoint it uses; this module holds the math.
 """
@@ -15,7 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 HeadOutput = tuple[torch.Tensor, torch.Tensor | None]
-ChunkFn = Callable[[nn.Module, bool, torch.Tensor, torch.Tensor], HeadOutput]
+# chunk(head, with_entropy, hidden rows, target rows, temperature) -> (log-probs, entropy)
+ChunkFn = Callable[[nn.Module, bool, torch.Tensor, torch.Tensor, float], HeadOutput]
 
 
 def rows_per_chunk(tokens: int, vocab: int, elements: int) -> int:
@@ -43,9 +47,11 @@ def head_log_probs(
     rows: int,
     chunk: ChunkFn | None = None,
     run_checkpointed: Callable[..., Any] = checkpoint,
+    temperature: float = 1.0,
 ) -> HeadOutput:
     """``log p(targets[t])`` ``[T]`` from the final normed ``hidden`` ``[T, width]``, and the
-    detached entropy of each distribution (``with_entropy``; else ``None``).
+    detached entropy of each distribution (``with_entropy``; else ``None``), both of the
+    distribution at ``temperature`` (``log_softmax(logits / temperature)``).
 
     The logits ``[T, vocab]`` are computed ``rows`` rows at a time (``chunk``: ``head_chunk``
     unless given), so only one chunk's are alive. With autograd and more than one chunk, each
@@ -56,30 +62,34 @@ def head_log_probs(
     """
     chunk = head_chunk if chunk is None else chunk
     if rows >= len(hidden):
-        return chunk(head, with_entropy, hidden, targets)
+        return chunk(head, with_entropy, hidden, targets, temperature)
     recompute = torch.is_grad_enabled()
     pieces = []
     for rows_hidden, rows_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
         if recompute:
-            pieces.append(
-                _checkpointed_chunk(
-                    chunk, run_checkpointed, head, with_entropy, rows_hidden, rows_targets
-                )
+            piece = _checkpointed_chunk(
+                chunk, run_checkpointed, head, with_entropy, rows_hidden, rows_targets, temperature
             )
+            pieces.append(piece)
         else:
-            pieces.append(chunk(head, with_entropy, rows_hidden, rows_targets))
+            pieces.append(chunk(head, with_entropy, rows_hidden, rows_targets, temperature))
     logps = torch.cat([logps for logps, _ in pieces])
     entropy = torch.cat([entropy for _, entropy in pieces]) if with_entropy else None
     return logps, entropy
 
 
 def head_chunk(
-    head: nn.Module, with_entropy: bool, hidden: torch.Tensor, targets: torch.Tensor
+    head: nn.Module,
+    with_entropy: bool,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
 ) -> HeadOutput:
-    """One chunk of rows: ``log_softmax`` in ``promote_types(logits, float32)``, gathered
-    at ``targets``; the entropy under ``no_grad``. The logits and their promoted copy are
-    temporaries (freed as soon as ``log_softmax`` has run)."""
-    log_probs = torch.log_softmax(_promoted(head(hidden)), -1)
+    """One chunk of rows: ``log_softmax(logits / temperature)`` in
+    ``promote_types(logits, float32)``, gathered at ``targets``; the entropy under
+    ``no_grad``. The logits, their promoted copy and its division are temporaries, each freed
+    once the next is made (never more than two ``[rows, vocab]`` float32 copies alive)."""
+    log_probs = torch.log_softmax(_tempered(head(hidden), temperature), -1)
     logps = log_probs.gather(-1, targets[:, None])[:, 0]
     if not with_entropy:
         return logps, None
@@ -89,8 +99,11 @@ def head_chunk(
     return logps, entropy
 
 
-def _promoted(logits: torch.Tensor) -> torch.Tensor:
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in ``promote_types(logits, float32)`` (the division as the
+    rollout's sampling makes it, so that on-policy ratios are 1); no copy at temperature 1."""
+    promoted = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return promoted if temperature == 1.0 else promoted / temperature
 
 
 def _checkpointed_chunk(
@@ -100,6 +113,7 @@ def _checkpointed_chunk(
     with_entropy: bool,
     hidden: torch.Tensor,
     targets: torch.Tensor,
+    temperature: float,
 ) -> HeadOutput:
     """``chunk`` under non-reentrant checkpointing: backward recomputes the chunk's logits and
     ``log_softmax`` (not its entropy, which the first run returned)."""
@@ -108,6 +122,6 @@ def _checkpointed_chunk(
     def run(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
         nonlocal calls
         calls += 1
-        return chunk(head, with_entropy and calls == 1, hidden, targets)
+        return chunk(head, with_entropy and calls == 1, hidden, targets, temperature)
 
     return run_checkpointed(run, hidden, targets, use_reentrant=False)

@@ -124,8 +124,10 @@ class StagedPasses:
         targets: torch.Tensor,
         span: Span,
         return_entropy: bool,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """No-grad scoring through the stages; every stage gets the last one's result."""
+        """No-grad scoring through the stages; every stage gets the last one's result (the
+        head, at ``temperature``, runs on the last)."""
         from model_adapters.base import _head_log_probs
 
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
@@ -141,7 +143,7 @@ class StagedPasses:
             hidden, carried = self.run_owned_layers(hidden, span, state, carried=carried)
             if self.stage.is_last:
                 head = _head_log_probs(self.lm_head, self.decoder.norm(hidden[0]), targets,
-                                       return_entropy)  # fmt: skip
+                                       return_entropy, temperature)  # fmt: skip
                 result[0] = tuple(None if t is None else t.cpu() for t in head)
             return hidden, carried
 
@@ -180,10 +182,11 @@ class StagedPasses:
         responses: Sequence[torch.Tensor | None],
         loss_of: BranchLoss,
         state_grad: StateGrad | None = None,
+        temperature: float = 1.0,
     ) -> None:
         """Replay ``responses`` with autograd through the stages (1F1B, one microbatch per
         branch) and backpropagate ``loss_of(index, logps, entropy)`` of each, computed on the
-        last stage. Parameter gradients accumulate in ``.grad`` (and, exact mode, this
+        last stage from its log-probs at ``temperature`` (``ModelAdapter.score``'s). Parameter gradients accumulate in ``.grad`` (and, exact mode, this
         stage's ``dS`` in ``state_grad``). A ``None`` response is an idle branch (what
         ``in_step`` pads with): one token, weight zero, ``loss_of`` not called."""
         from model_adapters.base import Span, _head_log_probs
@@ -200,7 +203,7 @@ class StagedPasses:
                 if not self.stage.is_last:
                     return hidden, carried, leaf
                 logps, entropy = _head_log_probs(
-                    self.lm_head, self.decoder.norm(hidden[0]), response, True
+                    self.lm_head, self.decoder.norm(hidden[0]), response, True, temperature
                 )
             if responses[m] is None:
                 return logps.sum() * 0.0, None, leaf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,17 @@ def check_prefill_options(chunk_size: object, checkpoints: object) -> None:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if checkpoints not in (None, "device", "cpu"):
         raise ValueError(f"checkpoints must be None, 'device' or 'cpu', got {checkpoints!r}")
+
+
+def check_temperature(temperature: object) -> None:
+    """``score``'s ``temperature``: a finite number > 0 (the logits are divided by it)."""
+    ok = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not (ok and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature must be a finite number > 0 (scores are log_softmax(logits / "
+            f"temperature); a greedy rollout's temperature 0 has no distribution to score), "
+            f"got {temperature!r}"
+        )
 
 
 def check_state(state: PrefixState, owner: str, device: torch.device) -> None:

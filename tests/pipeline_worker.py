@@ -66,13 +66,14 @@ class Case:
     offload: str | None = None  # "cpu": every record in host memory, streamed per layer
     checkpoint: bool = False  # save a staged checkpoint at the end and load it back
     fsdp: bool = False  # FSDP2 shards each stage over its replicas (which then average)
+    temperature: float = 1.0  # GRPOConfig.temperature: the last stage's head divides by it
 
 
 CASES = {
     "qwen3-detached": Case("qwen3", "detached"),
-    "qwen3-exact": Case("qwen3", "exact"),
+    "qwen3-exact": Case("qwen3", "exact", temperature=0.7),
     "qwen3-lora-exact": Case("qwen3", "exact", lora=True, checkpoint=True),
-    "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04),
+    "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04, temperature=1.6),
     "qwen3-exact-kept-checkpointed": Case(
         "qwen3", "exact", keep_attention_outputs=True, activation_checkpointing=True
     ),
@@ -90,7 +91,7 @@ CASES = {
         "qwen3_5_text", "exact", lora=True, fsdp=True, checkpoint=True
     ),
     "glm_moe_dsa-lora-kl-detached-fsdp": Case(
-        "glm_moe_dsa", "detached", lora=True, beta=0.04, fsdp=True
+        "glm_moe_dsa", "detached", lora=True, beta=0.04, fsdp=True, temperature=0.7
     ),
 }
 
@@ -124,15 +125,16 @@ def grpo_config(case: Case) -> ls.GRPOConfig:
         beta=case.beta,
         epsilon=0.2,
         keep_attention_outputs=case.keep_attention_outputs,
+        temperature=case.temperature,
     )
 
 
-def probe_logps(adapter: ls.ModelAdapter) -> torch.Tensor:
-    """No-grad log-probs of a response to step 0's first prompt."""
+def probe_logps(adapter: ls.ModelAdapter, temperature: float) -> torch.Tensor:
+    """No-grad log-probs of a response to step 0's first prompt, at ``temperature``."""
     group = step_groups(0, 1)[0]
     with torch.no_grad():
         state = adapter.prefill(group.prompt, chunk_size=CHUNK_SIZE)
-        return adapter.score(state, group.responses[0])
+        return adapter.score(state, group.responses[0], temperature=temperature)
 
 
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -167,7 +169,7 @@ def place(case: Case, adapter: ls.ModelAdapter, mesh) -> None:
 def train_reference(case: Case, replicas: int) -> dict:
     """One process, the whole model: the same steps over every replica's group."""
     model, adapter = build(case)
-    logps = probe_logps(adapter)
+    logps = probe_logps(adapter, case.temperature)
     optimizer, config = optimizer_for(model), grpo_config(case)
     losses, first_grads = [], {}
     for step in range(STEPS):
@@ -219,7 +221,7 @@ def train_staged(case: Case, stages: int, out: Path | None = None) -> dict:
     replicas, replica = mesh.size(0), mesh.get_local_rank(0)
     model, adapter = build(case)
     place(case, adapter, mesh)
-    logps = probe_logps(adapter)
+    logps = probe_logps(adapter, case.temperature)
     adapter.release_parameters()  # FSDP: the sharded parameters, for the optimizer to hold
     optimizer, config = optimizer_for(model), grpo_config(case)
     trainable = [p for p in model.parameters() if p.requires_grad]

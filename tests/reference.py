@@ -1,6 +1,8 @@
 """References written against the transformers model itself, never against LongStraw code.
 
 - ``full_sequence_logps``: the model's own forward over prompt + response.
+- Each takes a ``temperature``: the log-probs of ``log_softmax(logits / temperature)``, what
+  TRL's GRPO scores (its fused head divides the logits by ``GRPOConfig.temperature``).
 - ``trl_group_loss``: TRL's ``GRPOTrainer._compute_loss`` on padded ``[G, T]`` tensors.
 - ``detached_reference_logps``: the transformers cache of all prompt tokens but the last,
   computed under ``no_grad``; then the last prompt token and the response run with autograd
@@ -17,22 +19,24 @@ from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
 
-def _gather_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _gather_logps(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
 def full_sequence_logps(
-    model: PreTrainedModel, prompt: torch.Tensor, response: torch.Tensor
+    model: PreTrainedModel, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``log p(response[t] | prompt, response[:t])`` from one forward over the whole sequence."""
     sequence = torch.cat([prompt, response])[None]
     logits = model(input_ids=sequence).logits[0]
-    return _gather_logps(logits[len(prompt) - 1 : -1], response)
+    return _gather_logps(logits[len(prompt) - 1 : -1], response, temperature)
 
 
 def detached_reference_logps(
-    model: PreTrainedModel, prompt: torch.Tensor, response: torch.Tensor
+    model: PreTrainedModel, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Response log-probs with the prompt's cache detached, as the transformers cache gives it."""
     cache = None
@@ -45,7 +49,7 @@ def detached_reference_logps(
     logits = model(
         input_ids=branch, cache=cache, position_ids=positions, use_cache=cache is not None
     ).logits[0]
-    return _gather_logps(logits, response)
+    return _gather_logps(logits, response, temperature)
 
 
 def parameter_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -68,10 +68,10 @@ def _counting_chunks(monkeypatch) -> dict[str, int]:
     counts = {"chunks": 0, "recomputed": 0}
     run = base._head_chunk
 
-    def counted(head, with_entropy, hidden, targets):
+    def counted(head, with_entropy, hidden, targets, temperature):
         counts["chunks"] += 1
         counts["recomputed"] += torch.is_grad_enabled() and not with_entropy
-        return run(head, with_entropy, hidden, targets)
+        return run(head, with_entropy, hidden, targets, temperature)
 
     monkeypatch.setattr(base, "_head_chunk", counted)
     return counts

@@ -257,6 +257,20 @@ def test_grpo_config_errors_carry_their_field_and_map_it_to_a_key() -> None:
     assert error.key == "rollout.num_generations" and "an int >= 2" in str(error)
 
 
+def test_temperature_is_the_rollouts_and_grpos_one_setting() -> None:
+    """TRL's ``GRPOConfig.temperature`` samples and scores the loss's log-probs: here
+    ``rollout.temperature``, > 0 (greedy decoding has no distribution to train on)."""
+    cfg = load_config(TINY, ["rollout.temperature=0.7"])
+    assert grpo_config(cfg).temperature == 0.7
+    error = _error(TINY, "rollout.temperature=0")
+    assert error.key == "rollout.temperature" and "a finite float > 0" in str(error)
+    # A TRL user's grpo.temperature (or grpo.num_generations) is pointed at the rollout's.
+    error = _error(TINY, "grpo.temperature=0.7")
+    assert error.key == "grpo.temperature" and "set rollout.temperature" in str(error)
+    with pytest.raises(GRPOConfigError, match=r"GRPOConfig.temperature=0 is invalid"):
+        GRPOConfig(temperature=0)
+
+
 # --------------------------------------------------------------------------- overrides, inheritance
 
 

@@ -3,6 +3,8 @@ the transformers model with autograd over everything, the group backpropagated a
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from reference import (
@@ -14,6 +16,7 @@ from reference import (
 )
 
 import longstraw_core as ls
+import model_adapters.base as base
 from longstraw_core.exact import attach_grad_sink, new_state_grad
 from longstraw_core.state import AttentionKV
 from longstraw_core.tiny_models import tiny_model
@@ -114,6 +117,54 @@ def test_exact_with_lora_trains_only_adapters():
     _, expected = _full_graph_grads(peft_model, prompt, responses, None, ref, cfg)
     assert all("lora_" in name for name in grads)
     assert_grads_close(grads, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "lora", "head_chunks"),
+    [("dapo", False, False), ("grpo", True, True)],
+    ids=["full", "lora-head-chunks"],
+)
+def test_exact_step_at_a_temperature_equals_full_graph(
+    models, monkeypatch, loss_type, lora, head_chunks
+):
+    """At ``GRPOConfig.temperature=0.7`` every log-prob of the loss is TRL's
+    ``log_softmax(logits / 0.7)``: the policy's (the sweep's gradient flows through them,
+    and through the LM head's checkpointed row chunks), the old ones given, and the
+    reference's, which ``grpo_step`` scores itself (a frozen model, or the LoRA model with
+    its adapters off)."""
+    temperature = 0.7
+    if head_chunks:  # two rows a chunk: every branch's head runs in several
+        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", 2 * VOCAB)
+    if lora:
+        policy = with_lora(tiny_model("qwen3", dtype=torch.float64, seed=6), ["q_proj", "v_proj"])
+        adapter = ls.adapt(policy)
+        ref_adapter, reference = ls.lora_reference(adapter), None
+    else:
+        policy, reference = models
+        adapter, ref_adapter = ls.adapt(policy), ls.adapt(reference)
+    prompt = _ids(29, 7)
+    responses = [_ids(n, 50 + i) for i, n in enumerate(LENGTHS)]
+    cfg = ls.GRPOConfig(loss_type=loss_type, beta=0.04, gradient="exact", temperature=temperature)
+    tempered = functools.partial(full_sequence_logps, temperature=temperature)
+    with torch.no_grad():
+        old = [tempered(policy, prompt, r) + 0.2 * torch.randn(len(r), dtype=torch.float64)
+               for r in responses]  # fmt: skip
+        if lora:
+            with policy.disable_adapter():
+                ref = [tempered(policy, prompt, r) for r in responses]
+        else:
+            ref = [tempered(reference, prompt, r) for r in responses]
+
+    metrics, grads = _step_grads(
+        policy, adapter, prompt, responses, cfg, old_logps=old, ref_adapter=ref_adapter,
+        chunk_size=5,
+    )  # fmt: skip
+    loss, expected = group_reference(policy, tempered, prompt, responses, REWARDS, cfg, old, ref)
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert_grads_close(grads, expected, rtol=1e-6)
+    # The untempered full graph is another loss: the temperature is not lost on the way.
+    untempered, _ = _full_graph_grads(policy, prompt, responses, old, ref, cfg)
+    assert abs(untempered.item() - loss.item()) > 1e-3 * abs(loss.item())
 
 
 def test_state_grad_is_shaped_like_the_state_and_refuses_another():

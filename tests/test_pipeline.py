@@ -6,7 +6,8 @@
   bit-equal to one process, the losses equal, and parameters and AdamW state after two steps
   equal one process training every replica's groups on the whole model (within 1e-6
   relative in float64; float32 routing in GLM's MoE is the loosest). Each stage holds only
-  its layers' prefix state. Greedy rollout equals one process and transformers' ``generate``;
+  its layers' prefix state. Some cases train at a temperature (0.7, 1.6): the last stage's
+  head scores the policy and the LoRA reference at it. Greedy rollout equals one process and transformers' ``generate``;
   sampled rollout equals one process for the same seed. With FSDP2 sharding each stage over
   the replicas (S=2 x D=2, ``*-fsdp`` cases), where the replicas' prompts, branches and
   response lengths differ and the shorter ones pad with idle passes, the same holds.

@@ -49,7 +49,8 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
         ("grpo_qwen36.py", "configs/qwen36/tiny_lora_grpo_cpu.yaml", ["grpo.gradient=detached"]),
         ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", ["grpo.gradient=exact"]),
         ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml",
-         ["grpo.gradient=detached", "lora.enabled=true", "grpo.beta=0.04"]),
+         ["grpo.gradient=detached", "lora.enabled=true", "grpo.beta=0.04",
+          "rollout.temperature=0.7"]),  # sampled and scored at 0.7
         ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml",
          ["grpo.gradient=exact", "offload.attention=cpu", "offload.recurrent=cpu",
           "offload.resident_layers=1"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -98,6 +99,39 @@ def test_grpo_step_gradients_equal_whole_group_reference(models, loss_type, beta
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
     assert sum(g.abs().sum() for g in expected.values()) > 0
     assert_grads_close(grads, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "dapo"])
+def test_detached_step_at_a_temperature_equals_reference(models, loss_type):
+    """At ``GRPOConfig.temperature=1.6`` the policy's and the reference's log-probs (and the
+    entropy) are those of ``log_softmax(logits / 1.6)``, in detached mode too."""
+    temperature = 1.6
+    policy, reference = models
+    adapter, ref_adapter = ls.adapt(policy), ls.adapt(reference)
+    prompt, responses = _group(seed=20)
+    cap = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+    cfg = ls.GRPOConfig(loss_type=loss_type, beta=0.04, temperature=temperature, **cap)
+    tempered = functools.partial(detached_reference_logps, temperature=temperature)
+    with torch.no_grad():
+        old = [tempered(policy, prompt, r) + 0.3 * torch.randn(len(r), dtype=torch.float64)
+               for r in responses]  # fmt: skip
+        ref = [tempered(reference, prompt, r) for r in responses]
+        sequence = torch.cat([prompt, responses[0]])[None]
+        logits = policy(input_ids=sequence).logits[0, len(prompt) - 1 : -1] / temperature
+        entropy = torch.distributions.Categorical(logits=logits).entropy()
+
+    result, grads = _step_grads(
+        adapter, policy, prompt, responses, cfg, old_logps=old, ref_adapter=ref_adapter
+    )
+    loss, expected = group_reference(policy, tempered, prompt, responses, REWARDS, cfg, old, ref)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert_grads_close(grads, expected, rtol=1e-6)
+    state = adapter.prefill(prompt)
+    with torch.no_grad():
+        _, scored = adapter.score(state, responses[0], return_entropy=True, temperature=temperature)
+    torch.testing.assert_close(scored, entropy, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        adapter.score(state, responses[0], temperature=0.0)  # a greedy rollout's
 
 
 def test_on_policy_state_reuse_and_truncation_mask(models):

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from reference import full_sequence_logps
+from reference import assert_grads_close, full_sequence_logps, step_grads
 from test_glm52_adapter import RecordIndexScores, assert_no_ties_at_k
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -165,6 +165,40 @@ def test_logps_at_a_temperature_and_top_k_top_p_limits() -> None:
             logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0]
         allowed = logits[PROMPT_LENGTH - 1 : -1].topk(2, dim=-1).indices
         assert (allowed == response[:, None]).any(-1).all()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "gradient"), [("qwen3", "detached"), ("qwen3_5_text", "exact")]
+)
+def test_behaviour_logps_are_the_replays_at_a_temperature(model_type: str, gradient: str) -> None:
+    """Sampled at 0.7, the rollout's behaviour log-probs are ``grpo_step``'s current log-probs
+    at ``GRPOConfig.temperature=0.7`` for the same weights: passed as ``old_logps`` every
+    ratio is 1 (to round-off), so the loss and the gradient are the on-policy step's (old
+    log-probs ``None``), and nothing clips even at ``epsilon=1e-4``. At temperature 1 the
+    replay's log-probs would differ by ~10%."""
+    model = tiny_model(model_type, dtype=torch.float64, seed=7)
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 4)
+    config = ls.GRPOConfig(
+        temperature=0.7, num_generations=4, gradient=gradient, loss_type="dapo", epsilon=1e-4
+    )
+    state = adapter.prefill(prompt, chunk_size=16, **config.prefill_options())
+    out = ls.rollout(adapter, state, 4, 8, temperature=config.temperature, seed=1)
+    rewards = [1.0, 0.0, 0.5, -1.0]
+    on_policy, on_grads = step_grads(model, adapter, prompt, out.responses, rewards, config,
+                                     state=state, chunk_size=16)  # fmt: skip
+    off_policy, off_grads = step_grads(model, adapter, prompt, out.responses, rewards, config,
+                                       state=state, chunk_size=16, old_logps=out.logps)  # fmt: skip
+    # transformers' gated delta rule runs in float32 (kernels differ for a token and a span)
+    atol = 1e-12 if model_type == "qwen3" else LOGP_ATOL[model_type]
+    for replayed, behaviour in zip(on_policy.logps, out.logps, strict=True):
+        torch.testing.assert_close(replayed, behaviour, rtol=0, atol=atol)
+    with torch.no_grad():
+        plain = [adapter.score(state, response) for response in out.responses]
+    assert max((p - b).abs().max() for p, b in zip(plain, out.logps, strict=True)) > 1e-2
+    assert off_policy.branch_stats["clip_ratio/region_mean"] == 0.0
+    assert off_policy.loss == pytest.approx(on_policy.loss, rel=atol, abs=atol)
+    assert_grads_close(off_grads, on_grads, rtol=max(atol, 1e-10))
 
 
 # --------------------------------------------------------------------------- generation options

@@ -16,6 +16,9 @@ gradients are compared.
   advantages (``"batch"``: the std of both groups' rewards).
 - ``num_iterations=2``: TRL's two updates on one generation (old log-probs from before the
   first, clipping in the second) equal LongStraw's, after the same SGD step.
+- ``temperature`` (TRL's sampling temperature, which its fused LM head divides every
+  log-prob's logits by: the policy's, the old and the reference's): cases of both tests
+  above sample and train at 0.7, LongStraw's ``GRPOConfig.temperature`` the same.
 
 TRL computes log-probs in float32 whatever the model's dtype (its chunked log-softmax
 kernel), so where LongStraw computes its own (float64) the tolerances are float32's.
@@ -285,24 +288,31 @@ def sgd_step(model, grads, lr):
 
 GENERATION_REWARDS = [0.0, 1.0, 0.0, 1.0, 0.0, 3.0, 1.0, 5.0]
 GENERATION_CASES = [
-    # loss type, scale_rewards, beta: dapo's token normaliser needs finish's correction;
-    # "batch" with beta > 0 makes the replays wait (a second prefill).
-    ("dapo", "batch", 0.0),
-    ("dapo", "batch", 0.04),
-    ("grpo", "group", 0.04),
-    ("vespo", "batch", 0.0),
-    ("sapo", "none", 0.0),
-    ("luspo", "batch", 0.0),
+    # loss type, scale_rewards, beta, temperature: dapo's token normaliser needs finish's
+    # correction; "batch" with beta > 0 makes the replays wait (a second prefill). At 0.7
+    # TRL samples and scores the policy and the reference at that temperature.
+    ("dapo", "batch", 0.0, 1.0),
+    ("dapo", "batch", 0.04, 1.0),
+    ("grpo", "group", 0.04, 1.0),
+    ("vespo", "batch", 0.0, 1.0),
+    ("sapo", "none", 0.0, 1.0),
+    ("luspo", "batch", 0.0, 1.0),
+    ("dapo", "batch", 0.04, 0.7),
+    ("grpo", "group", 0.0, 0.7),
+    ("sapo", "none", 0.0, 0.7),
+    ("vespo", "batch", 0.0, 0.7),
 ]
 
 
 @pytest.mark.filterwarnings("ignore:loss_type=")
-@pytest.mark.parametrize(("loss_type", "scale", "beta"), GENERATION_CASES)
+@pytest.mark.parametrize(("loss_type", "scale", "beta", "temperature"), GENERATION_CASES)
 def test_prompts_of_a_step_equal_trl_over_their_concatenated_batch(
-    float64_default, tokenizer, tmp_path, loss_type, scale, beta
+    float64_default, tokenizer, tmp_path, loss_type, scale, beta, temperature
 ):
     eos = tokenizer.eos_token_id
-    args = grpo_args(loss_type, beta=beta, scale_rewards=scale, max_completion_length=6)
+    args = grpo_args(
+        loss_type, beta=beta, scale_rewards=scale, max_completion_length=6, temperature=temperature
+    )
     trainer = trl_trainer(lora_model(eos), tokenizer, tmp_path, GENERATION_REWARDS, **args)
     output = trl_generation(trainer)
     expected_loss = trainer._compute_loss(trainer.model, output)
@@ -325,19 +335,67 @@ def test_prompts_of_a_step_equal_trl_over_their_concatenated_batch(
     advantages = [a for k in range(len(groups)) for a in batch.advantages(k)]
     torch.testing.assert_close(torch.tensor(advantages), output["advantages"], rtol=1e-12, atol=0)
     assert loss == pytest.approx(expected_loss.item(), rel=1e-7)
-    assert_same_grads(grads, expected, rtol=1e-6)
+    # TRL's log-probs and their backward run in float32 (about 5e-7 off float64's at either
+    # temperature): the gradients agree to 3-5e-7 at 1.0, 1.5-2e-6 at 0.7, where the sharper
+    # distribution's logits are larger. Scoring at the wrong temperature is off by ~10%.
+    assert_same_grads(grads, expected, rtol=1e-6 if temperature == 1.0 else 5e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_scores_equal_trls_log_probs_and_entropy_at_its_temperature(
+    float64_default, tokenizer, tmp_path, temperature
+):
+    """``adapter.score`` at ``GRPOConfig.temperature`` is TRL's
+    ``_get_per_token_logps_and_entropies`` (its fused LM head at ``self.temperature``):
+    log-probs and entropy alike, for the completions TRL sampled at that temperature."""
+    eos = tokenizer.eos_token_id
+    args = grpo_args("dapo", max_completion_length=6, temperature=temperature)
+    trainer = trl_trainer(lora_model(eos), tokenizer, tmp_path, GENERATION_REWARDS, **args)
+    output = trl_generation(trainer)
+    width = output["completion_ids"].shape[1]
+    with torch.no_grad():
+        logps, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+            torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            width,
+            compute_entropy=True,
+        )
+    adapter = ls.adapt(trainer.model)
+    config = ls.GRPOConfig(**args, num_generations=G)
+    for k, (prompt, responses, _, _) in enumerate(as_groups(output, GENERATION_REWARDS, eos)):
+        state = adapter.prefill(prompt, chunk_size=CHUNK)
+        for j, response in enumerate(responses):
+            with torch.no_grad():
+                ours, our_entropy = adapter.score(
+                    state, response, return_entropy=True, temperature=config.temperature
+                )
+                plain = adapter.score(state, response)
+            row, n = k * G + j, len(response)
+            # float32's round-off in TRL's kernel; temperature 1 would be 1e-2 off or more
+            torch.testing.assert_close(ours, logps[row, :n].to(F64), rtol=0, atol=2e-6)
+            torch.testing.assert_close(our_entropy, entropy[row, :n].to(F64), rtol=0, atol=1e-5)
+            assert (plain - ours).abs().max() > 1e-2
 
 
 # --- num_iterations: TRL's two updates on one generation -------------------------------------
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "vespo", "sapo"])
-def test_two_iterations_equal_trl_two_updates(float64_default, tokenizer, tmp_path, loss_type):
+@pytest.mark.parametrize(
+    ("loss_type", "temperature"), [("dapo", 1.0), ("vespo", 1.0), ("sapo", 1.0), ("dapo", 0.7)]
+)
+def test_two_iterations_equal_trl_two_updates(
+    float64_default, tokenizer, tmp_path, loss_type, temperature
+):
     """TRL's two updates on one generation, and LongStraw's: the first on-policy, the second
     with the log-probs from before the first (TRL's ``old_per_token_logps``, LongStraw's
-    first replay) after the same SGD step (TRL's first gradient, applied to both)."""
+    first replay; both at ``temperature``) after the same SGD step (TRL's first gradient,
+    applied to both)."""
     eos, lr = tokenizer.eos_token_id, 0.3
-    args = grpo_args(loss_type, num_iterations=2, scale_rewards="batch", max_completion_length=6)
+    args = grpo_args(
+        loss_type, num_iterations=2, scale_rewards="batch", max_completion_length=6,
+        temperature=temperature,
+    )  # fmt: skip
     trainer = trl_trainer(lora_model(eos), tokenizer, tmp_path, GENERATION_REWARDS, **args)
     output = trl_generation(trainer)
     assert "old_per_token_logps" in output  # TRL scores the behaviour policy for mu > 1

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from longstraw_core.config.schema import ConfigError, RunConfig
+from longstraw_core.config.schema import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 from longstraw_core.config.validation import validate
 
 
@@ -234,6 +234,12 @@ def _hint_at(parts: list[str], source: str) -> Any:
 
 def _unknown_key(section: str, key: str, valid: list[str], source: str) -> ConfigError:
     full = f"{section}.{key}" if section else key
+    if section == "grpo" and key in GRPO_FROM_ROLLOUT:  # TRL's GRPOConfig field, set elsewhere
+        return ConfigError(
+            full,
+            f"unknown key {source}; set {GRPO_FROM_ROLLOUT[key]} (the rollout's setting is "
+            f"GRPO's {key}: one setting, not two that must agree)",
+        )
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {(f'{section}.' if section else '') + close[0]!r}?)" if close else ""
     where = f"of {section!r}" if section else "(sections)"

@@ -95,11 +95,14 @@ class DataSection:
 
 @dataclass
 class RolloutSection:
-    """Sampling of the group; ``num_generations`` and ``max_new_tokens`` are also GRPO's
-    ``num_generations`` and ``max_completion_length`` (one setting, not two that must agree)."""
+    """Sampling of the group; ``num_generations``, ``max_new_tokens`` and ``temperature`` are
+    also GRPO's ``num_generations``, ``max_completion_length`` and ``temperature`` (one
+    setting, not two that must agree)."""
 
     num_generations: int = 8
     max_new_tokens: int = 512
+    # Also the loss's: its log-probs are log_softmax(logits / temperature), as TRL's; > 0
+    # (greedy decoding has no distribution to train on).
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -116,8 +119,8 @@ def _grpo_section() -> type:
     """``GRPOConfig``'s fields and defaults as a plain schema dataclass.
 
     Built from the dataclass itself so the two cannot drift; its ``__post_init__`` checks
-    are not copied but run by ``grpo_config``. ``num_generations`` and
-    ``max_completion_length`` live in ``rollout``. ``scale_rewards`` is typed ``Any`` because
+    are not copied but run by ``grpo_config``. ``num_generations``,
+    ``max_completion_length`` and ``temperature`` live in ``rollout`` (``GRPO_FROM_ROLLOUT``). ``scale_rewards`` is typed ``Any`` because
     TRL also accepts True/False there (OmegaConf would turn a bool into the string "True").
     """
     spec = []
@@ -133,6 +136,7 @@ def _grpo_section() -> type:
 GRPO_FROM_ROLLOUT = {
     "num_generations": "rollout.num_generations",
     "max_completion_length": "rollout.max_new_tokens",
+    "temperature": "rollout.temperature",
 }
 GRPOSection = _grpo_section()
 

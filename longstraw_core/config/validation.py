@@ -85,6 +85,7 @@ def grpo_config(cfg: RunConfig) -> GRPOConfig:
     values = dataclasses.asdict(cfg.grpo)
     values["num_generations"] = cfg.rollout.num_generations
     values["max_completion_length"] = cfg.rollout.max_new_tokens
+    values["temperature"] = cfg.rollout.temperature
     try:
         return GRPOConfig(**values)
     except GRPOConfigError as exc:
@@ -277,12 +278,10 @@ def _check_positions(cfg: RunConfig, facts: ModelFacts) -> None:
 
 
 def _check_rollout(rollout: RolloutSection) -> None:
-    # num_generations is checked by GRPOConfig (it is GRPO's group size too).
+    # num_generations and temperature are checked by GRPOConfig (GRPO's group size, and the
+    # temperature of the loss's log-probs, too).
     r = rollout
     _check_range("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, "an int >= 1")
-    _check_range(
-        "rollout.temperature", r.temperature, r.temperature >= 0, "a float >= 0 (0: greedy)"
-    )
     _check_range("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a float in (0, 1] (1: off)")
     _check_range("rollout.top_k", r.top_k, r.top_k >= 0, "an int >= 0 (0: off)")
     _check_range("rollout.min_p", r.min_p, 0 <= r.min_p <= 1, "a float in [0, 1] (0: off)")
