@@ -21,6 +21,10 @@ accelerate launch settings are honoured or refused at start (``launch_settings``
 master weights, on one device too); its FSDP, DeepSpeed, dynamo or gradient accumulation
 settings stop the run before any weight loads, naming the run config keys to use instead.
 
+Evaluation (``eval.every`` > 0): after the optimizer step, greedy accuracy and pass@k on
+``eval.data`` under the same reward functions, logged as ``eval/...`` (TRL's ``eval_`` names
+where TRL has the metric; ``longstraw_core.evaluation``); it leaves the training untouched.
+
 Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the step, saves a checkpoint and
 exits 128+signal; a step with a non-finite loss, gradient or logits is skipped (the guard
 stops the run after ``train.max_skipped_steps`` in a row); ``train.resume_from=latest``
@@ -56,6 +60,7 @@ from longstraw_core import (
     config,
     data,
     distributed,
+    evaluation,
     guard,
     launch_settings,
     loading,
@@ -106,6 +111,10 @@ class Recipe:
         self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
         if self.accelerator.is_main_process and self.sample_at.skipped:
             print(f"warning: data: {self.sample_at.summary()}", file=sys.stderr)
+        # eval.every > 0: eval.data is scanned now too (greedy accuracy, pass@k; eval/...).
+        self.evaluation = evaluation.Evaluation.from_config(
+            cfg, self.tokenizer, self.topology, progress=self.bars
+        )
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         # Only this rank's share: its stage's layers, read straight from the checkpoint.
         self.adapter = loading.load_policy(cfg, self.topology, self.accelerator.device)
@@ -193,6 +202,12 @@ class Recipe:
                 metrics = self.topology.reduce(metrics)
                 self.step += 1
                 self.data_position += self.topology.replicas
+                if self.evaluation.due(self.step):  # the updated policy, before any checkpoint
+                    with self.progress.phase("eval"), self.precision.step():
+                        metrics |= self.evaluation.run(
+                            self.adapter, self.rewards, self.step,
+                            offload=self.offload, gather_parameters=self.rollout_once,
+                        )  # fmt: skip
                 metrics |= self.progress.step_done()
                 self.logger.log(self.step, metrics)
                 stopping = stop.requested()
@@ -298,9 +313,12 @@ class Recipe:
             **state_bytes,
             names.ADVANTAGE_ABS_MEAN: sum(map(abs, result.advantages)) / len(out.responses),
             names.GRAD_NORM: grad_norm,
-            names.LR: self.scheduler.get_last_lr()[0],
+            names.LEARNING_RATE: self.scheduler.get_last_lr()[0],
             names.ROLLOUT_TOKENS_PER_SECOND: out.stats["tokens_per_second"],
-            names.TRUNCATED_FRACTION: sum(out.truncated) / len(out.truncated),
+            # TRL's completions/* and num_tokens, over every replica's completions (collective)
+            **self.topology.completion_metrics(
+                len(prompt_ids), [len(r) for r in out.responses], out.truncated
+            ),
             names.STEP_PEAK_MEMORY_BYTES: max(peak_before_replay, names.peak_memory_bytes(device)),
             **(self._skip(skip_reason) if skip_reason else self._passed()),
         }
