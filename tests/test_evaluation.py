@@ -13,7 +13,6 @@ and tests/test_recipes_distributed.py.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from test_recipes import ROOT, recipe_in_process, weights
 from trl.trainer.utils import nanstd
 from varied_reward import even_characters
-from wandb_records import wandb_records
+from wandb_records import wandb_history, wandb_records
 
 import longstraw_core as ls
 from longstraw_core import evaluation
@@ -44,18 +43,6 @@ EVAL = [
     f"eval.max_new_tokens={NEW}",
     f"eval.correct_reward={THRESHOLD}",
 ]
-
-
-def _wandb_steps(run_dir: Path) -> dict[int, dict[str, object]]:
-    rows: dict[int, dict[str, object]] = {}
-    for record in wandb_records(next(run_dir.glob("offline-run-*/run-*.wandb"))):
-        if record.WhichOneof("record_type") == "history":
-            row = {
-                i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                for i in record.history.item
-            }
-            rows.setdefault(int(row["_step"]), {}).update(row)
-    return rows
 
 
 def test_eval_metrics_are_those_of_its_completions_and_rewards(tmp_path):
@@ -108,7 +95,7 @@ def test_eval_metrics_are_those_of_its_completions_and_rewards(tmp_path):
     }
     # Both correct and incorrect completions, so the threshold is exercised.
     assert 0 < sum(map(sum, hits)) < 3 * K, rewards
-    logged = _wandb_steps(out / "wandb")
+    logged = wandb_history(wandb_records(next(out.glob("wandb/offline-run-*/run-*.wandb"))))
     assert not any(key.startswith("eval/") for key in logged[1]), "eval only at steps 2, 4, ..."
     for key, value in expected.items():
         assert logged[2][key] == pytest.approx(value, rel=1e-12), key
