@@ -202,7 +202,7 @@ class Evaluation:
         count = cfg.eval.samples if cfg.eval.samples is not None else source.size
         if source.size is not None and count > source.size:
             raise DataError(
-                f"eval.samples={count} but eval.data ({source.summary()}) holds {source.size} "
+                f"eval.samples={count} but eval.data ({source.origin}) holds {source.size} "
                 f"prompts: set eval.samples to at most {source.size}, or null for all of them"
             )
         return cls(cfg, source, tokenizer, topology, count=count, progress=progress)

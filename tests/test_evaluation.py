@@ -194,8 +194,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     ("overrides", "key"),
     [
         (["eval.every=-1"], "eval.every"),
-        (["eval.every=1"], "eval.data"),  # would evaluate on the training prompts
-        (["eval.every=1", "eval.data.seed=1"], "eval.samples"),  # a task has no end
+        (["eval.every=1", "eval.data.seed=null"], "eval.data"),  # the training prompts
+        (["eval.every=1", "eval.samples=null"], "eval.samples"),  # a task has no end
         (["eval.samples=0"], "eval.samples"),
         (["eval.num_generations=-1"], "eval.num_generations"),
         (["eval.max_new_tokens=0"], "eval.max_new_tokens"),
@@ -236,7 +236,8 @@ def test_eval_data_is_scanned_before_the_model_loads(tmp_path):
     rows = [{"prompt": "One.", "answer": "1"}, {"prompt": "Two.", "answer": "2"}]
     test = _write_jsonl(tmp_path / "test.jsonl", rows)
     common = ["data.task=null", f"data.path={train}", "data.prompt_tokens=256",
-              "rewards=[{name: exact_match}]", "eval.every=1", f"eval.data.path={test}"]  # fmt: skip
+              "rewards=[{name: exact_match}]", "eval.every=1", f"eval.data.path={test}",
+              "eval.samples=null"]  # fmt: skip
     topology = RunTopology(replicas=1, replica=0)
     tokenizer = load_tokenizer(None)
     cfg = load_config(ROOT / QWEN, common)
