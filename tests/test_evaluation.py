@@ -260,3 +260,6 @@ def test_eval_data_inherits_the_training_data_settings():
     assert resolved.prompt_tokens == cfg.data.prompt_tokens
     cfg = load_config(ROOT / QWEN, ["eval.data.task=uuid_retrieval"])
     assert eval_data(cfg).task_kwargs == {}  # another task: its own arguments
+    train = ["data.task=null", "data.path=/tmp/x.jsonl", "data.on_overlong=skip"]
+    cfg = load_config(ROOT / QWEN, [*train, "eval.data.task=passkey_retrieval"], check_paths=False)
+    assert (eval_data(cfg).path, eval_data(cfg).on_overlong) == (None, "error")

@@ -341,13 +341,14 @@ def _check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_pat
 def eval_data(cfg: RunConfig) -> DataSection:
     """The data section ``eval.data`` resolves to: ``data`` with the fields ``eval.data``
     sets (``path`` replacing an inherited ``task`` and its ``task_kwargs``, ``task`` an
-    inherited ``path``)."""
+    inherited ``path`` and its ``on_overlong``)."""
     own = {k: v for k, v in dataclasses.asdict(cfg.eval.data).items() if v is not None}
     if "path" in own:
         own.setdefault("task", None)
         own.setdefault("task_kwargs", {})
     if "task" in own and own["task"] is not None:
         own.setdefault("path", None)
+        own.setdefault("on_overlong", "error")  # a task generates every prompt to length
         if own["task"] != cfg.data.task:
             own.setdefault("task_kwargs", {})
     return dataclasses.replace(cfg.data, **own)
