@@ -132,6 +132,31 @@ def test_training_with_eval_equals_training_without(tmp_path):
         assert _training(kept) == _training(without)
 
 
+def test_a_resumed_run_keeps_the_eval_schedule(tmp_path):
+    """Eval every 2 steps of 3 (steps 2 and 3, the last): a run told to stop after step 2
+    (its last, and an eval step) and resumed to 3 evaluates where the uninterrupted one does,
+    with the same results: the restored history holds step 2's, step 3 evaluates again."""
+    common = ["train.save_every=1", "grpo.gradient=detached", "tracking.wandb=false",
+              "eval.every=2", *EVAL, "rewards=[{name: 'varied_reward:even_characters'}]"]  # fmt: skip
+    straight = recipe_in_process(
+        "grpo_qwen36.py", QWEN, tmp_path / "straight", "train.steps=3", *common
+    )
+    recipe_in_process("grpo_qwen36.py", QWEN, tmp_path / "stopped", "train.steps=2", *common)
+    resumed = recipe_in_process(
+        "grpo_qwen36.py", QWEN, tmp_path / "stopped", "train.steps=3", "train.resume_from=latest",
+        *common,
+    )  # fmt: skip
+
+    def evals(run) -> dict[int, dict[str, float]]:
+        return {
+            step: {k: v for k, v in m.items() if k.startswith("eval/")}
+            for step, m in run.logger.history
+        }
+
+    assert {s for s, m in evals(straight).items() if m} == {2, 3}
+    assert evals(resumed) == evals(straight)
+
+
 def _training(metrics: dict[str, float]) -> dict[str, float]:
     """The metrics that do not measure time or memory (NaN as a string: NaN != NaN)."""
     timing = ("time/", "seconds", "per_second", "peak")
