@@ -523,8 +523,10 @@ def reduce_metrics(
     op: Literal["mean", "sum", "max", "min"] = "mean",
     *,
     group: dist.ProcessGroup | None = None,
+    ops: Mapping[str, Literal["mean", "sum", "max", "min"]] | None = None,
 ) -> dict[str, float]:
-    """Scalar metrics combined over the ranks: ``op`` over the ranks that report each key.
+    """Scalar metrics combined over the ranks: ``op`` over the ranks that report each key
+    (``ops``: another op for some keys, e.g. ``min`` for a minimum).
 
     Non-scalar values (lists) are dropped. NaN values are left out (a rank that replayed no
     branch has no entropy); a key with none left is NaN. Ranks may report different keys
@@ -545,7 +547,7 @@ def reduce_metrics(
     for key in dict.fromkeys(keys):  # first-seen order
         values = [part[key] for part in gathered if part and key in part]
         values = [value for value in values if not math.isnan(value)]
-        combined[key] = _combine(values, op) if values else math.nan
+        combined[key] = _combine(values, (ops or {}).get(key, op)) if values else math.nan
     return combined
 
 

@@ -1,16 +1,28 @@
 """Metric names, in one place: what ``grpo_step`` reports, what the recipes add, what the
-per-step line shows; and the step's peak memory.
+evaluation logs, what the per-step line shows; and the step's peak memory.
 
-Names follow TRL where it has one (``loss``, ``reward``, ``reward_std``, ``rewards/<func>/mean``,
-``kl``, ``entropy``, ``clip_ratio/low_mean``); the rest are LongStraw's own. No two sources
-report the same name: ``grpo_step``'s statistics of the rewards it was given are
-``group_reward_mean``/``group_reward_std``, while ``reward``/``reward_std`` are the reward
-set's (TRL's, over the scorable completions).
+Names are TRL 1.16's (``GRPOTrainer`` and the ``Trainer`` under it) where the quantity is
+the same: ``loss``, ``grad_norm``, ``learning_rate``, ``num_tokens``, ``reward``,
+``reward_std``, ``rewards/<func>/mean|std``, ``frac_reward_zero_std``, ``kl``, ``entropy``,
+``clip_ratio/low_mean|high_mean|region_mean|low_min|high_max``, ``cispo_clip_ratio`` and
+``completions/mean_length|min_length|max_length|clipped_ratio|mean_terminated_length|
+min_terminated_length|max_terminated_length``. The rest are LongStraw's own (prefix-state
+bytes by layer type, phase times ``time/<phase>``, peak memory, rollout throughput, skipped
+steps, ...). No two sources report different quantities under one name: ``grpo_step``'s
+statistics of the rewards it was given are ``group_reward_mean``/``group_reward_std``, while
+``reward``/``reward_std`` are the reward set's (TRL's, over the scorable completions).
+
+Evaluation (``longstraw_core.evaluation``) logs under ``eval/``: TRL's names for TRL's
+quantities (``eval/reward``, ``eval/completions/mean_length``, ...: what W&B shows for TRL's
+``eval_reward``, ``eval_completions/mean_length``, as transformers' W&B callback turns the
+``eval_`` prefix into ``eval/``) and LongStraw's own ``eval/greedy_accuracy``,
+``eval/greedy_reward``, ``eval/pass@<k>`` and ``eval/pass@1`` (TRL has no accuracy metric).
 """
 
 from __future__ import annotations
 
 import resource
+from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +33,8 @@ GROUP_REWARD_STD = "group_reward_std"
 ENTROPY = "entropy"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
-COMPLETION_LENGTH_MEAN = "completion_length_mean"
+COMPLETIONS_MEAN_LENGTH = "completions/mean_length"  # TRL's; grpo_step's is its group's
+COMPLETION_LENGTH_MEAN = COMPLETIONS_MEAN_LENGTH  # the former name of the constant
 BRANCHES_REPLAYED = "branches_replayed"
 STATE_BYTES = "state_bytes"
 STATE_GRAD_BYTES = "state_grad_bytes"
@@ -42,17 +55,41 @@ FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # groups whose rewards have zero 
 REWARD_UNSCORABLE_COUNT = "rewards/unscorable_count"  # LongStraw's: rows every function skipped
 REWARD_FAILED_FUNCS = "rewards/failed_funcs"  # LongStraw's: functions that raised this step
 
+# --- completions (TRL's names, completion_metrics: every rank's completions of the step) ------
+COMPLETIONS_MIN_LENGTH = "completions/min_length"
+COMPLETIONS_MAX_LENGTH = "completions/max_length"
+# The share of completions cut at max_new_tokens (no EOS or stop string). TRL, which looks for
+# an EOS only, would also count a response that ended at a stop string.
+COMPLETIONS_CLIPPED_RATIO = "completions/clipped_ratio"
+COMPLETIONS_MEAN_TERMINATED_LENGTH = "completions/mean_terminated_length"  # 0 if none ended
+COMPLETIONS_MIN_TERMINATED_LENGTH = "completions/min_terminated_length"
+COMPLETIONS_MAX_TERMINATED_LENGTH = "completions/max_terminated_length"
+# TRL's num_tokens (Trainer's num_input_tokens_seen): prompt + completion tokens so far, each
+# completion counting its prompt (as TRL's batch holds it). The recipes report each step's
+# count; RunLogger logs the running total (RUNNING_TOTALS; a resumed run continues it).
+NUM_TOKENS = "num_tokens"
+RUNNING_TOTALS = (NUM_TOKENS,)
+
 # --- the recipes ----------------------------------------------------------------------------
 ADVANTAGE_ABS_MEAN = "advantage_abs_mean"
-GRAD_NORM = "grad_norm"
-LR = "lr"
+GRAD_NORM = "grad_norm"  # Trainer's: the norm before clipping
+LEARNING_RATE = "learning_rate"  # Trainer's
 ROLLOUT_TOKENS_PER_SECOND = "rollout_tokens_per_second"
-TRUNCATED_FRACTION = "truncated_fraction"
 STEP_PEAK_MEMORY_BYTES = "step_peak_memory_bytes"  # the whole step: prefill to optimizer
 SKIPPED = "skipped"
 SKIPPED_STEPS = "skipped_steps"
 STATE_BYTES_BY_TYPE = "state_bytes/{}"  # per layer type, PrefixState.summary()
-STEP_SECONDS = "time/step"  # and time/<phase>: progress.StepProgress
+STEP_SECONDS = "time/step"  # and time/<phase>: progress.StepProgress (time/eval included)
+
+# Reduced over the ranks by min / max rather than the mean (TRL's over its gathered batch).
+MIN_OVER_RANKS = ("clip_ratio/low_min",)
+MAX_OVER_RANKS = ("clip_ratio/high_max",)
+
+# --- evaluation (longstraw_core.evaluation) -------------------------------------------------
+EVAL_PREFIX = "eval/"  # + a TRL name: that quantity over the eval prompts' sampled completions
+EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"  # prompts whose greedy completion is correct
+EVAL_GREEDY_REWARD = "eval/greedy_reward"  # nan-mean weighted reward of the greedy completions
+EVAL_PASS_AT_K = "eval/pass@{}"  # k = eval.num_generations: a correct one among k samples
 
 # The per-step line, in this order: (key, label, format); "bytes" formats with format_bytes.
 STEP_LINE: tuple[tuple[str, str, str], ...] = (
@@ -61,11 +98,33 @@ STEP_LINE: tuple[tuple[str, str, str], ...] = (
     (LOSS, "loss", "{:.4g}"),
     (KL, "kl", "{:.3g}"),
     (ENTROPY, "entropy", "{:.3f}"),
-    (COMPLETION_LENGTH_MEAN, "len", "{:.0f}"),
+    (COMPLETIONS_MEAN_LENGTH, "len", "{:.0f}"),
     (ROLLOUT_TOKENS_PER_SECOND, "tok/s", "{:,.0f}"),
     (STEP_PEAK_MEMORY_BYTES, "peak", "bytes"),
     (STEP_SECONDS, "step", "{:.1f}s"),
+    # On eval steps; a "{}" in a key matches any value there, shown in the label's "{}".
+    (EVAL_GREEDY_ACCURACY, "eval greedy", "{:.3f}"),
+    (EVAL_PASS_AT_K, "pass@{}", "{:.3f}"),
 )
+
+
+def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
+    """TRL's ``completions/*`` statistics of a step's completions (every rank's: see
+    ``RunTopology.completion_metrics``), as ``GRPOTrainer`` computes them: lengths in tokens,
+    the clipped share, and the lengths of the completions that ended (all 0 when none did,
+    TRL's edge case)."""
+    if not lengths or len(lengths) != len(truncated):
+        raise ValueError(f"{len(lengths)} lengths for {len(truncated)} truncation flags")
+    ended = [n for n, cut in zip(lengths, truncated, strict=True) if not cut] or [0]
+    return {
+        COMPLETIONS_MEAN_LENGTH: sum(lengths) / len(lengths),
+        COMPLETIONS_MIN_LENGTH: float(min(lengths)),
+        COMPLETIONS_MAX_LENGTH: float(max(lengths)),
+        COMPLETIONS_CLIPPED_RATIO: sum(map(bool, truncated)) / len(truncated),
+        COMPLETIONS_MEAN_TERMINATED_LENGTH: sum(ended) / len(ended),
+        COMPLETIONS_MIN_TERMINATED_LENGTH: float(min(ended)),
+        COMPLETIONS_MAX_TERMINATED_LENGTH: float(max(ended)),
+    }
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
-PHASES = ("prefill", "rollout", "reward", "replay", "sweep", "optimizer", "checkpoint")
+PHASES = ("prefill", "rollout", "reward", "replay", "sweep", "optimizer", "eval", "checkpoint")
 
 
 class StepProgress:

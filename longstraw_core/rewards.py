@@ -474,20 +474,37 @@ class RewardResult:
         group: per-function nan-mean/std, the rewards' nan-mean/std (unscorable rows left
         out), whether the group's std is zero; LongStraw's counts; ``log_metric`` means."""
         m = metric_names
-        out: dict[str, float] = {}
-        for name, col in self.columns().items():
-            out[m.REWARD_FUNC_MEAN.format(name)] = _nanmean(col)
-            out[m.REWARD_FUNC_STD.format(name)] = _nanstd(col)
-        out[m.REWARD] = _nanmean(self.rewards)
-        out[m.REWARD_STD] = _nanstd(self.rewards)
-        # TRL: torch.isclose(std_rewards, 0) per completion, averaged; a NaN std is not close.
-        std = _nanstd(self.rewards) if len(self.rewards) > 1 else 0.0
-        out[m.FRAC_REWARD_ZERO_STD] = float(math.isclose(std, 0.0, abs_tol=1e-8))
+        out = reward_metrics([self])
         out[m.REWARD_UNSCORABLE_COUNT] = float(len(self.unscorable))
         out[m.REWARD_FAILED_FUNCS] = float(len(self.failed))
         for name, values in self.logged_metrics.items():
             out[name] = sum(values) / len(values)
         return out
+
+
+def reward_metrics(groups: Sequence[RewardResult]) -> dict[str, float]:
+    """TRL's reward metrics of a batch of groups (one ``RewardResult`` per prompt, all from
+    one ``RewardSet``), as ``GRPOTrainer`` logs a batch: each function's nan-mean and std and
+    the weighted rewards' (unscorable rows left out) over every completion, and the share of
+    completions whose group's rewards have zero std (TRL's per-group ``scale_rewards``; a
+    group of one counts as zero std, as TRL's eval with ``num_generations_eval=1``)."""
+    m = metric_names
+    names = groups[0].names if groups else []
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        column = [row[i] for group in groups for row in group.rewards_per_func]
+        out[m.REWARD_FUNC_MEAN.format(name)] = _nanmean(column)
+        out[m.REWARD_FUNC_STD.format(name)] = _nanstd(column)
+    rewards = [r for group in groups for r in group.rewards]
+    out[m.REWARD] = _nanmean(rewards)
+    out[m.REWARD_STD] = _nanstd(rewards)
+    # TRL: torch.isclose(std_rewards, 0) per completion, averaged; a NaN std is not close.
+    zero_std = 0
+    for group in groups:
+        std = _nanstd(group.rewards) if len(group.rewards) > 1 else 0.0
+        zero_std += len(group.rewards) * math.isclose(std, 0.0, abs_tol=1e-8)
+    out[m.FRAC_REWARD_ZERO_STD] = zero_std / len(rewards) if rewards else math.nan
+    return out
 
 
 def _nanmean(values: Sequence[float]) -> float:

@@ -14,11 +14,13 @@ everything but the W&B calls still happens::
 
 The recipes' metric names are listed in ``longstraw_core.metrics``: TRL's where it has one
 (``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
-``clip_ratio/low_mean``, ``loss``) and LongStraw's own: ``time/<phase>`` seconds
-(``progress.StepProgress``), ``grpo_step``'s (``completion_length_mean``,
-``peak_memory_bytes``, ``sweep_seconds``, ...), ``rollout_tokens_per_second``,
-``step_peak_memory_bytes`` and ``state_bytes/<layer type>`` (``PrefixState.summary``).
-The per-step line shows ``metrics.STEP_LINE``.
+``clip_ratio/low_mean``, ``completions/mean_length``, ``num_tokens``, ``loss``,
+``grad_norm``, ``learning_rate``; ``eval/...`` for the evaluation) and LongStraw's own:
+``time/<phase>`` seconds (``progress.StepProgress``), ``grpo_step``'s (``peak_memory_bytes``,
+``sweep_seconds``, ...), ``rollout_tokens_per_second``, ``step_peak_memory_bytes`` and
+``state_bytes/<layer type>`` (``PrefixState.summary``). ``metrics.RUNNING_TOTALS``
+(``num_tokens``) are logged as running sums of what each step reports. The per-step line
+shows ``metrics.STEP_LINE``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class RunLogger:
         self.log_every = log_every
         self.completions_every = completions_every
         self.history: list[tuple[int, dict[str, float]]] = []
+        self.totals: dict[str, float] = {}  # metrics.RUNNING_TOTALS so far
         self._write = write or tqdm.write
         self.is_main = accelerator.is_main_process
         if self.wandb:
@@ -160,17 +163,24 @@ class RunLogger:
         return {"history": history, "run_id": self.run_id}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the history; pass ``state["run_id"]`` as ``run_id`` when building."""
+        """Restore the history (and the running totals it ends with); pass
+        ``state["run_id"]`` as ``run_id`` when building."""
         self.history = [
             (int(step), {k: math.nan if v is None else v for k, v in flat.items()})
             for step, flat in state.get("history", [])
         ]
+        self.totals = {}
+        for _, flat in self.history:
+            self.totals |= {k: flat[k] for k in names.RUNNING_TOTALS if k in flat}
 
     # ----------------------------------------------------------------------- logging
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Flatten and log one step's metrics; print a summary line every ``log_every``."""
         flat = flatten_metrics(metrics)
+        for key in names.RUNNING_TOTALS:  # this step's count -> the run's total so far
+            if key in flat:
+                flat[key] = self.totals[key] = self.totals.get(key, 0.0) + flat[key]
         self.history.append((step, flat))
         if self.wandb:
             self.accelerator.log(flat, step=step)
@@ -217,13 +227,12 @@ class RunLogger:
         total = f"/{self.total_steps}" if self.total_steps else ""
         line = Text(f"step {step}{total}", style="bold")
         for key, label, fmt in SUMMARY_KEYS:
-            if key not in flat:
-                continue
-            value = flat[key]
-            shown = format_bytes(value) if fmt == "bytes" else fmt.format(value)
-            line.append("  " if label != "±" else " ")
-            line.append(f"{label} " if label != "±" else label, style="dim")
-            line.append(shown, style="cyan")
+            for name, part in _matching(key, flat):
+                value = flat[name]
+                shown = format_bytes(value) if fmt == "bytes" else fmt.format(value)
+                line.append("  " if label != "±" else " ")
+                line.append(f"{label.format(part)} " if label != "±" else label, style="dim")
+                line.append(shown, style="cyan")
         return line
 
     def summary_table(self) -> Table:
@@ -268,6 +277,19 @@ def completion_rows(
         row["advantage"] = advantages[i]
         rows.append(row)
     return rows
+
+
+def _matching(key: str, flat: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The logged names ``key`` shows, each with what fills its ``{}`` (``eval/pass@{}`` ->
+    ``("eval/pass@4", "4")``); a plain key is itself, if logged."""
+    if "{}" not in key:
+        return [(key, "")] if key in flat else []
+    head, tail = key.split("{}", 1)
+    return [
+        (name, name[len(head) : len(name) - len(tail)])
+        for name in flat
+        if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail)
+    ]
 
 
 def _text(value: Any) -> str:

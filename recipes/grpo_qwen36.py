@@ -27,6 +27,10 @@ master weights, on one device too) and ``gradient_accumulation_steps: N``
 ``train.prompts_per_step=N``; its FSDP, DeepSpeed or dynamo settings stop the run before any
 weight loads, naming the run config keys to use instead.
 
+Evaluation (``eval.every`` > 0): after the optimizer step, greedy accuracy and pass@k on
+``eval.data`` under the same reward functions, logged as ``eval/...`` (TRL's ``eval_`` names
+where TRL has the metric; ``longstraw_core.evaluation``); it leaves the training untouched.
+
 Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the rollout's optimizer steps,
 saves a checkpoint and exits 128+signal; a step with a non-finite loss, gradient or logits
 is skipped (the guard stops the run after ``train.max_skipped_steps`` in a row);
@@ -65,6 +69,7 @@ from longstraw_core import (
     config,
     data,
     distributed,
+    evaluation,
     generation,
     guard,
     launch_settings,
@@ -126,6 +131,10 @@ class Recipe:
         self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
         if self.accelerator.is_main_process and self.sample_at.skipped:
             print(f"warning: data: {self.sample_at.summary()}", file=sys.stderr)
+        # eval.every > 0: eval.data is scanned now too (greedy accuracy, pass@k; eval/...).
+        self.evaluation = evaluation.Evaluation.from_config(
+            cfg, self.tokenizer, self.topology, progress=self.bars
+        )
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         # Only this rank's share: its stage's layers, read straight from the checkpoint.
         self.adapter = loading.load_policy(cfg, self.topology, self.accelerator.device)
@@ -214,7 +223,14 @@ class Recipe:
                 indices = list(range(first, first + per_step))
                 for metrics in self.train_rollout([self.sample_at(i) for i in indices], indices):
                     self.step += 1
-                    metrics = self.topology.reduce(metrics) | self.progress.step_done()
+                    metrics = self.topology.reduce(metrics)
+                    if self.evaluation.due(self.step):  # the updated policy, before a checkpoint
+                        with self.progress.phase("eval"), self.precision.step():
+                            metrics |= self.evaluation.run(
+                                self.adapter, self.rewards, self.step,
+                                offload=self.offload, gather_parameters=self.rollout_once,
+                            )  # fmt: skip
+                    metrics |= self.progress.step_done()
                     self.logger.log(self.step, metrics)
                 self.data_position += self.topology.replicas * per_step
                 stopping = stop.requested()
@@ -251,7 +267,7 @@ class Recipe:
             self.step_peak = 0
             with self.precision.step():
                 results = {k: self._replay(batch, k, None) for k in range(len(samples))}
-                metrics = self._update(batch, rollouts, list(results.values()))
+                metrics = self._update(batch, rollouts, list(results.values()), first=False)
             yield metrics
 
     def _first_update(
@@ -321,7 +337,7 @@ class Recipe:
             live, state = (state if k == len(samples) - 1 else None), None
             results[k] = self._replay(batch, k, live)  # the last group's state, then prefills
         state = None
-        return self._update(batch, rollouts, list(results.values()))
+        return self._update(batch, rollouts, list(results.values()), first=True)
 
     def _prefill(self, prompt_ids: torch.Tensor) -> ls.PrefixState:
         with self.progress.phase("prefill"):
@@ -360,9 +376,15 @@ class Recipe:
         return result
 
     def _update(
-        self, batch: ls.GenerationBatch, rollouts: list[Rollout], results: list[ls.GRPOStepResult]
+        self,
+        batch: ls.GenerationBatch,
+        rollouts: list[Rollout],
+        results: list[ls.GRPOStepResult],
+        *,
+        first: bool,
     ) -> dict[str, float]:
-        """The optimizer step on what the replays accumulated; this rank's metrics of it."""
+        """The optimizer step on what the replays accumulated; this rank's metrics of it
+        (``first``: the rollouts' first update, which counts their tokens)."""
         cfg = self.cfg
         with self.progress.phase("optimizer"):
             grad_norm, skip_reason = self._optimizer_step(batch.step_loss())
@@ -384,16 +406,21 @@ class Recipe:
             + [ro.scored.metrics() | ro.state_bytes for ro in rollouts]
         )
         advantages = [abs(a) for k in range(len(rollouts)) for a in batch.advantages(k)]
-        truncated = [t for ro in rollouts for t in ro.out.truncated]
         speed = [ro.out.stats["tokens_per_second"] for ro in rollouts]
+        # TRL's completions/* over every replica's completions, num_tokens once per rollout
+        completions = self.topology.completion_metrics(
+            [(len(g.prompt_ids), [len(r) for r in g.responses], g.truncated) for g in batch.groups]
+        )
+        if not first:
+            completions[names.NUM_TOKENS] = 0.0
         return {
             **groups,
             names.LOSS: batch.step_loss(),  # averaged over ranks: the step's loss
             names.ADVANTAGE_ABS_MEAN: sum(advantages) / len(advantages),
             names.GRAD_NORM: grad_norm,
-            names.LR: self.scheduler.get_last_lr()[0],
+            names.LEARNING_RATE: self.scheduler.get_last_lr()[0],
             names.ROLLOUT_TOKENS_PER_SECOND: sum(speed) / len(speed),
-            names.TRUNCATED_FRACTION: sum(truncated) / len(truncated),
+            **completions,
             names.STEP_PEAK_MEMORY_BYTES: max(
                 self.step_peak, names.peak_memory_bytes(self.accelerator.device)
             ),

@@ -270,6 +270,10 @@ def assert_like_one_process(
             assert moved == 0, name
     for key in ("branches_replayed", "completion_tokens"):  # one group per rank
         assert sharded["reduced"][key] == sum(m[key] for m in metrics[-2:]), key
+    extremes = sharded["extremes"]
+    assert extremes["completion_tokens"] == min(m["completion_tokens"] for m in metrics[-2:])
+    assert extremes["branches_replayed"] == max(m["branches_replayed"] for m in metrics[-2:])
+    assert extremes["loss"] == sharded["reduced"]["loss"]  # the others: op
 
 
 def main(out_dir: str, names: list[str]) -> None:
@@ -305,9 +309,14 @@ def main(out_dir: str, names: list[str]) -> None:
             model, adapter, case, lambda step: spread_groups(step_groups(step), rank, world_size)
         )
         reduced = reduce_metrics(metrics[-1], op="sum")
+        # Per-key ops (TRL's minima and maxima over ranks), in the same one gather.
+        extremes = reduce_metrics(
+            metrics[-1], op="sum", ops={"completion_tokens": "min", "branches_replayed": "max"}
+        )
         parameters = full_tensors(model)
         if rank == 0:
             result = {"parameters": parameters, "grads": grads, "reduced": reduced}
+            result["extremes"] = extremes
             torch.save(result, out / f"{name}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -136,6 +136,12 @@ TRL_DATA = ["data.task=null", "data.prompt_tokens=256", "tracking.wandb=false",
 def train_in_process(recipe: str, config: str, output_dir: Path, *overrides: str) -> Path:
     """The recipe's own ``Recipe`` (setup, train, cleanup) in this process: what ``main`` runs,
     without a new interpreter's imports (the entry point itself is tested above)."""
+    recipe_in_process(recipe, config, output_dir, *overrides)
+    return output_dir
+
+
+def recipe_in_process(recipe: str, config: str, output_dir: Path, *overrides: str):
+    """``train_in_process``, returning the finished ``Recipe`` (its model, adapter, logger)."""
     spec = importlib.util.spec_from_file_location(
         f"{recipe[:-3]}_in_process", ROOT / "recipes" / recipe
     )
@@ -148,7 +154,7 @@ def train_in_process(recipe: str, config: str, output_dir: Path, *overrides: str
         assert run.train() is None
     finally:
         run.cleanup()
-    return output_dir
+    return run
 
 
 def test_trl_standard_jsonl_trains_unchanged(tmp_path):

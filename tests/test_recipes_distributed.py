@@ -17,6 +17,7 @@ import launch
 import pytest
 import torch
 from safetensors.torch import load_file
+from wandb_records import wandb_history, wandb_records
 
 from longstraw_core import checkpoint, config, models
 
@@ -88,11 +89,17 @@ def test_ranks_train_on_their_own_groups_and_only_rank_0_logs(tmp_path, recipe, 
     log = run_ok(
         recipe, config_path, out, "distributed.fsdp=true", "train.steps=2",
         "grpo.gradient=detached", "tracking.wandb=true", "train.completions_every=1",
-        "grpo.beta=0.04",
+        "grpo.beta=0.04", "eval.every=2", "eval.data.seed=1", "eval.samples=3",
+        "eval.num_generations=2", "eval.max_new_tokens=4",
     )  # fmt: skip
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, f"one W&B run (rank 0's), got {runs}"
+    # Sharded ranks evaluate together (three prompts on two ranks: one runs an extra it drops).
+    history = wandb_history(wandb_records(next(runs[0].glob("run-*.wandb"))))
+    evaluated = {step for step, row in history.items() if "eval/greedy_accuracy" in row}
+    assert evaluated == {2} and 0 <= history[2]["eval/pass@2"] <= 1
+    assert history[2]["eval/completions/max_length"] <= 4
     tables = sorted(runs[0].rglob("completions_*.table.json"))
     assert len(tables) == 2, tables
     seen = []

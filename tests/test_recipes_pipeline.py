@@ -6,6 +6,8 @@ weights and AdamW state within float32 rounding of the clip's norm, which the st
 another order; float64 equality is ``tests/test_pipeline.py``'s); a stopped and resumed two-stage run equals an uninterrupted one bit for bit;
 its checkpoint (the single-process layout) resumes on one process and on four stages and
 ends where the two-stage run does; misconfigurations stop before training, naming the key.
+Evaluation runs on the stages and on FSDP replicas and gives one process's metrics, and a
+resumed run keeps its schedule.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from longstraw_core.config import load_config
 pytestmark = pytest.mark.multiprocess
 
 STAGED = ["distributed.pipeline_stages=2", "train.save_every=1"]
+# Evaluation after every step: three prompts of the task's other seed, greedy and 2 samples.
+EVAL = ["eval.every=1", "eval.data.seed=1", "eval.samples=3", "eval.num_generations=2",
+        "eval.max_new_tokens=8", "eval.correct_reward=0.2"]  # fmt: skip
 CASES = {  # name: (recipe, config, overrides, the (stages, ranks) a checkpoint resumes on)
     "qwen36-full-exact": ("grpo_qwen36.py", QWEN, ["grpo.gradient=exact"], [(1, 1), (4, 4)]),
 }  # fmt: skip
@@ -65,6 +70,20 @@ def assert_close(
         assert float((first[name] - second[name]).abs().max()) <= tolerance * scale, name
 
 
+def eval_metrics(checkpoint: Path) -> dict[int, dict[str, float]]:
+    """The ``eval/...`` metrics a run logged, by step (its checkpoint's logger history)."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    history = state["extra"]["logger"]["history"]
+    return {step: {k: v for k, v in m.items() if k.startswith("eval/")} for step, m in history}
+
+
+def assert_same_eval(first: dict[str, float], second: dict[str, float]) -> None:
+    """The same eval metrics: the same completions, so the same rewards (and sums)."""
+    assert first and first.keys() == second.keys()
+    for key, value in first.items():
+        assert value == pytest.approx(second[key], rel=1e-9, abs=1e-12), key
+
+
 def optimizer_moments(directory: Path) -> dict[int, dict[str, torch.Tensor]]:
     return torch.load(directory / "optimizer.pt", weights_only=True)["state"]
 
@@ -73,9 +92,12 @@ def optimizer_moments(directory: Path) -> dict[int, dict[str, torch.Tensor]]:
 def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_path, case):
     recipe, config_path, extra, resume_on = CASES[case]
     one, staged, stopped = tmp_path / "one", tmp_path / "staged", tmp_path / "stopped"
-    log = run(recipe, config_path, staged, "train.steps=2", *STAGED, *extra, ranks=2)
+    log = run(recipe, config_path, staged, "train.steps=2", *STAGED, *extra, *EVAL, ranks=2)
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
-    run(recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, ranks=1)
+    run(recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, *EVAL, ranks=1)
+    # Eval on two stages: the completions and metrics of one process (after step 1, whose
+    # weights agree to float32 rounding; step 2's differ by AdamW's magnification of it).
+    assert_same_eval(eval_metrics(staged / "step-000002")[1], eval_metrics(one / "step-000002")[1])
     final = tensors(staged / "step-000002/model")
     assert any(
         not torch.equal(tensors(staged / "step-000001/model")[n], final[n]) for n in final
@@ -89,7 +111,7 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
             assert float((saved - value).abs().max()) <= 1e-5 * float(value.abs().max())
 
     # Stopped after step 1 and resumed on two stages: bit-equal to the uninterrupted run.
-    run(recipe, config_path, stopped, "train.steps=1", *STAGED, *extra, ranks=2)
+    run(recipe, config_path, stopped, "train.steps=1", *STAGED, *extra, *EVAL, ranks=2)
     for stages, ranks in resume_on:  # the same step-1 checkpoint, other stage counts
         other = tmp_path / f"resumed-S{stages}"
         shutil.copytree(stopped, other)
@@ -100,7 +122,9 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
         state = json.loads((other / "step-000002" / "trainer_state.json").read_text())
         assert (state["step"], state["data_position"]) == (2, 2)  # one replica: one sample a step
     run(recipe, config_path, stopped, "train.steps=2", "train.resume_from=latest", *STAGED,
-        *extra, ranks=2)  # fmt: skip
+        *extra, *EVAL, ranks=2)  # fmt: skip
+    # The eval schedule survives the resume: both steps evaluated, each as uninterrupted.
+    assert eval_metrics(stopped / "step-000002") == eval_metrics(staged / "step-000002")
     resumed = tensors(stopped / "step-000002/model")
     assert resumed.keys() == final.keys()
     for name in final:
@@ -112,13 +136,17 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     """Two stages x two replicas, each stage sharded over its replicas by FSDP2
     (``distributed.fsdp=true``), train like the same stages whose replicas average their
     gradients, and the sharded run's checkpoint resumes unsharded and ends where that run
-    does."""
+    does. Both evaluate three prompts on their two replicas (the sharded one's second replica
+    runs a third prompt it drops, as its ranks gather together): the same eval metrics."""
     recipe, overrides = "grpo_qwen36.py", [*STAGED, "grpo.gradient=exact"]
     sharded, averaged, resumed = tmp_path / "fsdp", tmp_path / "averaged", tmp_path / "resumed"
     log = run(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
-              ranks=4)  # fmt: skip
+              *EVAL, ranks=4)  # fmt: skip
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
-    run(recipe, QWEN, averaged, "train.steps=2", *overrides, ranks=4)
+    run(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
+    assert_same_eval(
+        eval_metrics(sharded / "step-000002")[1], eval_metrics(averaged / "step-000002")[1]
+    )
     first, final = tensors(averaged / "step-000001/model"), tensors(averaged / "step-000002/model")
     assert_close(tensors(sharded / "step-000001/model"), first, 1e-6)
     assert_close(tensors(sharded / "step-000002/model"), final, 1e-3)

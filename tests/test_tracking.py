@@ -109,22 +109,44 @@ def test_step_line_shows_length_throughput_and_peak_memory(tmp_path: Path) -> No
         names.REWARD_STD: 0.25,
         names.LOSS: 0.01,
         names.ENTROPY: 5.2,
-        names.COMPLETION_LENGTH_MEAN: 11.6,
+        names.COMPLETIONS_MEAN_LENGTH: 11.6,
         names.ROLLOUT_TOKENS_PER_SECOND: 12345.6,
         names.STEP_PEAK_MEMORY_BYTES: 3 * 2**30,
         names.STEP_SECONDS: 1.25,
     }
     logger.log(1, step_metrics)
+    eval_metrics = {names.EVAL_GREEDY_ACCURACY: 0.25, "eval/pass@8": 0.75, "eval/pass@1": 0.5}
+    logger.log(2, step_metrics | eval_metrics)  # an eval step
+    line = "reward 0.500 ±0.250  loss 0.01  entropy 5.200  len 12  tok/s 12,346  peak 3.00 GiB"
     assert lines == [
-        f"step 1/{cfg.train.steps}  reward 0.500 ±0.250  loss 0.01  entropy 5.200  len 12  "
-        "tok/s 12,346  peak 3.00 GiB  step 1.2s"
+        f"step 1/{cfg.train.steps}  {line}  step 1.2s",
+        f"step 2/{cfg.train.steps}  {line}  step 1.2s  eval greedy 0.250  pass@8 0.750  "
+        "pass@1 0.500",
     ]
-    assert {key for key, _, _ in names.STEP_LINE} == step_metrics.keys() | {names.KL}
+    shown = {key for key, _, _ in names.STEP_LINE}
+    assert shown == step_metrics.keys() | {
+        names.KL,
+        names.EVAL_GREEDY_ACCURACY,
+        names.EVAL_PASS_AT_K,
+    }
     wide = Console(file=io.StringIO(), width=200)  # an 80-column terminal clips the names
     wide.print(logger.summary_table())
     table = wide.file.getvalue()
-    for key in ("completion_length_mean", "rollout_tokens_per_second", "step_peak_memory_bytes"):
+    for key in ("completions/mean_length", "rollout_tokens_per_second", "step_peak_memory_bytes"):
         assert key in table
+
+
+def test_num_tokens_is_the_running_total_and_resumes(tmp_path: Path) -> None:
+    """TRL's num_tokens counts every token seen so far: each step reports its own count, the
+    logger logs the sum, and a logger restored from a checkpoint continues it."""
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false"])
+    logger = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lambda line: None)
+    assert logger.log(1, {names.NUM_TOKENS: 100.0})[names.NUM_TOKENS] == 100.0
+    assert logger.log(2, {names.LOSS: 0.5})[names.LOSS] == 0.5  # a step without the count
+    assert logger.log(3, {names.NUM_TOKENS: 40.0})[names.NUM_TOKENS] == 140.0
+    resumed = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lambda line: None)
+    resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))
+    assert resumed.log(4, {names.NUM_TOKENS: 10.0})[names.NUM_TOKENS] == 150.0
 
 
 def test_wandb_on_without_the_tracker_in_accelerate_is_an_error(tmp_path: Path) -> None:

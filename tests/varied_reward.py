@@ -3,13 +3,18 @@
 Random tokens almost never score on the built-in rewards at tiny sizes; the fault tests
 need each step to update the weights, so this one scores a completion by the share of its
 characters with an even code point: deterministic, and different between completions.
-Written in TRL's convention (keyword arguments, ``**kwargs`` for the rest), as the recipes
+``even_characters_drawing`` also draws from the global random streams. Written in TRL's
+convention (keyword arguments, ``**kwargs`` for the rest), as the recipes
 call every reward function.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
+
+import numpy as np
+import torch
 
 from longstraw_core.rewards import completion_text
 
@@ -17,6 +22,16 @@ from longstraw_core.rewards import completion_text
 def even_characters(completions: list[Any], **kwargs: Any) -> list[float]:
     texts = [completion_text(c) for c in completions]
     return [sum(ord(c) % 2 == 0 for c in text) / max(len(text), 1) for text in texts]
+
+
+def even_characters_drawing(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters``, after drawing from torch's, Python's and NumPy's global random
+    streams (as a sampling reward model might): what an eval's scoring must not shift for the
+    training that follows."""
+    torch.rand(7)
+    random.random()
+    np.random.rand()
+    return even_characters(completions)
 
 
 def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:

@@ -42,3 +42,16 @@ def wandb_config(records: list[wandb_internal_pb2.Record]) -> dict[str, Any]:
             updates = record.config.update
             config |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates}
     return config
+
+
+def wandb_history(records: list[wandb_internal_pb2.Record]) -> dict[int, dict[str, Any]]:
+    """The logged metrics by step (items carry a flat key, or a nested key path for a table)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            rows.setdefault(int(row["_step"]), {}).update(row)
+    return rows

@@ -12,7 +12,8 @@ Import from here; the modules hold:
 - ``loading``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge, overrides, unknown-key
   checks, OmegaConf errors as ``ConfigError``), ``to_dict`` and ``to_yaml``.
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
-  ``offload_policy``.
+  ``offload_policy``, and what ``eval`` resolves to (``eval_data``, ``eval_generations``,
+  ``eval_max_new_tokens``).
 - ``model_tables``: ``DEFAULT_LORA_TARGETS``, ``lora_targets``, ``model_facts``.
 """
 
@@ -34,6 +35,8 @@ from longstraw_core.config.schema import (
     ConfigError,
     DataSection,
     DistributedSection,
+    EvalDataSection,
+    EvalSection,
     GRPOSection,
     LoraSection,
     MemorySection,
@@ -47,7 +50,14 @@ from longstraw_core.config.schema import (
     TrackingSection,
     TrainSection,
 )
-from longstraw_core.config.validation import grpo_config, offload_policy, validate
+from longstraw_core.config.validation import (
+    eval_data,
+    eval_generations,
+    eval_max_new_tokens,
+    grpo_config,
+    offload_policy,
+    validate,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -61,6 +71,8 @@ __all__ = [
     "ConfigError",
     "DataSection",
     "DistributedSection",
+    "EvalDataSection",
+    "EvalSection",
     "GRPOSection",
     "LoraSection",
     "MemorySection",
@@ -75,6 +87,9 @@ __all__ = [
     "TrackingSection",
     "TrainSection",
     "config_from_dict",
+    "eval_data",
+    "eval_generations",
+    "eval_max_new_tokens",
     "grpo_config",
     "load_config",
     "lora_targets",

@@ -94,6 +94,46 @@ class DataSection:
 
 
 @dataclass
+class EvalDataSection:
+    """The eval prompts: each field ``data``'s own unless set here (``eval.data.split: test``
+    evaluates the training dataset's test split; ``eval.data.seed: 1`` a task's other
+    prompts). Setting ``path`` replaces an inherited ``task`` and the other way round (a new
+    task starts from no ``task_kwargs``). Prompts are templated with
+    ``data.chat_template_kwargs``, as the training prompts are."""
+
+    task: str | None = None
+    path: str | None = None
+    split: str | None = None  # TRL scripts' dataset_test_split is "test"
+    shuffle: bool | None = None  # the order eval.samples takes its first prompts from
+    prompt_tokens: int | None = None
+    on_overlong: str | None = None
+    depth: float | None = None
+    seed: int | None = None
+    task_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class EvalSection:
+    """Evaluation during training (``longstraw_core.evaluation``): greedy accuracy and pass@k
+    under the training's reward functions, logged as ``eval/...``."""
+
+    # Every N optimizer steps (and after the last), like TRL's eval_steps; 0: never. Each
+    # eval costs a prefill and two rollouts per eval prompt, with no training in between.
+    every: int = 0
+    data: EvalDataSection = field(default_factory=EvalDataSection)
+    # Prompts per eval: the first N of eval.data (every eval the same ones). null: the whole
+    # dataset (TRL evaluates all of eval_dataset); a task needs a number.
+    samples: int | None = None
+    # k completions sampled per prompt with the rollout's settings, for pass@k and TRL's
+    # eval/reward...; null: rollout.num_generations (TRL's num_generations_eval); 0: greedy only.
+    num_generations: int | None = None
+    max_new_tokens: int | None = None  # null: rollout.max_new_tokens
+    # A completion is correct when its weighted reward (the rewards' weighted sum) is at least
+    # this; with partial-credit rewards choose what counts as solved.
+    correct_reward: float = 1.0
+
+
+@dataclass
 class RolloutSection:
     """Sampling of the group; ``num_generations``, ``max_new_tokens`` and ``temperature`` are
     also GRPO's ``num_generations``, ``max_completion_length`` and ``temperature`` (one
@@ -246,6 +286,7 @@ class RunConfig:
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)  # type: ignore[valid-type]
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])
     optim: OptimSection = field(default_factory=OptimSection)

@@ -70,6 +70,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_rollout(cfg.rollout)
     grpo_config(cfg)
     _check_rewards(cfg, check_paths)
+    _check_eval(cfg, facts, check_paths)
     _check_optim(cfg.optim, cfg.train)
     _check_train(cfg.train, check_paths)
     _check_iterations(cfg)
@@ -197,37 +198,7 @@ def _check_quantization(cfg: RunConfig) -> None:
 
 
 def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
-    data = cfg.data
-    if (data.task is None) == (data.path is None):
-        raise ConfigError(
-            "data.task",
-            f"set exactly one of data.task (one of {', '.join(sorted(TASKS))}) or data.path",
-        )
-    if data.task is not None:
-        _check_choice("data.task", data.task, sorted(TASKS))
-        _check_task_kwargs(data.task, data.task_kwargs)
-    elif data.task_kwargs:
-        raise ConfigError("data.task_kwargs", "only applies with data.task, not data.path")
-    else:
-        from longstraw_core.data_files import path_problem  # no `datasets` import here
-
-        problem = path_problem(data.path)
-        if problem:
-            raise ConfigError("data.path", problem)
-    if not data.split:
-        raise ConfigError("data.split", 'empty; name a split ("train", as TRL scripts do)')
-    from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
-
-    _check_choice("data.on_overlong", data.on_overlong, ON_OVERLONG)
-    if data.task is not None and data.on_overlong != "error":
-        raise ConfigError(
-            "data.on_overlong",
-            f"{data.on_overlong!r} only applies with data.path: a task generates every prompt "
-            "to data.prompt_tokens",
-        )
-    _check_range("data.prompt_tokens", data.prompt_tokens, data.prompt_tokens >= 1, "an int >= 1")
-    if data.depth is not None:
-        _check_range("data.depth", data.depth, 0 <= data.depth <= 1, "null or a float in [0, 1]")
+    _check_data_section(cfg.data, "data")
     builtin = cfg.tokenizer.path is None
     if builtin and facts.vocab_size is not None and facts.vocab_size < BUILTIN_TOKENIZER_SIZE:
         raise ConfigError(
@@ -235,26 +206,62 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
             f"the model has {facts.vocab_size} embeddings but the built-in tokenizer "
             f"has {BUILTIN_TOKENIZER_SIZE} tokens",
         )
-    _check_positions(cfg, facts)
+    _check_positions(cfg, facts, cfg.data, "data", cfg.rollout.max_new_tokens, "rollout")
 
 
-def _check_task_kwargs(task: str, kwargs: dict[str, Any]) -> None:
+def _check_data_section(data: DataSection, key: str) -> None:
+    """One data source (``data``, or ``eval.data`` as it resolves); ``key`` prefixes errors."""
+    if (data.task is None) == (data.path is None):
+        raise ConfigError(
+            f"{key}.task",
+            f"set exactly one of {key}.task (one of {', '.join(sorted(TASKS))}) or {key}.path",
+        )
+    if data.task is not None:
+        _check_choice(f"{key}.task", data.task, sorted(TASKS))
+        _check_task_kwargs(data.task, data.task_kwargs, key)
+    elif data.task_kwargs:
+        raise ConfigError(f"{key}.task_kwargs", f"only applies with {key}.task, not {key}.path")
+    else:
+        from longstraw_core.data_files import path_problem  # no `datasets` import here
+
+        problem = path_problem(data.path)
+        if problem:
+            raise ConfigError(f"{key}.path", problem)
+    if not data.split:
+        raise ConfigError(f"{key}.split", 'empty; name a split ("train", as TRL scripts do)')
+    from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
+
+    _check_choice(f"{key}.on_overlong", data.on_overlong, ON_OVERLONG)
+    if data.task is not None and data.on_overlong != "error":
+        raise ConfigError(
+            f"{key}.on_overlong",
+            f"{data.on_overlong!r} only applies with {key}.path: a task generates every prompt "
+            f"to {key}.prompt_tokens",
+        )
+    _check_range(f"{key}.prompt_tokens", data.prompt_tokens, data.prompt_tokens >= 1, "an int >= 1")
+    if data.depth is not None:
+        _check_range(f"{key}.depth", data.depth, 0 <= data.depth <= 1, "null or a float in [0, 1]")
+
+
+def _check_task_kwargs(task: str, kwargs: dict[str, Any], section: str = "data") -> None:
     reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id", "chat_template_kwargs"}
     parameters = inspect.signature(TASKS[task]).parameters
     for key in kwargs:
         if key in reserved or key not in parameters:
             allowed = sorted(set(parameters) - reserved)
             raise ConfigError(
-                f"data.task_kwargs.{key}",
+                f"{section}.task_kwargs.{key}",
                 f"not an argument of task {task!r}; allowed: {', '.join(allowed)}",
             )
 
 
-def _check_positions(cfg: RunConfig, facts: ModelFacts) -> None:
-    """The longest prompt plus the longest response must fit the model's positions."""
+def _check_positions(
+    cfg: RunConfig, facts: ModelFacts, data: DataSection, key: str, new: int, new_key: str
+) -> None:
+    """The longest prompt plus the longest response must fit the model's positions (``key``:
+    the data section's name, ``new_key`` the section of ``new``, its max_new_tokens)."""
     if facts.max_positions is None:
         return
-    data, new = cfg.data, cfg.rollout.max_new_tokens
     tolerance = float(data.task_kwargs.get("tolerance", 0.01)) if data.task else 0.0
     longest = math.ceil(data.prompt_tokens * (1 + tolerance))
     if longest + new <= facts.max_positions:
@@ -271,8 +278,8 @@ def _check_positions(cfg: RunConfig, facts: ModelFacts) -> None:
         else ""
     )
     raise ConfigError(
-        "data.prompt_tokens",
-        f"{data.prompt_tokens}{slack} + rollout.max_new_tokens {new} = {longest + new} "
+        f"{key}.prompt_tokens",
+        f"{data.prompt_tokens}{slack} + {new_key}.max_new_tokens {new} = {longest + new} "
         f"exceeds the model's {facts.max_positions} positions, from {source}",
     )
 
@@ -301,27 +308,124 @@ def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
     (``rewards.signature_problem``): a function never runs with arguments it cannot take."""
     if not cfg.rewards:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
-    columns: Sequence[str] | None = None
     for i, spec in enumerate(cfg.rewards):
         try:
-            name, fn = resolve_reward(spec.name)
+            resolve_reward(spec.name)
         except ValueError as exc:
             raise ConfigError(f"rewards[{i}].name", str(exc)) from None
-        if i == 0:
-            columns = _data_columns(cfg.data, check_paths)
-            taken = [c for c in columns or () if c in TRL_ARGUMENTS]
-            if taken:
-                raise ConfigError(
-                    "data.path",
-                    f"the records have the field(s) {', '.join(taken)}, which TRL passes reward "
-                    "functions itself: rename them",
-                )
+        _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
+    _check_reward_columns(cfg, cfg.data, "data", check_paths)
+
+
+def _check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_paths: bool) -> None:
+    """TRL's keyword call binds every reward function with the columns of ``data``'s records
+    (``key``: its config section, named in the error)."""
+    columns = _data_columns(data, check_paths)
+    taken = [c for c in columns or () if c in TRL_ARGUMENTS]
+    if taken:
+        raise ConfigError(
+            f"{key}.path",
+            f"the records have the field(s) {', '.join(taken)}, which TRL passes reward "
+            "functions itself: rename them",
+        )
+    for i, spec in enumerate(cfg.rewards):
+        name, fn = resolve_reward(spec.name)
         problem = signature_problem(fn, columns)
         if problem:
             attr = spec.name.replace(":", ".").rpartition(".")[2]
             shown = spec.name if name == attr else f"{spec.name} (function {name})"
-            raise ConfigError(f"rewards[{i}].name", f"{shown} {problem}")
-        _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
+            where = "" if key == "data" else f" on the {key} records"
+            raise ConfigError(f"rewards[{i}].name", f"{shown} {problem}{where}")
+
+
+def eval_data(cfg: RunConfig) -> DataSection:
+    """The data section ``eval.data`` resolves to: ``data`` with the fields ``eval.data``
+    sets (``path`` replacing an inherited ``task`` and its ``task_kwargs``, ``task`` an
+    inherited ``path`` and its ``on_overlong``)."""
+    own = {k: v for k, v in dataclasses.asdict(cfg.eval.data).items() if v is not None}
+    if "path" in own:
+        own.setdefault("task", None)
+        own.setdefault("task_kwargs", {})
+    if "task" in own and own["task"] is not None:
+        own.setdefault("path", None)
+        own.setdefault("on_overlong", "error")  # a task generates every prompt to length
+        if own["task"] != cfg.data.task:
+            own.setdefault("task_kwargs", {})
+    return dataclasses.replace(cfg.data, **own)
+
+
+def eval_generations(cfg: RunConfig) -> int:
+    """k, the completions sampled per eval prompt (0: greedy only)."""
+    k = cfg.eval.num_generations
+    return cfg.rollout.num_generations if k is None else k
+
+
+def eval_max_new_tokens(cfg: RunConfig) -> int:
+    new = cfg.eval.max_new_tokens
+    return cfg.rollout.max_new_tokens if new is None else new
+
+
+def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool) -> None:
+    """``eval``: its ranges always, its data (as ``eval_data`` resolves it) when it runs."""
+    ev = cfg.eval
+    _check_range("eval.every", ev.every, ev.every >= 0, "an int >= 0 (0: never)")
+    if ev.samples is not None:
+        _check_range("eval.samples", ev.samples, ev.samples >= 1, "null (all) or an int >= 1")
+    if ev.num_generations is not None:
+        _check_range(
+            "eval.num_generations", ev.num_generations, ev.num_generations >= 0,
+            "null (rollout.num_generations) or an int >= 0 (0: greedy only)",
+        )  # fmt: skip
+    if ev.max_new_tokens is not None:
+        _check_range(
+            "eval.max_new_tokens", ev.max_new_tokens, ev.max_new_tokens >= 1,
+            "null (rollout.max_new_tokens) or an int >= 1",
+        )  # fmt: skip
+    _check_range("eval.correct_reward", ev.correct_reward, True, "a finite float")
+    if not ev.every:
+        return
+    if all(v is None for v in dataclasses.asdict(ev.data).values()):
+        raise ConfigError(
+            "eval.data",
+            "not set: eval.every > 0 would evaluate on the training prompts themselves; set "
+            "eval.data.split (e.g. test), eval.data.path, or for a task eval.data.seed (other "
+            "prompts) or eval.data.task",
+        )
+    data = eval_data(cfg)
+    if check_paths and cfg.eval.data.path is not None:
+        _check_exists("eval.data.path", data.path, directory=False)
+    _check_data_section(data, "eval.data")
+    if data.task is not None and ev.samples is None:
+        raise ConfigError(
+            "eval.samples",
+            f"null (the whole dataset) with the task {data.task!r}, which generates prompts "
+            "without end: set how many prompts each eval takes",
+        )
+    new = eval_max_new_tokens(cfg)
+    _check_positions(cfg, facts, data, "eval.data", new, "eval" if ev.max_new_tokens else "rollout")
+    _check_eval_within_plan(cfg, data, new)
+    _check_reward_columns(cfg, data, "eval.data", check_paths)
+
+
+def _check_eval_within_plan(cfg: RunConfig, data: DataSection, new: int) -> None:
+    """With a memory budget (``memory.gpu_mem``), eval must not need more than the training
+    step the planner checked: no longer prompts or responses, no more samples at once."""
+    if cfg.memory.gpu_mem is None or not cfg.memory.check:
+        return
+    larger = [
+        ("eval.data.prompt_tokens", data.prompt_tokens, "data.prompt_tokens", cfg.data.prompt_tokens),
+        ("eval.max_new_tokens", new, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        ("eval.num_generations", eval_generations(cfg), "rollout.num_generations",
+         cfg.rollout.num_generations),
+    ]  # fmt: skip
+    for key, value, train_key, train_value in larger:
+        if value > train_value:
+            raise ConfigError(
+                key,
+                f"{value} is more than {train_key}={train_value}: the memory plan "
+                f"(memory.gpu_mem={cfg.memory.gpu_mem}) checks the training step, so eval may "
+                f"not need more; lower it to at most {train_value} (or set memory.check=false)",
+            )
 
 
 # A task's columns do not depend on its length: a short sample tells them, quickly.

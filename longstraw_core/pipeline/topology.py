@@ -8,8 +8,9 @@ replicas of each stage average their gradients here, or, with ``distributed.fsdp
 FSDP2 shards each stage over its replicas (``shard_mesh``) and averages them itself.
 Recipes make the same few calls either way: ``place`` the adapter, shard it over
 ``shard_mesh()``, take samples ``data_position + replica * prompts_per_step + k``,
-``finish_gradients`` before the optimizer step, ``reduce`` the metrics, ``rows_to_log`` for
-the completions table.
+``finish_gradients`` before the optimizer step, ``reduce`` the metrics, ``completion_metrics``
+for the step's completions, ``rows_to_log`` for the completions table, ``gather_replicas`` for
+what every replica found.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_core import metrics as names
 from longstraw_core.config import ConfigError
-from longstraw_core.distributed import reduce_metrics, shard_model
+from longstraw_core.distributed import gather_rows, reduce_metrics, shard_model
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
 from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
@@ -37,6 +38,9 @@ Row = TypeVar("Row")
 # Per-rank byte counts of what a stage holds: summed over a pipeline's stages.
 _STAGE_SUMS = (names.STATE_BYTES, names.STATE_GRAD_BYTES, names.ATTENTION_OUTPUT_BYTES)
 _PEAKS = (names.PEAK_MEMORY_BYTES, names.STEP_PEAK_MEMORY_BYTES)
+_EXTREMES = {key: "min" for key in names.MIN_OVER_RANKS} | {
+    key: "max" for key in names.MAX_OVER_RANKS
+}
 
 
 @dataclass
@@ -139,17 +143,43 @@ class RunTopology:
         return float(clip_grad_norm(parameters, limit, self.mesh.get_group(STAGE)))
 
     def reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """The step's metrics over the ranks: the mean over replicas; with stages, what a
-        stage holds summed over its pipeline first, and peak memory the largest rank's."""
+        """The step's metrics over the ranks: the mean over replicas (TRL's minima and maxima:
+        the smallest and largest); with stages, what a stage holds summed over its pipeline
+        first, and peak memory the largest rank's."""
         if not self.staged:
-            return reduce_metrics(metrics)
+            return reduce_metrics(metrics, ops=_EXTREMES)
         stage_group = self.mesh.get_group(STAGE)
         summed_keys = [k for k in metrics if k in _STAGE_SUMS or k.startswith("state_bytes/")]
         pipeline = reduce_metrics({k: metrics[k] for k in summed_keys}, "sum", group=stage_group)
         summed = reduce_metrics(pipeline)  # the mean over the replicas' pipelines
         peaks = reduce_metrics({k: metrics[k] for k in _PEAKS if k in metrics}, "max")
-        return reduce_metrics(metrics) | summed | peaks
+        return reduce_metrics(metrics, ops=_EXTREMES) | summed | peaks
 
     def rows_to_log(self, rows: Sequence[Row]) -> list[Row]:
         """This rank's share of the completions table: its replica's rows, from one stage."""
         return list(rows) if self.is_last_stage else []
+
+    def gather_replicas(self, rows: Sequence[Row]) -> list[Row]:
+        """Every replica's ``rows`` (picklable; from one stage each: a pipeline's stages hold
+        the same) on every rank, in replica order. Collective: every rank calls it."""
+        return gather_rows(self.rows_to_log(rows))
+
+    def completion_metrics(
+        self, groups: Sequence[tuple[int, Sequence[int], Sequence[bool]]]
+    ) -> dict[str, float]:
+        """TRL's ``completions/*`` over every replica's completions of the step (gathered: the
+        exact minima, maxima and means of the whole batch, as TRL's over its gathered
+        batch), and the step's ``num_tokens`` (each completion with its prompt); the same on
+        every rank. ``groups``: this replica's ``(prompt tokens, completion lengths,
+        truncation flags)`` per prompt. Collective."""
+        rows = self.gather_replicas(
+            [
+                (prompt_tokens, int(n), bool(cut))
+                for prompt_tokens, lengths, truncated in groups
+                for n, cut in zip(lengths, truncated, strict=True)
+            ]
+        )
+        step_tokens = sum(prompt + length for prompt, length, _ in rows)
+        return names.completion_metrics([r[1] for r in rows], [r[2] for r in rows]) | {
+            names.NUM_TOKENS: float(step_tokens)
+        }
