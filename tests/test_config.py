@@ -346,3 +346,26 @@ def test_a_list_of_sections_can_be_replaced_from_the_command_line():
         ("answer_char_recall", 2.0),
         ("exact_match", 1.0),
     ]
+
+
+def test_the_readme_maps_every_trl_grpo_config_field():
+    """ "Coming from TRL" names each field TRL 1.16's ``GRPOConfig`` declares (beyond
+    ``TrainingArguments``), with its LongStraw key or why there is none."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import trl
+    from transformers import TrainingArguments
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    named = {
+        name
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`([a-z0-9_]+)`", line.split(" | ")[0])
+    }
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - inherited
+    assert own - named == set()
