@@ -96,8 +96,11 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, extra):
     config = "configs/qwen36/tiny_learn_cpu.yaml"  # rewards with variance from the start
     # The stopped run is told train.steps=2: a schedule over the run's length (cosine) would
     # differ from the uninterrupted run's, so the learning rate is kept constant here.
+    # eval.every=0: the stopped run's last step (2) would evaluate, the straight run's not
+    # (resuming with eval: tests/test_evaluation.py).
     common = ["train.save_every=2", "grpo.gradient=exact", "rollout.num_generations=8",
-              "rollout.max_new_tokens=16", "optim.scheduler=constant", *extra]  # fmt: skip
+              "rollout.max_new_tokens=16", "optim.scheduler=constant", "eval.every=0",
+              *extra]  # fmt: skip
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_recipe("grpo_qwen36.py", config, straight, "train.steps=4", *common)
     run_recipe("grpo_qwen36.py", config, stopped, "train.steps=2", *common)
