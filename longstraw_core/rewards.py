@@ -74,6 +74,7 @@ from typing import Any, Literal
 from transformers import TrainerState
 
 from longstraw_core import metrics as metric_names
+from longstraw_core.grpo_config import normalize_scale_rewards
 from longstraw_core.tasks import Sample
 
 logger = logging.getLogger(__name__)
@@ -482,12 +483,15 @@ class RewardResult:
         return out
 
 
-def reward_metrics(groups: Sequence[RewardResult]) -> dict[str, float]:
+def reward_metrics(
+    groups: Sequence[RewardResult], scale_rewards: str | bool = "group"
+) -> dict[str, float]:
     """TRL's reward metrics of a batch of groups (one ``RewardResult`` per prompt, all from
     one ``RewardSet``), as ``GRPOTrainer`` logs a batch: each function's nan-mean and std and
     the weighted rewards' (unscorable rows left out) over every completion, and the share of
-    completions whose group's rewards have zero std (TRL's per-group ``scale_rewards``; a
-    group of one counts as zero std, as TRL's eval with ``num_generations_eval=1``)."""
+    completions whose reward std is zero: their group's (``scale_rewards`` "group" or
+    "none"; a group of one counts as zero, as TRL's eval with ``num_generations_eval=1``),
+    or with "batch" the whole batch's, as TRL scales it."""
     m = metric_names
     names = groups[0].names if groups else []
     out: dict[str, float] = {}
@@ -499,12 +503,23 @@ def reward_metrics(groups: Sequence[RewardResult]) -> dict[str, float]:
     out[m.REWARD] = _nanmean(rewards)
     out[m.REWARD_STD] = _nanstd(rewards)
     # TRL: torch.isclose(std_rewards, 0) per completion, averaged; a NaN std is not close.
-    zero_std = 0
-    for group in groups:
-        std = _nanstd(group.rewards) if len(group.rewards) > 1 else 0.0
-        zero_std += len(group.rewards) * math.isclose(std, 0.0, abs_tol=1e-8)
+    if normalize_scale_rewards(scale_rewards) == "batch":
+        std = _nanstd(rewards) if len(rewards) > 1 else 0.0
+        zero_std = len(rewards) * math.isclose(std, 0.0, abs_tol=1e-8)
+    else:
+        zero_std = 0
+        for group in groups:
+            std = _nanstd(group.rewards) if len(group.rewards) > 1 else 0.0
+            zero_std += len(group.rewards) * math.isclose(std, 0.0, abs_tol=1e-8)
     out[m.FRAC_REWARD_ZERO_STD] = zero_std / len(rewards) if rewards else math.nan
     return out
+
+
+def batch_columns(result: RewardResult) -> RewardResult:
+    """Only what ``reward_metrics`` reads (the functions' names and values, the weighted
+    rewards): what replicas exchange to log one batch's metrics (no prompts: a million-token
+    prompt must not travel)."""
+    return RewardResult(result.names, list(result.rewards), result.rewards_per_func)
 
 
 def _nanmean(values: Sequence[float]) -> float:

@@ -409,7 +409,10 @@ class Recipe:
         )
         advantages = [abs(a) for k in range(len(rollouts)) for a in batch.advantages(k)]
         speed = [ro.out.stats["tokens_per_second"] for ro in rollouts]
-        # TRL's completions/* over every replica's completions, num_tokens once per rollout
+        # TRL's reward and completions/* metrics over every replica's groups (collectives);
+        # num_tokens once per rollout
+        scale = self.grpo.scale_rewards
+        batch_rewards = self.topology.reward_metrics([ro.scored for ro in rollouts], scale)
         completions = self.topology.completion_metrics(
             [(len(g.prompt_ids), [len(r) for r in g.responses], g.truncated) for g in batch.groups]
         )
@@ -422,6 +425,7 @@ class Recipe:
             names.GRAD_NORM: grad_norm,
             names.LEARNING_RATE: self.scheduler.get_last_lr()[0],
             names.ROLLOUT_TOKENS_PER_SECOND: sum(speed) / len(speed),
+            **batch_rewards,
             **completions,
             names.STEP_PEAK_MEMORY_BYTES: max(
                 self.step_peak, names.peak_memory_bytes(self.accelerator.device)

@@ -19,6 +19,7 @@ span both ranks, and the gradient equals one process running all four groups.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from longstraw_core.distributed import (
     shard_model,
     spread_groups,
 )
+from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.rewards import RewardResult
 from longstraw_core.tiny_models import tiny_model
 
 CHUNK_SIZE = 8
@@ -143,6 +146,22 @@ def train_generation(
         "advantages": [batch.advantages(k) for k in range(len(groups))],
         "factor": batch.gradient_factor,
     }
+
+
+def batch_metric_groups() -> list[list[tuple[RewardResult, tuple]]]:
+    """Each of two ranks' groups of a step: scored rewards (a NaN row, a constant group) and
+    their (prompt tokens, lengths, truncation flags)."""
+    nan = float("nan")
+
+    def group(rewards: list[float], lengths: list[int], prompt: int) -> tuple:
+        per_func = [[r, nan if math.isnan(r) else 2 * r] for r in rewards]
+        scored = RewardResult(["a", "b"], rewards, per_func, prompts=["long " * 9] * 3)
+        return scored, (prompt, lengths, [n == 4 for n in lengths])
+
+    return [
+        [group([1.0, nan, 0.0], [4, 2, 3], 7), group([0.5, 0.5, 0.5], [1, 4, 4], 5)],
+        [group([0.0, 1.0, 1.0], [2, 2, 4], 9)],
+    ]
 
 
 def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
@@ -288,6 +307,19 @@ def main(out_dir: str, names: list[str]) -> None:
             shard_model(adapter)
             rollouts = rollout_group if name == "rollout" else rollout_gathers
             result = rollouts(adapter, rank)
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, result)
+            if rank == 0:
+                torch.save(gathered, out / f"{name}.pt")
+            continue
+        if name == "batch-metrics":
+            topology = RunTopology(replicas=world_size, replica=rank)
+            mine = batch_metric_groups()[rank]
+            result = {
+                "rewards": topology.reward_metrics([r for r, _ in mine], "group"),
+                "rewards-batch": topology.reward_metrics([r for r, _ in mine], "batch"),
+                "completions": topology.completion_metrics([c for _, c in mine]),
+            }
             gathered = [None] * world_size
             dist.all_gather_object(gathered, result)
             if rank == 0:

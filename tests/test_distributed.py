@@ -41,6 +41,8 @@ from longstraw_core.distributed import (
     spread_groups,
 )
 from longstraw_core.losses import loss_weights
+from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.rewards import reward_metrics
 from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +58,7 @@ def sharded_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     torchrun_ok(
         ROOT / "tests" / "distributed_worker.py", str(out), *TRAINING_CASES, "rollout",
-        "rollout-gathers", "generation-batch",
+        "rollout-gathers", "generation-batch", "batch-metrics",
     )  # fmt: skip
     return out
 
@@ -113,6 +115,28 @@ def test_two_ranks_of_two_groups_step_like_one_process_of_four(sharded_runs):
     assert advantages == pytest.approx([a for g in alone["advantages"] for a in g], rel=1e-12)
     # The first round's normaliser and std were not the step's: finish corrected them.
     assert all(rank["factor"] != 1.0 for rank in ranks) and alone["factor"] != 1.0
+
+
+@pytest.mark.multiprocess
+def test_a_steps_reward_and_completion_metrics_are_the_whole_batchs(sharded_runs):
+    """TRL logs a step's reward and completion statistics over its whole gathered batch: two
+    ranks' metrics equal one process's over the union of their groups (not the mean of each
+    rank's), and every rank logs the same."""
+    ranks = torch.load(sharded_runs / "batch-metrics.pt")
+    groups = [g for rank in worker.batch_metric_groups() for g in rank]
+    scored, shapes = [r for r, _ in groups], [c for _, c in groups]
+    want = {
+        "rewards": reward_metrics(scored, "group"),
+        "rewards-batch": reward_metrics(scored, "batch"),
+        "completions": RunTopology(replicas=1, replica=0).completion_metrics(shapes),
+    }
+    for rank in ranks:
+        assert rank.keys() == want.keys()
+        for key, metrics in want.items():
+            assert rank[key] == pytest.approx(metrics, nan_ok=True), key
+    # a constant group counts as zero std within groups, not within the batch
+    assert want["rewards"]["frac_reward_zero_std"] == pytest.approx(3 / 9)
+    assert want["rewards-batch"]["frac_reward_zero_std"] == 0.0
 
 
 # --- a world of one rank, in this process ---------------------------------------------------------

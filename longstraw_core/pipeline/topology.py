@@ -29,6 +29,7 @@ from longstraw_core.distributed import gather_rows, reduce_metrics, shard_model
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
 from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
+from longstraw_core.rewards import RewardResult, batch_columns, reward_metrics
 
 if TYPE_CHECKING:
     from longstraw_core.config import DistributedSection
@@ -163,6 +164,15 @@ class RunTopology:
         """Every replica's ``rows`` (picklable; from one stage each: a pipeline's stages hold
         the same) on every rank, in replica order. Collective: every rank calls it."""
         return gather_rows(self.rows_to_log(rows))
+
+    def reward_metrics(
+        self, results: Sequence[RewardResult], scale_rewards: str | bool
+    ) -> dict[str, float]:
+        """TRL's reward metrics (``rewards.reward_metrics``) over every replica's groups of the
+        step, gathered: the batch's nan-means and stds as TRL logs them, not averages of each
+        group's; the same on every rank. Collective."""
+        groups = self.gather_replicas([batch_columns(result) for result in results])
+        return reward_metrics(groups, scale_rewards)
 
     def completion_metrics(
         self, groups: Sequence[tuple[int, Sequence[int], Sequence[bool]]]
