@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     for run in PAPER:
         if args.run and run.name not in args.run:
             continue
-        result = run_config(run, args.stages)
+        result = run_config(run, args.stages, say=lambda line: print(line, flush=True))
         print(table(result), flush=True)
         results.append(result)
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw_core as ls
-from longstraw_core import models
+from longstraw_core import gpu_emulation, models
 from longstraw_core.config import grpo_config, offload_policy
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.pipeline import StageLayout, stage_model
@@ -92,9 +94,11 @@ def run_stage(
     *,
     incoming: list,
     rollout_tokens: int,
+    say: Callable[[str], object] | None = None,
 ) -> StageResult:
     """Stage ``stage``'s step of ``cfg`` (prompt ``cfg.data.prompt_tokens``, G responses of
-    ``cfg.rollout.max_new_tokens`` replayed), measured (see the module)."""
+    ``cfg.rollout.max_new_tokens`` replayed), measured (see the module). ``say`` gets a line
+    as each phase ends (a full-size stage runs for many minutes)."""
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # rewards, advantages: real
     adapter, link = build_stage(cfg, config, layout, stage, incoming, mode)
@@ -103,16 +107,27 @@ def run_stage(
     grpo = grpo_config(cfg)
     offload = offload_policy(cfg)
     chunk, group = cfg.train.chunk_size, cfg.rollout.num_generations
-    with mode, LiveTensorMemory([*model.parameters(), *model.buffers()]) as memory:
+    tracked = [*model.parameters(), *model.buffers()]
+    with mode, gpu_emulation.gpu_kernels(), LiveTensorMemory(tracked) as memory:
         params_bytes = memory.current
+
+        @contextmanager
+        def phase(name: str) -> Iterator[None]:
+            begun = time.perf_counter()
+            with memory.phase(name):
+                yield
+            if say is not None:
+                took, peak = time.perf_counter() - begun, memory.phases[name] / 2**30
+                say(f"stage {stage}: {name} done in {took:.0f} s, peak {peak:.2f} GiB")
+
         optimizer = models.build_optimizer(model, cfg.optim)
         vocab = adapter.vocab_size
         prompt = torch.randint(vocab, (cfg.data.prompt_tokens,), device=DEVICE)
-        with memory.phase("prefill"):
+        with phase("prefill"):
             state = adapter.prefill(
                 prompt, chunk_size=chunk, offload=offload, **grpo.prefill_options()
             )
-        with memory.phase("rollout"):
+        with phase("rollout"):
             out = ls.rollout(adapter, state, group, rollout_tokens, eos_token_ids=[0], seed=0)
             del out
         responses = [
@@ -122,18 +137,18 @@ def run_stage(
         sweep = adapter.backprop_prompt  # exact mode's sweep, inside grpo_step: its own phase
 
         def backprop_prompt(*args: Any, **kwargs: Any) -> None:
-            with memory.phase("sweep"):
+            with phase("sweep"):
                 sweep(*args, **kwargs)
 
         adapter.backprop_prompt = backprop_prompt
-        with memory.phase("replay"):  # grpo_step: the replay (the sweep is its own phase)
+        with phase("replay"):  # grpo_step: the replay (the sweep is its own phase)
             ls.grpo_step(
                 adapter, prompt, responses, rewards, config=grpo, state=state,
                 chunk_size=chunk, offload=offload,
             )  # fmt: skip
         del state
         gc.collect()
-        with memory.phase("optimizer"):
+        with phase("optimizer"):
             torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
