@@ -51,17 +51,17 @@ def blocked_scratch(
     return scratch + 2 * FP32 * kv_heads * rows * max(dk, dv)  # output / dq accumulators
 
 
-def sparse_attention_scratch(d: dict[str, int], tokens: int, batch: int) -> int:
+def sparse_attention_scratch(d: dict[str, int], tokens: int, batch: int, device: str) -> int:
     """``glm52._SparseLatentAttention``: per block of queries the gathered latent rows, the
     scores and probabilities (fp32); blocks keep ``3 x (dim + heads)`` per row under
-    ``work_elements()``."""
+    ``work_elements(device)``."""
     topk, heads, dim = d["index_topk"], d["heads"], d["kv_rank"] + d["rope_dim"]
-    step = max(1, work_elements() // (batch * topk * 3 * (dim + heads)))
+    step = max(1, work_elements(device) // (batch * topk * 3 * (dim + heads)))
     queries = min(tokens, step)
     return FP32 * batch * queries * topk * (2 * dim + 3 * heads)
 
 
-def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
+def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int, device: str) -> int:
     """Peak scratch of ``glm52.select_topk``, replayed block by block as the code runs.
 
     During one block's index scores, the previous block's concatenated scores (fp32) and
@@ -69,7 +69,7 @@ def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int) ->
     ``[B, T, heads_step, n]`` (the matmul and its scaled relu).
     """
     topk, heads = d["index_topk"], d["index_heads"]
-    rows, work = batch * tokens, work_elements()
+    rows, work = batch * tokens, work_elements(device)
     block = max(topk, work // rows)
     sizes = _block_sizes(prefix, block) + _block_sizes(tokens, block)
     peak, kept, previous = 0, 0, 0
