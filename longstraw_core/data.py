@@ -1,22 +1,29 @@
-"""User data as ``Sample``s: JSONL files, or a ``datasets`` dataset saved with ``save_to_disk``.
+"""User data as ``Sample``s: a dataset file or directory read through ``datasets``, the way a
+TRL script loads it (``data_files``: JSON/JSON Lines, Parquet, CSV, Arrow, ``save_to_disk``).
 
-Each record (a JSONL line or a dataset row) is one of:
+Each row (a JSONL line, a dataset row) is one of TRL's prompt formats:
 
-- ``{"prompt": "...", "answer": "..."}``: the prompt becomes one user message (``chat=True``,
-  the default, so it is rendered through the tokenizer's chat template when there is one)
-  or stays plain text (``chat=False``);
-- ``{"prompt": [messages], "answer": "..."}`` or ``{"messages": [...], "answer": "..."}``;
-- ``{"messages": [..., {"role": "assistant", "content": "..."}]}``: the last assistant turn is
-  the answer and the turns before it are the prompt.
+- standard: ``{"prompt": "...", ...}``: the text is the model's input as it is (no chat
+  template), as TRL's ``GRPOTrainer`` feeds it;
+- conversational: ``{"prompt": [messages], ...}``: rendered through the tokenizer's chat
+  template with the generation prompt and ``data.chat_template_kwargs`` (``tokenizer``);
+- ``{"messages": [..., {"role": "assistant", "content": "..."}]}``: the last assistant turn
+  is the answer and the turns before it are the prompt (or ``messages`` + ``answer``).
 
-``id`` is taken from the record when present (else ``<file>:<line>`` / ``<dir>:<row>``); every
-other field goes to ``Sample.meta``. Errors name the file, the line or row and the field.
+Every column is kept: ``Sample.columns`` holds the row exactly as ``datasets`` returned it
+(``solution``, ``ground_truth``..., what TRL hands its reward functions); ``Sample.answer``
+is the ``answer`` column as text (``""`` when there is none: no answer is required), ``id`` is
+the ``id`` column when there is one (else where the row is), and ``Sample.meta`` the columns
+other than ``id``, ``prompt``, ``messages`` and ``answer``. Errors name the file and the line
+(JSON Lines) or row, and the field.
 
 ``sample_source`` scans the whole of ``data.path`` once, before the model is built: every
-record is parsed, converted and its prompt tokenized exactly as the recipe will, so a bad
-line or a prompt longer than ``data.prompt_tokens`` fails before any weight loads, naming its
-line, not hours into a run (and again on every resume). Prompts over the limit are an error,
-or with ``data.on_overlong=skip`` left out and reported::
+row is converted and its prompt tokenized exactly as the recipe will (one at a time: the
+token ids of all prompts are never held together), so a bad row or a prompt longer than
+``data.prompt_tokens`` fails before any weight loads, naming it, not hours into a run (and
+again on every resume). Prompts over the limit are an error, or with ``data.on_overlong=skip``
+left out and reported. The kept rows are read in a seeded shuffled order (``data.shuffle``,
+TRL's ``shuffle_dataset``; ``data_order``)::
 
     source = sample_source(cfg.data, tok)      # raises DataError before any weight loads
     source.size, source.longest, source.skipped
@@ -26,15 +33,17 @@ or with ``data.on_overlong=skip`` left out and reported::
 from __future__ import annotations
 
 import functools
-import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from longstraw_core.data_files import DEFAULT_SPLIT, DataError, OpenedData, open_data
+from longstraw_core.data_order import DataOrder
 from longstraw_core.tasks import Sample, sample_at
 from longstraw_core.tokenizer import encode_prompt
 
@@ -43,107 +52,39 @@ if TYPE_CHECKING:
 
     from longstraw_core.config import DataSection
 
+__all__ = ["DataError", "Sample", "SampleSource", "Skipped", "load_samples", "sample_source"]
+
 RESERVED = ("id", "prompt", "messages", "answer")
 ON_OVERLONG = ("error", "skip")  # data.on_overlong: refuse the data, or leave those prompts out
 SHOWN = 5  # overlong prompts named in an error or a summary; the rest are counted
 
 
-class DataError(ValueError):
-    """A record that cannot become a Sample; the message says where and why."""
+def load_samples(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> list[Sample]:
+    """Every row of a data file or dataset directory as a Sample, in order (no length check,
+    no shuffling: for looking at data; a run reads it through ``sample_source``)."""
+    data = open_data(path, split, progress=False)
+    return [record_to_sample(row, data.where(i)) for i, row in data]
 
 
-def load_samples(
-    path: str | os.PathLike, *, chat: bool = True, split: str | None = None
-) -> list[Sample]:
-    """Samples from a JSONL file or a ``save_to_disk`` directory (``split`` picks one split
-    of a saved ``DatasetDict``)."""
-    return [record_to_sample(r, where, chat=chat) for where, r in _records(path, split, False)]
+def first_sample(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> Sample:
+    """The first row of ``path`` as a Sample, the rest unread: what the config check needs to
+    know the data's columns (``rewards.sample_columns``) before the full scan."""
+    data = open_data(path, split, progress=False)
+    for index, row in data:
+        return record_to_sample(row, data.where(index))
+    raise DataError(f"{path}: no rows")
 
 
-def _records(
-    path: str | os.PathLike, split: str | None, progress: bool | None
-) -> Iterator[tuple[str, Any]]:
-    """``(where, record)`` for every record, in order; ``where`` is ``<file>:<line>`` or
-    ``<dir>:row <i>``. ``progress``: a tqdm bar (None: only on a terminal, as tqdm decides)."""
-    p = Path(path).expanduser()  # as config's existence check reads data.path
-    if p.is_dir():
-        name, rows = _open_dataset(p, split)
-        with _bar(progress, f"scanning {p.name}", total=len(rows), unit="row") as bar:
-            for i, row in enumerate(rows):
-                bar.update(1)
-                yield f"{name}:row {i}", row
-        return
-    if not p.is_file():
-        raise FileNotFoundError(f"no data file or dataset directory at {str(p)!r}")
-    size = p.stat().st_size
-    with _bar(progress, f"scanning {p.name}", total=size, unit="B", unit_scale=True) as bar:
-        yield from _jsonl_records(p, bar.update)
-
-
-def _bar(progress: bool | None, desc: str, **kwargs: Any) -> tqdm:
-    disable = None if progress is None else not progress
-    return tqdm(desc=desc, disable=disable, leave=False, dynamic_ncols=True, **kwargs)
-
-
-def _jsonl_records(path: Path, advance: Callable[[int], object]) -> Iterator[tuple[str, Any]]:
-    """Read as bytes and decode line by line, so a bad byte is reported with its line."""
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            advance(len(raw))
-            where = f"{path}:{line_no}"
-            line = _decode(raw, where, first=line_no == 1)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{where}: invalid JSON ({exc.msg} at column {exc.colno})"
-                ) from None
-            yield where, record
-
-
-def _decode(raw: bytes, where: str, *, first: bool) -> str:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        byte = raw[exc.start]
-        raise DataError(
-            f"{where}: not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})"
-        ) from None
-    return text.removeprefix("\ufeff") if first else text  # a BOM some editors write
-
-
-def _open_dataset(path: Path, split: str | None) -> tuple[str, Any]:
-    """The saved ``datasets.Dataset`` (one split of a ``DatasetDict``) and its name for errors."""
-    import datasets  # optional at import time: only this loader needs it
-
-    try:
-        data = datasets.load_from_disk(str(path))
-    except Exception as exc:  # datasets raises several types for "not a saved dataset"
-        raise DataError(f"{path}: not a dataset saved with save_to_disk ({exc})") from exc
-    if isinstance(data, datasets.DatasetDict):
-        if split is None:
-            if len(data) != 1:
-                raise DataError(f"{path}: holds splits {sorted(data)}; pass split=")
-            split = next(iter(data))
-        if split not in data:
-            raise DataError(f"{path}: no split {split!r}; splits are {sorted(data)}")
-        data = data[split]
-    elif split is not None:
-        raise DataError(f"{path}: a single dataset, not a DatasetDict; split={split!r} given")
-    return (f"{path}[{split}]" if split else str(path)), data
-
-
-def record_to_sample(record: Any, where: str, *, chat: bool = True) -> Sample:
-    """One record -> Sample; ``where`` (file and line/row) prefixes every error."""
+def record_to_sample(record: Any, where: str) -> Sample:
+    """One row -> Sample; ``where`` (file and line/row) prefixes every error."""
     if not isinstance(record, Mapping):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    columns = dict(record)
     # A dataset has every column in every row: a null there means the field is absent.
     record = {k: v for k, v in record.items() if not (k in RESERVED and v is None)}
-    prompt, answer = _prompt_and_answer(record, where, chat)
+    prompt, answer = _prompt_and_answer(record, where)
     field_name = "prompt" if "prompt" in record else "messages"
-    _require_text(record.get("prompt", prompt), where, field_name)  # as given, not wrapped
+    _require_text(prompt, where, field_name)
     sample_id = record.get("id")
     meta = {k: v for k, v in record.items() if k not in RESERVED}
     return Sample(
@@ -151,17 +92,16 @@ def record_to_sample(record: Any, where: str, *, chat: bool = True) -> Sample:
         prompt=prompt,
         answer=answer,
         meta=meta,
+        columns=columns,
     )
 
 
-def _prompt_and_answer(record: Mapping[str, Any], where: str, chat: bool) -> tuple[Any, str]:
+def _prompt_and_answer(record: Mapping[str, Any], where: str) -> tuple[Any, str]:
     if "prompt" in record and "messages" in record:
         raise DataError(f"{where}: has both 'prompt' and 'messages'; use one")
     if "prompt" in record:
         prompt = record["prompt"]
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}] if chat else prompt
-        else:
+        if not isinstance(prompt, str):
             prompt = _messages(prompt, where, "prompt")
         return prompt, _answer(record, where)
     if "messages" not in record:
@@ -177,10 +117,7 @@ def _prompt_and_answer(record: Mapping[str, Any], where: str, chat: bool) -> tup
             )
         return messages, _answer(record, where)
     if messages[-1]["role"] != "assistant":
-        raise DataError(
-            f"{where}: missing field 'answer', and 'messages' does not end with an assistant "
-            "turn to take it from"
-        )
+        return messages, ""  # a prompt without a reference answer
     if len(messages) < 2:
         raise DataError(f"{where}: 'messages' has only the assistant answer, no prompt")
     return messages[:-1], messages[-1]["content"]
@@ -198,26 +135,32 @@ def _require_text(prompt: Any, where: str, field_name: str) -> None:
         )
 
 
-def _messages(value: Any, where: str, field_name: str) -> list[dict[str, str]]:
+def _messages(value: Any, where: str, field_name: str) -> list[dict[str, Any]]:
+    """The messages as given (every key kept: the chat template reads them as TRL's does)."""
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field {field_name!r} must be a non-empty list of messages")
+        raise DataError(
+            f"{where}: field {field_name!r} must be a string or a non-empty list of messages"
+        )
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise DataError(f"{where}: {field_name}[{i}] needs a string 'role'")
         if not isinstance(m.get("content"), str):
             raise DataError(f"{where}: {field_name}[{i}] needs a string 'content'")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append(dict(m))
     return out
 
 
 def _answer(record: Mapping[str, Any], where: str) -> str:
+    """The ``answer`` column as text; ``""`` without one (rewards that need it say so)."""
     if "answer" not in record:
-        raise DataError(f"{where}: missing field 'answer'; fields: {sorted(record)}")
+        return ""
     answer = record["answer"]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DataError(
-            f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}"
+            f"{where}: field 'answer' must be a string or a number (the built-in rewards "
+            f"compare the completion with it), got {type(answer).__name__}; keep other values "
+            "in another column, which reward functions read from Sample.columns"
         )
     return str(answer)
 
@@ -226,17 +169,19 @@ def _answer(record: Mapping[str, Any], where: str) -> str:
 class Skipped:
     """A record left out of the run: its prompt is longer than ``data.prompt_tokens``."""
 
-    where: str  # <file>:<line> or <dir>:row <i>
+    where: str  # <file>:<line> or <path>:row <i>
     tokens: int  # the prompt's length as the recipe tokenizes it
 
 
 class SampleSource:
     """``index -> Sample`` for a run, with what the scan of its data found.
 
-    Deterministic by index (a dataset cycles over its kept samples; a task generates sample
-    ``i`` from ``(data.seed, i)``), so a resumed run continues with the same samples.
-    ``size``, ``longest`` are None for a task: it generates as many prompts as asked, each of
+    Deterministic by index (a dataset's kept rows are read epoch after epoch, each in
+    ``data_order.DataOrder``'s seeded order; a task generates sample ``i`` from
+    ``(data.seed, i)``), so a resumed run continues with the same samples. ``size``,
+    ``longest`` are None for a task: it generates as many prompts as asked, each of
     ``data.prompt_tokens`` tokens within the task's tolerance, so there is nothing to scan.
+    ``missing_answer``: kept rows without an ``answer`` (their ``Sample.answer`` is ``""``).
     """
 
     def __init__(
@@ -248,13 +193,17 @@ class SampleSource:
         size: int | None = None,
         longest: int | None = None,
         skipped: Sequence[Skipped] = (),
+        shuffled: bool = False,
+        missing_answer: int = 0,
     ) -> None:
         self._sample_at = sample_at
         self.origin = origin  # the data file or directory, or "task <name>"
         self.prompt_tokens = prompt_tokens  # the limit the prompts were checked against
-        self.size = size  # samples kept, the cycle's length
+        self.size = size  # samples kept, an epoch's length
         self.longest = longest  # tokens of the longest kept prompt
         self.skipped = tuple(skipped)  # overlong records left out (data.on_overlong=skip)
+        self.shuffled = shuffled  # each epoch in a seeded random order (data.shuffle)
+        self.missing_answer = missing_answer
 
     def __call__(self, index: int) -> Sample:
         return self._sample_at(index)
@@ -290,10 +239,11 @@ def sample_source(
     overlong prompt then fails before any weight loads. ``progress``: the scan's tqdm bar
     (None: only on a terminal; pass False on ranks other than the main one).
     """
+    template_kwargs = dict(data.chat_template_kwargs)
     if data.task is not None:
         generate = functools.partial(
             _task_sample, data.task, tokenizer, data.prompt_tokens, data.seed, data.depth,
-            dict(data.task_kwargs),
+            dict(data.task_kwargs, chat_template_kwargs=template_kwargs),
         )  # fmt: skip
         try:  # one sample up front: settings the task cannot meet fail before the model loads
             generate(0)
@@ -305,6 +255,10 @@ def sample_source(
         tokenizer,
         prompt_tokens=data.prompt_tokens,
         on_overlong=data.on_overlong,
+        split=data.split,
+        shuffle=data.shuffle,
+        seed=data.seed,
+        chat_template_kwargs=template_kwargs,
         progress=progress,
     )
 
@@ -315,49 +269,71 @@ def scan_samples(
     *,
     prompt_tokens: int,
     on_overlong: str = "error",
-    chat: bool = True,
-    split: str | None = None,
+    split: str = DEFAULT_SPLIT,
+    shuffle: bool = False,
+    seed: int = 0,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     progress: bool | None = None,
 ) -> SampleSource:
-    """Every record of ``path`` parsed, converted and its prompt measured as the recipe will
-    encode it (``encode_prompt``); the samples that fit ``prompt_tokens``, in file order.
+    """Every row of ``path`` converted and its prompt measured as the recipe will encode it
+    (``encode_prompt`` with ``chat_template_kwargs``); a source over the rows that fit
+    ``prompt_tokens``, in file order, or each epoch shuffled (``shuffle``, seeded by ``seed``).
 
     Raises ``DataError`` naming the file and line (or row) of the first bad record, for no
     records at all, and (``on_overlong="error"``, or when nothing fits) for prompts longer
-    than ``prompt_tokens``: one error that counts them all and names the first few.
+    than ``prompt_tokens``: one error that counts them all and names the first few. Only the
+    kept rows' indices stay in memory; samples are read from the dataset when asked for.
     """
     if on_overlong not in ON_OVERLONG:
         raise ValueError(f"on_overlong={on_overlong!r}; allowed: {', '.join(ON_OVERLONG)}")
-    kept: list[Sample] = []
+    data = open_data(path, split, progress=progress)
+    kept = array("q")  # the kept rows' indices in the dataset
     overlong: list[Skipped] = []
-    longest = 0
-    for where, record in _records(path, split, progress):
-        sample = record_to_sample(record, where, chat=chat)
-        tokens = len(encode_prompt(tokenizer, sample.prompt))
-        if tokens == 0:
-            raise DataError(f"{where}: the prompt tokenizes to 0 tokens")
-        if tokens > prompt_tokens:
-            overlong.append(Skipped(where, tokens))
-        else:
-            kept.append(sample)
+    longest = missing_answer = 0
+    bar = tqdm(
+        data,
+        total=len(data),
+        desc=f"scanning {Path(path).name}",
+        unit="row",
+        disable=None if progress is None else not progress,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    with bar:
+        for i, row in bar:
+            where = data.where(i)
+            sample = record_to_sample(row, where)
+            tokens = len(encode_prompt(tokenizer, sample.prompt, chat_template_kwargs))
+            if tokens == 0:
+                raise DataError(f"{where}: the prompt tokenizes to 0 tokens")
+            if tokens > prompt_tokens:
+                overlong.append(Skipped(where, tokens))
+                continue
+            kept.append(i)
             longest = max(longest, tokens)
-    origin = str(Path(path).expanduser())
+            missing_answer += not sample.answer
+    origin = data.origin
     if not kept and not overlong:
         raise DataError(f"{origin}: no records (the file is empty or holds only blank lines)")
     if overlong and (on_overlong == "error" or not kept):
         raise DataError(_overlong_message(origin, overlong, len(kept), prompt_tokens))
+    order = DataOrder(len(kept), shuffle=shuffle, seed=seed)
     return SampleSource(
-        functools.partial(_cycle, tuple(kept)),
+        functools.partial(_read_sample, data, kept, order),
         origin=origin,
         prompt_tokens=prompt_tokens,
         size=len(kept),
         longest=longest,
         skipped=overlong,
+        shuffled=shuffle,
+        missing_answer=missing_answer,
     )
 
 
-def _cycle(samples: tuple[Sample, ...], index: int) -> Sample:
-    return samples[index % len(samples)]
+def _read_sample(data: OpenedData, kept: array, order: DataOrder, index: int) -> Sample:
+    """Sample ``index`` of the run: kept row ``order(index)``, read from the dataset."""
+    row = kept[order(index)]
+    return record_to_sample(data[row], data.where(row))
 
 
 def _overlong_message(origin: str, overlong: list[Skipped], kept: int, limit: int) -> str:

@@ -32,7 +32,11 @@ def group_advantages(
 
     Mirrors TRL's Bessel-corrected ``nanstd``; with one group per step ``"batch"`` and
     ``"group"`` agree. Equal rewards give exact zeros (TRL can leave float noise / 1e-4 there).
-    Non-finite rewards raise: TRL reads NaN as "unscorable", which we want to fail loudly.
+    A NaN reward marks a completion no reward function could score (all returned None): as
+    in TRL 1.16 (``_generate_and_score_completions``: ``torch.nanmean``, ``nanstd``, then
+    ``nan_to_num(advantages, nan=0.0)``) it is left out of the group's mean and std and gets
+    zero advantage; with fewer than two scorable rewards every advantage is zero. An infinite
+    reward raises: TRL has no meaning for it (every advantage of its group would be NaN).
     """
     scale = normalize_scale_rewards(scale_rewards)
     r = torch.as_tensor(rewards)
@@ -40,16 +44,21 @@ def group_advantages(
         r = r.to(torch.get_default_dtype())
     if r.ndim != 1 or r.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor [G], got shape {tuple(r.shape)}")
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"rewards must be finite, got {r.tolist()}")
-    centred = r - r.mean()
-    all_equal = (r == r[0]).all()
+    if bool(torch.isinf(r).any()):
+        raise ValueError(f"rewards must be finite, or NaN for an unscorable one, got {r.tolist()}")
+    scorable = ~torch.isnan(r)
+    if not bool(scorable.any()):
+        return torch.zeros_like(r)
+    kept = r[scorable]
+    centred = r - kept.mean()
+    all_equal = (kept == kept[0]).all()  # one scorable reward too: TRL's std is NaN, then 0
     if scale != "none":
-        n = r.numel()
+        n = kept.numel()
         # TRL: mean squared deviation * n / (n - 1); a single reward has std 0 (TRL's eval case).
-        var = (centred**2).mean() * (n / (n - 1)) if n > 1 else torch.zeros_like(r[0])
+        var = (centred[scorable] ** 2).mean() * (n / (n - 1)) if n > 1 else torch.zeros_like(r[0])
         centred = centred / (var.sqrt() + ADVANTAGE_STD_EPS)
-    return torch.where(all_equal, torch.zeros_like(centred), centred)
+    zeros = torch.zeros_like(centred)
+    return torch.where(all_equal | ~scorable, zeros, centred)
 
 
 def loss_weights(

@@ -33,9 +33,14 @@ REPLAY_SECONDS = "replay_seconds"
 SWEEP_SECONDS = "sweep_seconds"
 KL = "kl"  # and clip_ratio/*, cispo_clip_ratio: losses.reduce_branch_stats (TRL's names)
 
-# --- the reward set (rewards.RewardSet.metrics(), TRL's names) ------------------------------
-REWARD = "reward"
+# --- the reward set (rewards.RewardResult.metrics(), TRL's names) ---------------------------
+REWARD = "reward"  # nan-mean of the weighted rewards, unscorable (all-None) rows left out
 REWARD_STD = "reward_std"
+REWARD_FUNC_MEAN = "rewards/{}/mean"  # per reward function, by its name; None rows left out
+REWARD_FUNC_STD = "rewards/{}/std"
+FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # groups whose rewards have zero std
+REWARD_UNSCORABLE_COUNT = "rewards/unscorable_count"  # LongStraw's: rows every function skipped
+REWARD_FAILED_FUNCS = "rewards/failed_funcs"  # LongStraw's: functions that raised this step
 
 # --- the recipes ----------------------------------------------------------------------------
 ADVANTAGE_ABS_MEAN = "advantage_abs_mean"

@@ -11,14 +11,18 @@ applies. bitsandbytes is imported only here, and only when a quantized model is 
   quantization (each block's absmax in 8 bits, one float32 scale per 256 blocks), as QLoRA
   does. A pass dequantizes the weight (to the compute dtype) and multiplies; backward uses
   the same dequantized weight, so gradients flow through the quantized weights' values.
-- **Same for checkpoints and toys**: a model is built in its dtype (``from_pretrained`` or
-  a random-init toy) and quantized here, so ``model.path`` and ``model.tiny`` get the same
-  modules; transformers' ``BitsAndBytesConfig`` loading is not used for that reason.
+- **Same for checkpoints and toys**: every weight is quantized here from its values in the
+  model dtype, so ``model.path`` and ``model.tiny`` get the same modules; transformers'
+  ``BitsAndBytesConfig`` loading is not used for that reason. A toy is built whole and
+  quantized (``quantize_nf4``); a checkpoint is built on ``meta`` with placeholder weights
+  and each weight a rank holds is quantized as ``longstraw_core.loading`` reads it
+  (``fill_nf4_``), by the same steps: the same codes, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 from types import ModuleType
@@ -29,6 +33,10 @@ from torch import nn
 QUANTIZATIONS = ("nf4",)
 NF4_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
 NESTED_BLOCKSIZE = 256  # double quantization: one float32 scale per 256 absmax values
+# Host bytes per weight bitsandbytes' CPU quantization (0.50, torch ops) holds besides its
+# float32 input: the scaled weights (float32), their int32 code indices, the 8-bit codes and
+# the packed halves (measured: 10.45 on a 4096 x 8192 weight).
+QUANTIZE_SCRATCH_BYTES = 10.5
 # Decoder linears kept in the model dtype: the DSA indexer's head weights, which transformers
 # keeps in float32 (``_keep_in_fp32_modules``) and feeds ``x.to(weights_proj.weight.dtype)``.
 KEPT_LINEARS = ("weights_proj",)
@@ -74,6 +82,14 @@ def nf4_bytes(numel: int) -> float:
     return numel / 2 + blocks + 4 * blocks / NESTED_BLOCKSIZE
 
 
+def nf4_load_bytes(numel: int, dtype_bytes: int) -> int:
+    """Host bytes while one weight of ``numel`` is quantized as it loads (``fill_nf4_``):
+    the weight as read in the model dtype (``dtype_bytes`` each), its float32 copy (the
+    same tensor for float32), and the quantization's scratch (``QUANTIZE_SCRATCH_BYTES``)."""
+    copy = 0 if dtype_bytes == 4 else 4
+    return math.ceil(numel * (dtype_bytes + copy + QUANTIZE_SCRATCH_BYTES))
+
+
 def is_quantizable(name: str, module: nn.Module) -> bool:
     """Whether NF4 quantizes the module at ``name``: a decoder layer's linear, not kept."""
     return _DECODER_LAYER.search(name) is not None and quantizable_in_layer(name, module)
@@ -94,8 +110,10 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     """Replace every quantizable linear of ``model`` by an NF4 ``Linear4bit``, in place.
 
     Each weight is quantized where it lies (CPU or GPU) from its float32 values and freed
-    as soon as its 4-bit copy exists. The model is marked ``is_loaded_in_4bit`` so peft
-    wraps these layers with its 4-bit LoRA layer.
+    as soon as its 4-bit copy exists. On a ``meta`` model (``longstraw_core.loading``) each
+    4-bit linear gets a placeholder weight of the linear's shape and dtype instead, which
+    ``fill_nf4_`` quantizes once its values are read. The model is marked
+    ``is_loaded_in_4bit`` so peft wraps these layers with its 4-bit LoRA layer.
     """
     if compute_dtype not in {getattr(torch, name) for name in COMPUTE_DTYPES}:
         raise ValueError(f"NF4 computes in one of {', '.join(COMPUTE_DTYPES)}, not {compute_dtype}")
@@ -112,14 +130,7 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
             quant_type="nf4",
             device="meta",
         )
-        quantized.weight = bnb.nn.Params4bit(
-            linear.weight.data.float(),
-            requires_grad=False,
-            compress_statistics=True,
-            quant_type="nf4",
-            blocksize=NF4_BLOCKSIZE,
-            module=quantized,
-        ).to(linear.weight.device)
+        quantized.weight = _nf4_weight(linear.weight.data, quantized)
         if linear.bias is not None:
             quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
         # bitsandbytes repacks a CPU layer's weight in eval mode without autograd (AVX512-BF16
@@ -131,6 +142,46 @@ def quantize_nf4(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
     model.is_loaded_in_4bit = True  # what peft reads to pick its 4-bit LoRA layer
     return model
+
+
+def _nf4_weight(values: torch.Tensor, module: nn.Module) -> torch.nn.Parameter:
+    """``values`` as a bitsandbytes ``Params4bit`` of ``module``: quantized (NF4, double
+    quantization) from their float32 copy on the device they lie on; on ``meta``, an
+    unquantized placeholder keeping their shape and dtype (what ``fill_nf4_`` reads)."""
+    bnb = require_bitsandbytes()
+    meta = values.device.type == "meta"
+    weight = bnb.nn.Params4bit(
+        values if meta else values.float(),
+        requires_grad=False,
+        compress_statistics=True,
+        quant_type="nf4",
+        blocksize=NF4_BLOCKSIZE,
+        module=module,
+    )
+    return weight if meta else weight.to(values.device)
+
+
+def is_nf4_placeholder(module: nn.Module) -> bool:
+    """Whether ``module`` is a 4-bit linear built on ``meta`` whose weight awaits
+    ``fill_nf4_``."""
+    return is_quantized(module) and module.weight.device.type == "meta"
+
+
+def fill_nf4_(linear: nn.Module, values: torch.Tensor, device: torch.device) -> None:
+    """Quantize ``values`` (its weight in the model's dtype, on the CPU) into a 4-bit linear
+    built on ``meta``, then move it to ``device``: the same steps, in the same order, as
+    ``quantize_nf4`` on a built model followed by ``model.to(device)``, so the same codes,
+    absmax and nested scales."""
+    placeholder = linear.weight
+    if not is_nf4_placeholder(linear):
+        raise ValueError("fill_nf4_ fills a 4-bit linear built on meta (quantize_nf4)")
+    if values.shape != placeholder.shape or values.dtype != placeholder.dtype:
+        raise ValueError(
+            f"values {list(values.shape)} {values.dtype} for a 4-bit weight of "
+            f"{list(placeholder.shape)} {placeholder.dtype}"
+        )
+    linear.weight = _nf4_weight(values, linear)
+    linear.to(device)
 
 
 def dequantized_weight(linear: nn.Module) -> torch.Tensor:

@@ -55,11 +55,11 @@ class GRPOStepResult(Mapping[str, Any]):
     """What one ``grpo_step`` did: typed fields, and ``metrics()``, the flat scalars to log.
 
     ``loss`` is the group's loss (not multiplied by ``loss_scale``); ``advantages`` one per
-    response; ``group_reward_mean``/``group_reward_std`` describe the rewards as given (a
-    reward set reports TRL's ``reward``/``reward_std`` itself). ``prefill_seconds`` is 0.0 and
-    left out of ``metrics()`` when a ``state`` was passed (``prefilled`` is False): the
-    prefill was the caller's. ``branch_stats``: TRL's clip ratios and ``kl``
-    (``losses.reduce_branch_stats``; empty when no branch was replayed).
+    response; ``group_reward_mean``/``group_reward_std`` describe the scorable (non-NaN)
+    rewards as given (a reward set reports TRL's ``reward``/``reward_std`` itself).
+    ``prefill_seconds`` is 0.0 and left out of ``metrics()`` when a ``state`` was passed
+    (``prefilled`` is False): the prefill was the caller's. ``branch_stats``: TRL's clip
+    ratios and ``kl`` (``losses.reduce_branch_stats``; empty when no branch was replayed).
 
     It also reads like the dict ``grpo_step`` used to return: ``result["loss"]``,
     ``result["advantages"]``, ``result.get(...)``, ``dict(result)`` (the metrics and
@@ -162,7 +162,9 @@ def grpo_step(
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return what it did
     (``GRPOStepResult``: typed fields, ``.metrics()`` to log, and dict-style indexing).
 
-    ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each.
+    ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each;
+    NaN marks a completion no reward function could score (``RewardSet``'s all-None rows):
+    as in TRL it gets zero advantage and stays out of the group's mean and std.
     ``old_logps`` are the behaviour policy's per-token log-probs (``None``: on-policy).
     ``ref_adapter`` scores the reference policy when ``config.beta > 0``. ``state`` reuses a
     prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
@@ -194,8 +196,7 @@ def grpo_step(
         reward_tensor = _check_rewards(rewards, len(responses))
         advantages = group_advantages(reward_tensor, config.scale_rewards)
         advantage_values = [float(a) for a in advantages]
-        reward_mean = float(reward_tensor.mean())
-        reward_std = float(reward_tensor.std()) if len(responses) > 1 else 0.0
+        reward_mean, reward_std = _scorable_mean_std(reward_tensor)
     old_logps = _check_old_logps(old_logps, responses)
     if truncated is not None and len(truncated) != len(responses):
         raise ValueError(f"truncated has {len(truncated)} entries for {len(responses)} responses")
@@ -376,16 +377,28 @@ def _check_responses(
 
 
 def _check_rewards(rewards: Sequence[float] | torch.Tensor, count: int) -> torch.Tensor:
+    """The rewards as float64; NaN is allowed (an unscorable completion, TRL's meaning: zero
+    advantage, out of the group's statistics), an infinity is not (no meaning in TRL)."""
     reward_tensor = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     if len(reward_tensor) != count:
         raise ValueError(f"rewards has {len(reward_tensor)} values for {count} responses")
-    bad = [i for i, r in enumerate(reward_tensor.tolist()) if not math.isfinite(r)]
+    bad = [i for i, r in enumerate(reward_tensor.tolist()) if math.isinf(r)]
     if bad:
         raise ValueError(
-            f"rewards[{bad[0]}] is {reward_tensor[bad[0]].item()}: every reward must be finite "
-            "(score failed samples with a number, e.g. 0.0)"
+            f"rewards[{bad[0]}] is {reward_tensor[bad[0]].item()}: every reward must be finite, "
+            "or NaN for a completion no reward function could score (it then gets zero "
+            "advantage, as in TRL)"
         )
     return reward_tensor
+
+
+def _scorable_mean_std(rewards: torch.Tensor) -> tuple[float, float]:
+    """Mean and Bessel std of the scorable (non-NaN) rewards; std 0.0 below two of them,
+    both NaN when none is scorable."""
+    kept = rewards[~torch.isnan(rewards)]
+    if kept.numel() == 0:
+        return math.nan, math.nan
+    return float(kept.mean()), float(kept.std()) if kept.numel() > 1 else 0.0
 
 
 def _check_old_logps(

@@ -1,23 +1,54 @@
-"""Reward functions and their weighted combination, with TRL's semantics.
+"""Reward functions in TRL's convention, and their weighted combination with TRL's semantics.
 
-A reward function takes the batch and returns one value per completion:
+A reward function is called as TRL 1.16's ``GRPOTrainer._calculate_rewards`` calls it, by
+keyword only, with one entry per completion in every list::
 
-    def my_reward(completions: list[str], samples: list[Sample]) -> list[float | None]
+    fn(prompts=..., completions=..., completion_ids=..., **columns,
+       trainer_state=..., log_extra=..., log_metric=...)
 
-``None`` (or NaN) means "not applicable to this sample", as in TRL. ``RewardSet`` calls each
-function, stacks the columns into ``rewards_per_func`` ([N, F], None -> NaN) and sums
-``weight * reward`` across functions ignoring NaN (TRL's ``nansum``).
+- ``prompts``: each completion's prompt as its ``Sample`` holds it: text (TRL's standard
+  format) or chat messages (conversational), as the data row gave it;
+- ``completions``: text for a text prompt; for a chat prompt (TRL's "conversational" format)
+  ``[{"role": "assistant", "content": text}]`` (the recipes decode with special tokens
+  skipped, as TRL does);
+- ``completion_ids``: the sampled token ids (lists of ints, the EOS included, as TRL's);
+- ``columns``: the sample's dataset columns (``sample_columns``: every column of its row but
+  ``prompt``), e.g. ``solution=[...]``;
+- ``trainer_state``: a ``transformers.TrainerState`` (``global_step``: optimizer steps done,
+  ``max_steps``), for rewards shaped by training progress;
+- ``log_extra(column, values)`` adds a column to the completions table, ``log_metric(name,
+  value)`` a scalar to the step's metrics.
+
+So TRL's own functions (``trl.rewards.think_format_reward``, ...) and functions written for
+TRL run unchanged; the built-ins here are written the same way::
+
+    def my_reward(completions, answer, **kwargs) -> list[float | None]
+
+A function returns one value per completion; ``None`` (or NaN) means "not applicable", as in
+TRL. An ``async def`` function (or an object with an async ``__call__``) runs, as in TRL, after
+the synchronous ones, together with the other async ones (``asyncio.gather``) on one event
+loop in a daemon thread that a ``RewardSet`` starts and keeps for the run.
+
+A function whose signature the call cannot bind is refused, never called with wrong
+arguments: a positional-only parameter, a required parameter that is neither an argument TRL
+passes nor a column of the data, or no ``**kwargs`` while TRL passes more than it names
+(``signature_problem``; the config check runs it at load time on the data's columns, and
+``RewardSet`` again before it calls any function on a batch). LongStraw's former
+``fn(completions, samples)`` is one.
+
+``RewardSet`` calls each function, stacks the columns into ``rewards_per_func`` ([N, F],
+None -> NaN) and sums ``weight * reward`` across functions ignoring NaN (TRL's ``nansum``).
+A row where every function gave NaN is *unscorable*: its reward stays NaN, as in TRL, and
+``losses.group_advantages`` leaves it out of its group's mean and std and gives it zero
+advantage (TRL's ``nan_to_num(advantages, nan=0.0)``).
 
 Where LongStraw differs from TRL, on purpose:
 
-- A row where every function gave NaN is *unscorable*. TRL keeps NaN there and zeroes that
-  completion's advantage; our GRPO step refuses non-finite rewards, so ``RewardSet`` sets
-  the final reward to 0.0, logs a warning and counts it (``RewardResult.unscorable``), or
-  raises with ``unscorable="raise"``. ``rewards_per_func`` keeps the NaN for logging.
 - A function that raises (or returns the wrong number of values, or a non-number) is logged
   with the ids of the samples in that batch, and its column becomes NaN, so one bad custom
-  reward does not kill a long run; ``raise_errors=True`` re-raises instead. An infinite
-  value is treated as invalid (NaN), logged with the sample id.
+  reward does not kill a long run (TRL raises); ``raise_errors=True`` re-raises instead.
+- An infinite value is treated as invalid (NaN), logged with the sample id: in TRL it makes
+  its group's mean infinite and every advantage NaN, hence 0.
 - A finite value larger in magnitude than ``MAX_ABS_REWARD`` counts as a failure of that
   function: the group's mean and std of such values overflow, and every advantage would
   silently become 0.
@@ -25,22 +56,42 @@ Where LongStraw differs from TRL, on purpose:
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import functools
 import importlib
+import inspect
 import logging
 import math
 import re
 import string
-from collections.abc import Callable, Sequence
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from transformers import TrainerState
+
+from longstraw_core import metrics as metric_names
 from longstraw_core.tasks import Sample
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[[list[str], list[Sample]], list[float | None]]
+RewardFn = Callable[..., list[float | None]]
 Completion = str | Sequence[dict[str, Any]]
 
+# What TRL passes every reward function besides the dataset columns, in its order.
+TRL_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
+# Record fields TRL never passes as columns (the prompt goes as ``prompts``).
+NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 
 # Squared deviations overflow float32 past ~1e19 (float64 past ~1e154), and well before that
 # float32 advantages lose the differences: a reward this large is a bug, not a scale.
@@ -48,7 +99,46 @@ MAX_ABS_REWARD = 1e12
 
 
 class RewardError(RuntimeError):
-    """A reward function failed and ``raise_errors=True``."""
+    """A reward function failed and ``raise_errors=True``, or cannot be called at all."""
+
+
+# --------------------------------------------------------------------------- TRL's inputs
+
+
+def sample_columns(sample: Sample) -> dict[str, Any]:
+    """The dataset columns TRL would pass for ``sample``: a data row's every column but
+    ``NOT_COLUMNS`` (``Sample.columns``, as ``datasets`` read it; ``prompt`` is passed as
+    ``prompts``), with ``answer`` added when the row's answer came from elsewhere (a
+    ``messages`` row's last assistant turn). A generated task sample has no row: its
+    ``answer`` (when it has one) and its ``meta``.
+
+    The one place that maps a ``Sample`` onto TRL's columns.
+    """
+    row = sample.columns or sample.meta
+    columns = {k: v for k, v in row.items() if k not in NOT_COLUMNS}
+    if sample.answer and "answer" not in columns:
+        columns = {"answer": sample.answer, **columns}
+    return columns
+
+
+def is_conversational(prompt: Any) -> bool:
+    """Whether a prompt is chat messages (TRL's conversational format), as TRL's
+    ``is_conversational({"prompt": prompt})`` decides: a list whose first item is a dict with
+    a ``role``."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and isinstance(prompt[0], dict)
+        and "role" in prompt[0]
+    )
+
+
+def as_completion(text: Completion, conversational: bool) -> Completion:
+    """A decoded completion as TRL passes it: the text itself for a text prompt, one assistant
+    message for a chat prompt. A completion already given as messages is left as it is."""
+    if conversational and isinstance(text, str):
+        return [{"role": "assistant", "content": text}]
+    return text
 
 
 # --------------------------------------------------------------------------- text helpers
@@ -113,29 +203,39 @@ def parse_number(text: str) -> float | None:
 
 
 # --------------------------------------------------------------------------- built-in rewards
+# TRL's convention: keyword arguments, the reference from the ``answer`` column, ``**kwargs``
+# for the rest. ``strict=True`` zips: a column of another length is a caller's bug.
 
 
-def exact_match(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+def exact_match(
+    completions: list[Completion], answer: list[str], **kwargs: Any
+) -> list[float | None]:
     """1.0 when the extracted answer equals the reference (surrounding and repeated
     whitespace ignored), else 0.0; None for a sample without a reference."""
     out: list[float | None] = []
-    for completion, sample in zip(completions, samples, strict=True):
-        ref = " ".join(str(sample.answer).split())
+    for completion, reference in zip(completions, answer, strict=True):
+        ref = " ".join(str(reference).split())
         got = " ".join(extract_answer(completion).split())
         out.append(None if not ref else float(got == ref))
     return out
 
 
-def contains(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+def contains(
+    completions: list[Completion],
+    answer: list[str],
+    answers: list[list[str] | None] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
     """Normalised containment (case, punctuation, whitespace ignored; whole words only).
 
-    A sample with several required answers (``meta["answers"]``) scores the fraction found,
-    RULER's ``string_match_all``. None for a sample without a reference.
+    A sample with several required answers (an ``answers`` column, which the multi-answer
+    tasks have) scores the fraction found, RULER's ``string_match_all``. None for a sample
+    without a reference.
     """
+    several = answers if answers is not None else [None] * len(completions)
     out: list[float | None] = []
-    for completion, sample in zip(completions, samples, strict=True):
-        refs = sample.meta.get("answers") or [sample.answer]
-        refs = [normalize(str(r)) for r in refs]
+    for completion, reference, listed in zip(completions, answer, several, strict=True):
+        refs = [normalize(str(r)) for r in (listed or [reference])]
         if not all(refs):
             out.append(None)
             continue
@@ -144,7 +244,9 @@ def contains(completions: list[Completion], samples: list[Sample]) -> list[float
     return out
 
 
-def answer_char_recall(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+def answer_char_recall(
+    completions: list[Completion], answer: list[str], **kwargs: Any
+) -> list[float | None]:
     """The fraction of the answer's distinct characters that the completion contains.
 
     Partial credit a random policy already earns sometimes: the signal that lets a tiny model
@@ -152,8 +254,8 @@ def answer_char_recall(completions: list[Completion], samples: list[Sample]) -> 
     require retrieval; pair it with ``exact_match`` for real tasks. None without a reference.
     """
     out: list[float | None] = []
-    for completion, sample in zip(completions, samples, strict=True):
-        wanted = set(str(sample.answer).strip())
+    for completion, reference in zip(completions, answer, strict=True):
+        wanted = set(str(reference).strip())
         text = completion_text(completion)
         out.append(None if not wanted else sum(c in text for c in wanted) / len(wanted))
     return out
@@ -162,12 +264,14 @@ def answer_char_recall(completions: list[Completion], samples: list[Sample]) -> 
 def make_numeric_match(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """A ``numeric_match`` with other tolerances (``math.isclose`` semantics)."""
 
-    def numeric_match(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+    def numeric_match(
+        completions: list[Completion], answer: list[str], **kwargs: Any
+    ) -> list[float | None]:
         """1.0 when the last number of the extracted answer equals the reference number;
         None when the reference is not a number (the reward does not apply)."""
         out: list[float | None] = []
-        for completion, sample in zip(completions, samples, strict=True):
-            ref = parse_number(str(sample.answer))
+        for completion, reference in zip(completions, answer, strict=True):
+            ref = parse_number(str(reference))
             if ref is None:
                 out.append(None)
                 continue
@@ -185,10 +289,9 @@ numeric_match = make_numeric_match()
 def make_format_reward(tag: str = "answer") -> RewardFn:
     """A ``format_reward`` for another tag name."""
 
-    def format_reward(completions: list[Completion], samples: list[Sample]) -> list[float | None]:
+    def format_reward(completions: list[Completion], **kwargs: Any) -> list[float | None]:
         """1.0 when the completion has exactly one ``<tag>...</tag>`` pair, opened before it
         is closed, with non-empty content; else 0.0."""
-        del samples  # the format does not depend on the reference
         out: list[float | None] = []
         for completion in completions:
             text = completion_text(completion)
@@ -212,11 +315,20 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+def callable_name(fn: Callable[..., Any]) -> str:
+    """TRL's display name of a reward function (its metric and table names): a partial's
+    wrapped function's, else ``__name__``, else the class name of a callable object."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 def resolve_reward(spec: str | RewardFn) -> tuple[str, RewardFn]:
-    """A reward function and its display name from a built-in name, a dotted path
-    (``package.module:function`` or ``package.module.function``) or a callable."""
+    """A reward function and its display name from a built-in name (the name as given), a
+    dotted path (``package.module:function`` or ``package.module.function``; TRL's name of the
+    object, ``callable_name``) or a callable."""
     if callable(spec):
-        return getattr(spec, "__name__", type(spec).__name__), spec
+        return callable_name(spec), spec
     if spec in BUILTIN_REWARDS:
         return spec, BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
@@ -231,7 +343,95 @@ def resolve_reward(spec: str | RewardFn) -> tuple[str, RewardFn]:
         raise ValueError(f"cannot import reward {spec!r}: {exc}") from exc
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable (got {type(fn).__name__})")
-    return attr, fn
+    return callable_name(fn), fn
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def signature_problem(fn: Callable[..., Any], columns: Collection[str] | None) -> str | None:
+    """Why TRL's keyword call (``TRL_ARGUMENTS`` and the data's ``columns``) cannot bind
+    ``fn``'s signature, as a phrase following the function's name; None when it can.
+
+    ``columns`` None: not known yet, so only what no data could satisfy is reported.
+    """
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C callable): the call tells
+        return None
+    by_position = [
+        p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty
+    ]
+    if by_position:
+        return (
+            f"takes {_listed(by_position)} by position only, but TRL passes every argument by "
+            "keyword: make them ordinary parameters"
+        )
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    passed = [*TRL_ARGUMENTS, *(columns or ())]
+    if columns is not None:
+        lacking = [p.name for p in named if p.default is p.empty and p.name not in passed]
+        if lacking:
+            legacy = (
+                "; LongStraw's former fn(completions, samples) is TRL's keyword call now: "
+                "name the columns it reads, e.g. def f(completions, answer, **kwargs)"
+                if "samples" in lacking
+                else ""
+            )
+            return (
+                f"needs {_listed(lacking)}, which is neither an argument TRL passes "
+                f"({', '.join(TRL_ARGUMENTS)}) nor a column of the data "
+                f"({', '.join(columns) or 'none'}){legacy}"
+            )
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        accepted = {p.name for p in named}
+        unexpected = [name for name in passed if name not in accepted]
+        if unexpected:
+            return (
+                f"does not accept {_listed(unexpected)}, which TRL passes every reward "
+                "function: add **kwargs"
+            )
+    return None
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` returns a coroutine: an ``async def`` function, a partial of
+    one, or an object whose ``__call__`` is async (TRL's ``is_async_callable`` forms)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+class _EventLoopThread:
+    """An asyncio loop running in a daemon thread, as TRL keeps one for its async rewards:
+    one loop for the run, so clients a reward function keeps (an HTTP session to a judge)
+    stay bound to a live loop from step to step."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="LongStraw-RewardLoop", daemon=True)
+        self.thread.start()
+        ready.wait()
+        atexit.register(self.close)
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
 
 
 # --------------------------------------------------------------------------- combination
@@ -239,12 +439,15 @@ def resolve_reward(spec: str | RewardFn) -> tuple[str, RewardFn]:
 
 @dataclass
 class RewardResult:
-    """Rewards of one batch.
+    """Rewards of one batch (the recipes score one group per call).
 
-    ``rewards``: the weighted sum per completion, always finite (see the module notes).
+    ``rewards``: the weighted nansum per completion; NaN where every function gave NaN (the
+    row is unscorable: zero advantage, left out of the group's statistics, as in TRL).
     ``rewards_per_func``: [N][F] raw values, NaN where a function returned None, failed, or
-    gave a non-finite value. ``unscorable``: rows where every function gave NaN.
-    ``failed``: function name -> ids of the samples in each batch where it raised.
+    gave a non-finite value. ``unscorable``: the all-NaN rows. ``failed``: function name ->
+    ids of the samples in each batch where it raised. ``prompts``/``completions``: as the
+    functions got them. ``extra_columns``: what they logged with ``log_extra``;
+    ``logged_metrics``: with ``log_metric``, each name's values in call order.
     """
 
     names: list[str]
@@ -252,6 +455,10 @@ class RewardResult:
     rewards_per_func: list[list[float]]
     unscorable: list[int] = field(default_factory=list)
     failed: dict[str, list[str]] = field(default_factory=dict)
+    prompts: list[Any] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def all_failed(self) -> bool:
@@ -263,16 +470,23 @@ class RewardResult:
         return {n: [row[i] for row in self.rewards_per_func] for i, n in enumerate(self.names)}
 
     def metrics(self) -> dict[str, float]:
-        """TRL's reward metrics: per-function nan-mean/std, overall mean/std, counts."""
+        """TRL's reward metrics (names in ``longstraw_core.metrics``), this batch taken as one
+        group: per-function nan-mean/std, the rewards' nan-mean/std (unscorable rows left
+        out), whether the group's std is zero; LongStraw's counts; ``log_metric`` means."""
+        m = metric_names
         out: dict[str, float] = {}
         for name, col in self.columns().items():
-            out[f"rewards/{name}/mean"] = _nanmean(col)
-            out[f"rewards/{name}/std"] = _nanstd(col)
-        scorable = [r for i, r in enumerate(self.rewards) if i not in set(self.unscorable)]
-        out["reward"] = _nanmean(scorable)
-        out["reward_std"] = _nanstd(scorable)
-        out["rewards/unscorable_count"] = float(len(self.unscorable))
-        out["rewards/failed_funcs"] = float(len(self.failed))
+            out[m.REWARD_FUNC_MEAN.format(name)] = _nanmean(col)
+            out[m.REWARD_FUNC_STD.format(name)] = _nanstd(col)
+        out[m.REWARD] = _nanmean(self.rewards)
+        out[m.REWARD_STD] = _nanstd(self.rewards)
+        # TRL: torch.isclose(std_rewards, 0) per completion, averaged; a NaN std is not close.
+        std = _nanstd(self.rewards) if len(self.rewards) > 1 else 0.0
+        out[m.FRAC_REWARD_ZERO_STD] = float(math.isclose(std, 0.0, abs_tol=1e-8))
+        out[m.REWARD_UNSCORABLE_COUNT] = float(len(self.unscorable))
+        out[m.REWARD_FAILED_FUNCS] = float(len(self.failed))
+        for name, values in self.logged_metrics.items():
+            out[name] = sum(values) / len(values)
         return out
 
 
@@ -282,7 +496,7 @@ def _nanmean(values: Sequence[float]) -> float:
 
 
 def _nanstd(values: Sequence[float]) -> float:
-    """Bessel-corrected std ignoring NaN, as TRL's ``nanstd``."""
+    """Bessel-corrected std ignoring NaN, as TRL's ``nanstd`` (NaN below two values)."""
     kept = [v for v in values if not math.isnan(v)]
     if len(kept) < 2:
         return math.nan
@@ -290,13 +504,29 @@ def _nanstd(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in kept) / (len(kept) - 1))
 
 
+class _Logs:
+    """What reward functions log through ``log_extra`` and ``log_metric`` in one batch."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        self.columns[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+
 class RewardSet:
     """Several reward functions with weights: TRL's ``reward_funcs`` / ``reward_weights``.
 
     ``funcs``: built-in names, dotted paths or callables. ``weights``: one per function
     (default all 1.0). ``raise_errors``: re-raise a failing function instead of logging it
-    and using NaN. ``unscorable``: what an all-NaN row becomes, ``"zero"`` (logged and
-    counted) or ``"raise"``.
+    and using NaN. ``unscorable``: what an all-NaN row gets, ``"nan"`` (TRL: its reward stays
+    NaN, a warning is logged) or ``"raise"``.
+
+        scored = rewards(texts, [sample] * G, completion_ids=ids, trainer_state=state)
     """
 
     def __init__(
@@ -305,7 +535,7 @@ class RewardSet:
         weights: Sequence[float] | None = None,
         *,
         raise_errors: bool = False,
-        unscorable: Literal["zero", "raise"] = "zero",
+        unscorable: Literal["nan", "raise"] = "nan",
     ) -> None:
         if not funcs:
             raise ValueError("RewardSet needs at least one reward function")
@@ -321,38 +551,106 @@ class RewardSet:
             )
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
             raise ValueError(f"reward weights must be finite numbers, got {list(weights)}")
-        if unscorable not in ("zero", "raise"):
-            raise ValueError(f"unscorable must be 'zero' or 'raise', got {unscorable!r}")
+        if unscorable not in ("nan", "raise"):
+            raise ValueError(f"unscorable must be 'nan' or 'raise', got {unscorable!r}")
+        for name, fn in zip(self.names, self.funcs, strict=True):
+            problem = signature_problem(fn, None)
+            if problem:
+                raise ValueError(f"reward function {name!r} {problem}")
         self.weights = [float(w) for w in weights]
         self.raise_errors = raise_errors
         self.unscorable = unscorable
+        self.is_async = [is_async_callable(fn) for fn in self.funcs]
+        self._loop = _EventLoopThread() if any(self.is_async) else None
+        self._checked: set[tuple[int, tuple[str, ...]]] = set()
 
     def __call__(
-        self, completions: Sequence[Completion], samples: Sequence[Sample]
+        self,
+        completions: Sequence[Completion],
+        samples: Sequence[Sample],
+        *,
+        completion_ids: Sequence[Sequence[int]],
+        trainer_state: TrainerState | None = None,
     ) -> RewardResult:
-        if len(completions) != len(samples):
+        """Score ``completions`` (decoded text, or messages), one ``Sample`` and one list of
+        token ids each (repeat a group's sample G times). ``trainer_state``: passed as is
+        (default: a fresh ``TrainerState``, ``global_step`` 0)."""
+        count = len(completions)
+        if len(samples) != count or len(completion_ids) != count:
             raise ValueError(
-                f"got {len(completions)} completions for {len(samples)} samples; pass one "
-                "sample per completion (repeat a group's sample G times)"
+                f"got {count} completions, {len(samples)} samples and {len(completion_ids)} "
+                "completion_ids; pass one of each per completion (repeat a group's sample G "
+                "times)"
             )
-        completions, samples = list(completions), list(samples)
+        samples = list(samples)
+        prompts = [s.prompt for s in samples]
+        conversational = is_conversational(prompts[0]) if prompts else False
+        completions = [as_completion(c, conversational) for c in completions]
+        ids = [[int(t) for t in row] for row in completion_ids]
+        logs = _Logs()
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": ids,
+            **_batch_columns(samples),
+            "trainer_state": trainer_state if trainer_state is not None else TrainerState(),
+            "log_extra": logs.log_extra,
+            "log_metric": logs.log_metric,
+        }
+        columns, failed = self._columns(kwargs, samples)
+        per_row = [list(row) for row in zip(*columns, strict=True)] if columns else []
+        rewards, unscorable = self._combine(per_row, samples)
+        return RewardResult(
+            self.names, rewards, per_row, unscorable, failed, prompts, completions,
+            dict(logs.columns), dict(logs.metrics),
+        )  # fmt: skip
+
+    def _columns(
+        self, kwargs: dict[str, Any], samples: list[Sample]
+    ) -> tuple[list[list[float]], dict[str, list[str]]]:
+        """Every function's values, synchronous ones first, then the async ones together."""
+        data_columns = tuple(k for k in kwargs if k not in TRL_ARGUMENTS)
+        for index, (name, fn) in enumerate(zip(self.names, self.funcs, strict=True)):
+            self._check_call(index, name, fn, data_columns)
+        results: dict[int, Any] = {}
+        for index, fn in enumerate(self.funcs):
+            if not self.is_async[index]:
+                results[index] = _outcome(fn, kwargs)
+        if self._loop is not None:
+            pending = [i for i, is_async in enumerate(self.is_async) if is_async]
+
+            async def gather() -> list[Any]:
+                return await asyncio.gather(
+                    *(_async_outcome(self.funcs[i], kwargs) for i in pending)
+                )
+
+            results |= dict(zip(pending, self._loop.run(gather()), strict=True))
         columns, failed = [], {}
-        for name, fn in zip(self.names, self.funcs, strict=True):
-            column, error = self._column(name, fn, completions, samples)
+        for index, name in enumerate(self.names):
+            column, error = self._column(name, results[index], samples)
             columns.append(column)
             if error:
                 failed[name] = [s.id for s in samples]
-        per_row = [list(row) for row in zip(*columns, strict=True)] if columns else []
-        rewards, unscorable = self._combine(per_row, samples)
-        return RewardResult(self.names, rewards, per_row, unscorable, failed)
+        return columns, failed
 
-    def _column(
-        self, name: str, fn: RewardFn, completions: list[Completion], samples: list[Sample]
-    ) -> tuple[list[float], bool]:
+    def _check_call(
+        self, index: int, name: str, fn: RewardFn, data_columns: tuple[str, ...]
+    ) -> None:
+        """Refuse a call the signature cannot bind, before any function runs (once per
+        function and set of columns)."""
+        if (index, data_columns) in self._checked:
+            return
+        problem = signature_problem(fn, data_columns)
+        if problem:
+            raise RewardError(f"reward function {name!r} {problem}")
+        self._checked.add((index, data_columns))
+
+    def _column(self, name: str, outcome: Any, samples: list[Sample]) -> tuple[list[float], bool]:
         """One function's values as floats (None -> NaN); NaN for all on failure."""
         try:
-            raw = fn(completions, samples)
-            column = [_as_float(v) for v in raw]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            column = [_as_float(v) for v in outcome]
             if len(column) != len(samples):
                 raise ValueError(f"returned {len(column)} rewards for {len(samples)} completions")
             huge = [v for v in column if math.isfinite(v) and abs(v) > MAX_ABS_REWARD]
@@ -379,13 +677,13 @@ class RewardSet:
     def _combine(
         self, per_row: list[list[float]], samples: list[Sample]
     ) -> tuple[list[float], list[int]]:
-        """Weighted nansum per row; all-NaN rows follow ``self.unscorable``."""
+        """Weighted nansum per row; an all-NaN row stays NaN (TRL) or raises."""
         rewards, unscorable = [], []
         for i, row in enumerate(per_row):
             terms = [w * v for w, v in zip(self.weights, row, strict=True) if not math.isnan(v)]
             if not terms:
                 unscorable.append(i)
-            rewards.append(float(sum(terms)))
+            rewards.append(float(sum(terms)) if terms else math.nan)
         if unscorable:
             ids = [samples[i].id for i in unscorable]
             message = (
@@ -393,8 +691,45 @@ class RewardSet:
             )
             if self.unscorable == "raise":
                 raise RewardError(message)
-            logger.warning("%s; their reward is 0.0", message)
+            logger.warning(
+                "%s; they get zero advantage and stay out of the group's baseline", message
+            )
         return rewards, unscorable
+
+
+def _batch_columns(samples: list[Sample]) -> dict[str, list[Any]]:
+    """Each column's values over the batch, TRL's ``reward_kwargs``; every sample must have
+    the same columns (TRL takes the names from the first row)."""
+    rows = [sample_columns(s) for s in samples]
+    names = list(rows[0]) if rows else []
+    taken = [name for name in names if name in TRL_ARGUMENTS]
+    if taken:
+        raise RewardError(
+            f"sample {samples[0].id!r} has the column(s) {_listed(taken)}, which TRL passes "
+            "reward functions itself: rename that field in the data"
+        )
+    for sample, row in zip(samples, rows, strict=True):
+        if set(row) != set(names):
+            raise RewardError(
+                f"sample {sample.id!r} has the columns {sorted(row)}, but {samples[0].id!r} has "
+                f"{sorted(names)}: score samples with the same columns together"
+            )
+    return {name: [row[name] for row in rows] for name in names}
+
+
+def _outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
+    """The function's values, or the exception it raised (judged by ``_column``)."""
+    try:
+        return fn(**kwargs)
+    except Exception as exc:
+        return exc
+
+
+async def _async_outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
+    try:
+        return await fn(**kwargs)
+    except Exception as exc:
+        return exc
 
 
 def _as_float(value: object) -> float:

@@ -11,7 +11,7 @@ so tasks that must hit a token count and the rollout that feeds the model agree 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -101,32 +101,50 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
-    """Prompt -> the exact text the model reads.
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """Prompt -> the exact text the model reads, by TRL's rules (``GRPOTrainer``).
 
-    Chat messages go through the tokenizer's chat template with the generation prompt
-    appended; without a template a single message is its content, and a conversation
-    becomes ``role: content`` lines ending with ``assistant:``. Plain text stays as it is.
+    Plain text (TRL's "standard" format) stays as it is: no chat template. Chat messages
+    ("conversational") go through the tokenizer's chat template with the generation prompt
+    appended and ``chat_template_kwargs`` (``data.chat_template_kwargs``, e.g. Qwen's
+    ``enable_thinking``) passed to the template, as TRL's ``chat_template_kwargs`` are.
+    Without a template (TRL would fail) a single message is its content, and a conversation
+    becomes ``role: content`` lines ending with ``assistant:``.
     """
     if isinstance(prompt, str):
         return prompt
     messages = list(prompt)
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
     if len(messages) == 1:
         return messages[0]["content"]
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join([*lines, "assistant:"])
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    """Prompt -> token ids. Chat-rendered text already holds its special tokens (BOS, turn
-    markers), so it is encoded without adding more, as TRL does; plain text gets the
-    tokenizer's usual special tokens (e.g. a BOS)."""
-    text = render_prompt(tokenizer, prompt)
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Prompt -> token ids, as TRL's ``GRPOTrainer`` tokenizes its prompts. Chat-rendered text
+    already holds its special tokens (BOS, turn markers), so it is encoded without adding
+    more (``apply_chat_template(tokenize=True)`` does the same); plain text gets the
+    tokenizer's usual special tokens (e.g. a BOS), as ``tokenizer(text)`` gives them."""
+    text = render_prompt(tokenizer, prompt, chat_template_kwargs)
     templated = not isinstance(prompt, str) and has_chat_template(tokenizer)
     return tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"]
 
 
-def count_prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> int:
-    return len(encode_prompt(tokenizer, prompt))
+def count_prompt_tokens(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> int:
+    return len(encode_prompt(tokenizer, prompt, chat_template_kwargs))

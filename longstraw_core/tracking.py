@@ -9,7 +9,7 @@ everything but the W&B calls still happens::
     accelerator = Accelerator(log_with=log_with(cfg.tracking))
     logger = RunLogger.from_config(accelerator, cfg)
     logger.log(step, {"reward": 0.5, "loss": 0.01, "time": {"prefill": 12.0}})
-    logger.log_completions(step, [{"prompt": p, "completion": c, "reward": r}, ...])
+    logger.log_completions(step, completion_rows(scored, result.advantages, sample=sample.id))
     logger.finish()
 
 The recipes' metric names are listed in ``longstraw_core.metrics``: TRL's where it has one
@@ -43,6 +43,8 @@ from longstraw_core.state import format_bytes
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+    from longstraw_core.rewards import RewardResult
 
 # Shown in the per-step line when present, in this order: (key, label, format).
 SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = names.STEP_LINE
@@ -242,6 +244,39 @@ class RunLogger:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def completion_rows(
+    scored: RewardResult, advantages: Sequence[float], **fixed: Any
+) -> list[dict[str, Any]]:
+    """The completions table's rows for one scored group, TRL's columns in TRL's order:
+    ``prompt`` (clipped: a million-token prompt must not travel to rank 0 whole),
+    ``completion``, each reward function's value, what they logged with ``log_extra``,
+    ``advantage``; ``fixed`` first (e.g. the sample's id) and the weighted ``reward`` after
+    the functions' values."""
+    rows = []
+    for i, (prompt, completion) in enumerate(zip(scored.prompts, scored.completions, strict=True)):
+        row = dict(fixed)
+        row["prompt"] = clip_text(_text(prompt))
+        row["completion"] = clip_text(_text(completion))
+        row |= {name: values[i] for name, values in scored.columns().items()}
+        row["reward"] = scored.rewards[i]
+        row |= {
+            name: values[i] if i < len(values) else None
+            for name, values in scored.extra_columns.items()
+        }
+        row["advantage"] = advantages[i]
+        rows.append(row)
+    return rows
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion as text: chat messages as ``role: content`` lines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and all(isinstance(m, Mapping) for m in value):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in value)
+    return str(value)
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from transformers import TrainerState
 
 import longstraw_core as ls
 from longstraw_core import (
@@ -113,6 +114,7 @@ class Recipe:
             [r.weight for r in cfg.rewards],
             raise_errors=cfg.train.raise_reward_errors,
         )
+        self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
@@ -196,7 +198,10 @@ class Recipe:
         ``index``: the sample's position in the data, which seeds the rollout.
         """
         cfg, progress = self.cfg, self.progress
-        prompt_ids = torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt))
+        # Plain text as it is, messages through the chat template (TRL's rules).
+        prompt_ids = torch.tensor(
+            tokenizer.encode_prompt(self.tokenizer, sample.prompt, cfg.data.chat_template_kwargs)
+        )
         device = self.accelerator.device
         names.reset_peak_memory(device)  # this step's peak: prefill to optimizer step
         with progress.phase("prefill"):
@@ -217,7 +222,11 @@ class Recipe:
                     temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
+                    min_p=cfg.rollout.min_p,
+                    repetition_penalty=cfg.rollout.repetition_penalty,
                     eos_token_ids=[self.tokenizer.eos_token_id],
+                    stop_strings=cfg.rollout.stop,
+                    tokenizer=self.tokenizer,
                     seed=cfg.train.seed * 1_000_003 + index,  # differs between ranks
                     progress=self.bars,
                     gather_parameters=self.rollout_once,
@@ -230,8 +239,14 @@ class Recipe:
             group=self.topology.replica_group(),
         )  # fmt: skip
         completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
-        with progress.phase("reward"):
-            scored = self.rewards(completions, [sample] * len(completions))
+        with progress.phase("reward"):  # TRL's call: prompts, completions, ids, columns
+            self.trainer_state.global_step = self.step
+            scored = self.rewards(
+                completions,
+                [sample] * len(completions),
+                completion_ids=[response.tolist() for response in out.responses],
+                trainer_state=self.trainer_state,
+            )
         if distributed.any_rank(scored.all_failed):
             return self._skip("every reward function failed on every completion (errors above)")
         peak_before_replay = names.peak_memory_bytes(device)  # grpo_step measures its own
@@ -252,10 +267,9 @@ class Recipe:
         with progress.phase("optimizer"):
             grad_norm, skip_reason = self._optimizer_step(result.loss)
         if cfg.train.completions_every and (self.step + 1) % cfg.train.completions_every == 0:
-            rows = [
-                {"sample": sample.id, "answer": sample.answer, "completion": text, "reward": r}
-                for text, r in zip(completions, scored.rewards, strict=True)
-            ]
+            rows = tracking.completion_rows(
+                scored, result.advantages, sample=sample.id, answer=sample.answer
+            )
             rows = distributed.gather_rows(self.topology.rows_to_log(rows))  # one per replica
             self.logger.log_completions(self.step + 1, rows)
         state_bytes = {

@@ -41,6 +41,7 @@ from longstraw_core.pipeline import (
     stage_adapter,
 )
 from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tokenizer import load_tokenizer
 
 CHUNK_SIZE = 8
 STEPS = 2
@@ -287,6 +288,9 @@ def merge(parts: list[dict], replicas: int) -> dict:
     return merged
 
 
+STOP_STRINGS = [chr(c) for c in range(ord("a"), ord("z") + 1)]  # any lower-case letter
+
+
 def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:
     """Greedy and sampled rollouts of ``prompt`` (the sampled ones end at varied lengths)."""
     state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
@@ -295,10 +299,19 @@ def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:
         adapter, state, num_generations=3, max_new_tokens=10, eos_token_ids=list(range(0, 512, 5)),
         seed=7,
     )  # fmt: skip
+    # The generation options on the last stage: the repetition penalty reads the prompt every
+    # stage holds, and every stage checks the stop strings on the tokens it receives.
+    options = ls.rollout(
+        adapter, state, num_generations=3, max_new_tokens=10, seed=7, top_k=40, min_p=0.05,
+        repetition_penalty=1.3, stop_strings=STOP_STRINGS, tokenizer=load_tokenizer(None),
+    )  # fmt: skip
     return {
         "greedy": [r.tolist() for r in greedy.responses],
         "sampled": [r.tolist() for r in sampled.responses],
         "sampled_logps": [lp.tolist() for lp in sampled.logps],
+        "options": [r.tolist() for r in options.responses],
+        "options_logps": [lp.tolist() for lp in options.logps],
+        "options_truncated": options.truncated,
     }
 
 

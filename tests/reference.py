@@ -140,9 +140,16 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hand_advantages(rewards: list[float]) -> torch.Tensor:
-    """``(R - mean) / (std + 1e-4)`` with the Bessel-corrected std, written out by hand."""
+    """``(R - mean) / (std + 1e-4)`` with the Bessel-corrected std, written out by hand.
+
+    A NaN reward (an unscorable completion) as in TRL 1.16 ``_generate_and_score_completions``
+    (trl/trainer/grpo_trainer.py, "sum_then_normalize": ``torch.nanmean``, ``nanstd``, then
+    ``advantages = torch.nan_to_num(advantages, nan=0.0)``): left out of the mean and std,
+    zero advantage; one scorable reward has a NaN std, so every advantage is 0.
+    """
     r = torch.tensor(rewards, dtype=torch.float64)
-    return (r - r.mean()) / (r.std() + 1e-4)
+    kept = r[~torch.isnan(r)]
+    return torch.nan_to_num((r - kept.mean()) / (kept.std() + 1e-4), nan=0.0)
 
 
 def group_reference(

@@ -143,15 +143,20 @@ def test_grpo_step_refuses_a_bad_loss_scale(scale):
 def test_huge_rewards_count_as_a_failing_function():
     sample = Sample(id="s", prompt="p", answer="a")
 
-    def huge(completions, samples):
+    def huge(completions, **kwargs):
         return [1e300, -1e300]
 
-    result = RewardSet([huge, lambda c, s: [0.0, 1.0]])(["x", "y"], [sample] * 2)
+    def fine(completions, **kwargs):
+        return [0.0, 1.0]
+
+    batch = (["x", "y"], [sample] * 2)
+    ids = [[1], [2]]
+    result = RewardSet([huge, fine])(*batch, completion_ids=ids)
     assert result.failed == {"huge": ["s", "s"]} and not result.all_failed
     assert result.rewards == [0.0, 1.0]
-    assert RewardSet([huge])(["x", "y"], [sample] * 2).all_failed
+    assert RewardSet([huge])(*batch, completion_ids=ids).all_failed
     with pytest.raises(RewardError, match=re.escape(f"beyond |reward| <= {MAX_ABS_REWARD:g}")):
-        RewardSet([huge], raise_errors=True)(["x", "y"], [sample] * 2)
+        RewardSet([huge], raise_errors=True)(*batch, completion_ids=ids)
 
 
 def test_new_train_keys_are_validated(tmp_path):

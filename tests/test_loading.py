@@ -7,12 +7,19 @@
   (the same seed gives the same adapters as the old path); the planner's load phase
   predicts each rank's growth. With FSDP on 2 ranks (S=1) each rank holds exactly its rows
   of ``from_pretrained``'s tensors.
+- ``multiprocess``: the same checkpoint as a QLoRA base (``model.quantization=nf4``) on 4
+  stages: each rank quantizes only its layers' weights, one at a time as it reads them
+  (growth below half the model: the planner's 4-bit share, its embeddings or head, and one
+  weight being quantized), and every tensor (packed codes, absmax, nested scales, the rest,
+  LoRA's) is bit-equal to quantizing the whole model (``models.build_model``).
 - ``multiprocess``: the recipes' step from a saved toy checkpoint, on 2 stages (Qwen3.6 with
   KL to the reference, GLM-5.2 exact) and with FSDP on 2 ranks (Qwen3.6 exact, GLM-5.2
   detached), is bit-equal to its step from the toy.
-- In-process: a missing tensor is named with the checkpoint (and the file the index puts
-  it in); GLM's per-expert checkpoint tensors fill transformers' fused experts; tied
-  embeddings stay tied; the plan's load phase.
+- In-process: one process's load equals the old path for each family, in float32, in
+  bfloat16 (LoRA's adapters rounded as PEFT rounds them) and as NF4; a missing tensor is
+  named with the checkpoint (and the file the index puts it in); GLM's per-expert
+  checkpoint tensors fill transformers' fused experts; tied embeddings stay tied; the
+  plan's load phase, NF4's too.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from test_recipes_pipeline import run
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import longstraw_core as ls
-from longstraw_core import loading, models
+from longstraw_core import loading, models, quantization
 from longstraw_core.config import LoraSection, ModelSection, load_config
 from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
 from longstraw_core.tiny_models import tiny_model
@@ -61,10 +68,11 @@ def large_checkpoint(tmp_path_factory) -> tuple[Path, int]:
     return directory, size
 
 
-def _reference(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
-    """What the old path (``models.build_model``, ``add_lora``) gives, seeded as the worker."""
+def _reference(directory: Path, lora: bool, **section: str) -> dict[str, torch.Tensor]:
+    """What the old path (``models.build_model``, ``add_lora``) gives, seeded as the worker
+    (``section``: more ``ModelSection`` fields)."""
     torch.manual_seed(worker.SEED)
-    model = models.build_model(ModelSection(path=str(directory)), seed=worker.SEED)
+    model = models.build_model(ModelSection(path=str(directory), **section), seed=worker.SEED)
     if lora:
         model = models.add_lora(model, LoraSection(enabled=True, r=4))
     return model.state_dict()
@@ -100,8 +108,42 @@ def test_four_stages_load_only_their_share(large_checkpoint, tmp_path):
         del expected
 
 
-def _large_spec() -> ModelSpec:
-    return ModelSpec.from_config(AutoConfig.for_model("qwen3", **LARGE), "large", torch.float32)
+@pytest.mark.multiprocess
+def test_four_stages_quantize_only_their_share(large_checkpoint, tmp_path):
+    directory, size = large_checkpoint
+    start = time.perf_counter()
+    torchrun_ok(WORKER, str(tmp_path), str(directory), "4", "stages", "nf4", ranks=4)
+    print(f"4 ranks loaded and quantized in {time.perf_counter() - start:.1f} s")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert sorted(i for r in results for i in r["layers"]) == list(range(8))
+    starts = tuple(result["layers"][0] for result in results)
+    work = _workload(stages=4, gpus=4, stage_starts=starts, quantization="nf4")
+    plan = compute_plan(_large_spec(), work)
+    for rank, (result, stage) in enumerate(zip(results, plan.stage_plans, strict=True)):
+        grew, share = result["growth"], stage.phases["load"]
+        largest = max(layer.largest_quantizable for layer in stage.spec.layers)
+        quantizing = quantization.nf4_load_bytes(largest, 4)  # one weight being quantized
+        print(
+            f"rank {rank}: layers {result['layers']}, grew {grew / 2**20:.0f} MiB (share "
+            f"{share / 2**20:.0f} MiB, quantizing {quantizing / 2**20:.0f} MiB)"
+        )
+        assert grew < 0.5 * size, (rank, grew, size)
+        # A CPU rank's device is its host: its 4-bit share (and embeddings or head) and one
+        # weight being quantized, whose scratch glibc may place at up to twice its size (it
+        # keeps chunks under 32 MiB in its heap); not another layer's weights.
+        assert share <= grew <= share + 2 * quantizing + 16 * 2**20, (rank, grew, share)
+    expected = _reference(directory, lora=True, quantization="nf4")  # LoRA's holds the base
+    held = [name for result in results for name in result["lora"]]
+    assert sorted(held) == sorted(expected)  # every tensor on exactly one rank
+    assert any(name.endswith(".weight.nested_absmax") for name in held)
+    for result in results:
+        for name, tensor in result["lora"].items():
+            assert torch.equal(tensor, expected[name]), name
+
+
+def _large_spec(**changes: int) -> ModelSpec:
+    config = AutoConfig.for_model("qwen3", **{**LARGE, **changes})
+    return ModelSpec.from_config(config, "large", torch.float32)
 
 
 def _workload(**settings: object) -> Workload:
@@ -118,6 +160,18 @@ def test_the_plan_loads_each_rank_s_share_one_tensor_at_a_time():
     assert one.load_host == spec.largest_param * 4  # the embeddings, float32
     assert sharded.load_host == one.load_host // 2
     assert "peak in load" in render_text(one) and one.peak_phase != "load"
+
+
+def test_the_plan_s_nf4_load_holds_the_4bit_share_and_one_weight_being_quantized():
+    spec = _large_spec(vocab_size=1000)  # the 2048 x 1024 MLP weights are the largest
+    for dtype, dtype_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        work = _workload(quantization="nf4", param_dtype=dtype, compute_dtype=dtype)
+        plain, nf4 = compute_plan(spec, _workload()), compute_plan(spec, work)
+        assert nf4.phases["load"] == nf4.line("parameters").device < plain.phases["load"] / 3
+        assert nf4.load_host == quantization.nf4_load_bytes(2048 * 1024, dtype_bytes)
+        assert nf4.load_host > spec.largest_param * dtype_bytes  # more than a tensor's read
+    # float32: the weight as read, bitsandbytes' scratch; bfloat16: and its float32 copy
+    assert quantization.nf4_load_bytes(10, 4) == 145 and quantization.nf4_load_bytes(10, 2) == 165
 
 
 def _shard(tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
@@ -182,29 +236,40 @@ def test_recipe_from_a_checkpoint_trains_like_the_toy_it_was_saved_from(case, tm
         assert torch.equal(got[name], tensor), name
 
 
-def _load(directory: Path, lora: bool = False) -> torch.nn.Module:
+def _load(directory: Path, lora: bool = False, **section: str) -> torch.nn.Module:
     with loading.keep_lora_init() as lora_init:
-        model = loading.build_on_meta(ModelSection(path=str(directory)))
+        model = loading.build_on_meta(ModelSection(path=str(directory), **section))
         if lora:
             model = models.add_lora(model, LoraSection(enabled=True, r=4))
     loading.materialize(ls.adapt(model), directory, torch.device("cpu"), lora_init)
     return model
 
 
+SECTIONS = {  # the model's settings besides its path
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},  # PEFT rounds the adapters to bfloat16 and back
+    "nf4-bfloat16": {"dtype": "bfloat16", "quantization": "nf4"},
+}
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
-def test_one_process_load_equals_the_old_path(model_type, tmp_path):
+def test_one_process_load_equals_the_old_path(model_type, section, tmp_path):
     tiny_model(model_type).save_pretrained(tmp_path)
     torch.manual_seed(worker.SEED)
-    got = _load(tmp_path, lora=True)
+    got = _load(tmp_path, lora=True, **SECTIONS[section])
     after = torch.rand(4)  # the global RNG is left where the old path leaves it
-    expected = _reference(tmp_path, lora=True)
+    expected = _reference(tmp_path, lora=True, **SECTIONS[section])
     assert torch.equal(after, torch.rand(4))
     state = got.state_dict()
     assert sorted(state) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
+    quantized = any(name.endswith(".weight.nested_absmax") for name in state)
+    assert quantized == ("quantization" in SECTIONS[section])  # packed codes and their state
     buffers = dict(got.get_base_model().named_buffers())  # inv_freq (not saved) included
-    for name, buffer in models.build_model(ModelSection(path=str(tmp_path)), 0).named_buffers():
+    old = models.build_model(ModelSection(path=str(tmp_path), **SECTIONS[section]), 0)
+    for name, buffer in old.named_buffers():
         assert torch.equal(buffers[name], buffer), name
 
 

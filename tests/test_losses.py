@@ -391,10 +391,45 @@ def test_group_advantages_equal_rewards_are_exactly_zero(scale):
         assert torch.equal(out, torch.zeros_like(rewards))
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_group_advantages_rejects_non_finite_rewards(bad):
-    with pytest.raises(ValueError, match="rewards"):
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf")])
+def test_group_advantages_rejects_infinite_rewards(bad):
+    with pytest.raises(ValueError, match="finite, or NaN for an unscorable one"):
         group_advantages(t([1.0, bad, 0.0]))
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize(
+    "rewards",
+    [
+        [NAN, 1.0, 0.0, NAN],
+        [0.5, NAN, 3.0, -1.0, 2.0],
+        [NAN, NAN, NAN],
+        [NAN, 2.0, NAN],  # one scorable reward: TRL's std is NaN, so every advantage is 0
+        [1.5, NAN, 1.5, 1.5],
+        [NAN],
+        [0.25],
+    ],
+)
+def test_group_advantages_of_unscorable_rewards_are_trl_s(rewards, scale):
+    """TRL 1.16's formula, with its own ``nanstd``: trl/trainer/grpo_trainer.py,
+    ``_generate_and_score_completions`` ("sum_then_normalize"): the group's
+    ``torch.nanmean``, ``nanstd`` (zeros for a group of one), ``(R - mean) / (std + 1e-4)``
+    unless scale_rewards="none", then ``torch.nan_to_num(advantages, nan=0.0)``."""
+    from trl.trainer.utils import nanstd
+
+    r = t(rewards)
+    std = nanstd(r) if len(rewards) > 1 else torch.zeros((), dtype=F64)
+    trl = r - torch.nanmean(r)
+    if scale != "none":
+        trl = trl / (std + 1e-4)
+    trl = torch.nan_to_num(trl, nan=0.0)
+    ours = group_advantages(r, scale)
+    # TRL's nanstd computes its Bessel factor count / (count - 1) in float32 (~1e-8 off).
+    torch.testing.assert_close(ours, trl, rtol=1e-7, atol=1e-12)
+    assert not bool(torch.isnan(ours).any())
 
 
 def test_group_advantages_shape_and_scale_errors():

@@ -157,6 +157,8 @@ def test_staged_rollout_equals_one_process_and_generate(staged_runs, stages, ran
                 prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0
             )[0, len(prompt) :]
         assert rollouts["greedy"][0] == generated.tolist()
+    truncated = [t for rollouts in got["replicas"] for t in rollouts["options_truncated"]]
+    assert 0 < sum(truncated) < len(truncated)  # some branches ended at a stop string
 
 
 # --- in one process -----------------------------------------------------------------------

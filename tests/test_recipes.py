@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from longstraw_core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -67,6 +71,11 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data_position"] == 2
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
+    # The completions table: TRL's columns (prompt, completion, each reward, advantage).
+    table = next((out / "wandb").glob("offline-run-*/files/media/table/completions_*.json"))
+    assert json.loads(table.read_text())["columns"] == [
+        "sample", "answer", "prompt", "completion", "answer_char_recall", "reward", "advantage",
+    ]  # fmt: skip
     if "lora" in config or "lora.enabled=true" in extra:
         assert list((out / "step-000002").rglob("adapter_config.json")), "adapters not saved"
     kept = [metrics["attention_output_bytes"] for _, metrics in state["extra"]["logger"]["history"]]
@@ -96,6 +105,83 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         for run in (straight, stopped)
     ]
     assert history[0] == history[1] or _same_metrics(history[0], history[1])
+
+
+# A TRL dataset as TRL's examples have them: `prompt` and `solution`, no `answer`; the reward
+# reads the `solution` column (tests/trl_rewards.py). Solutions with many distinct characters
+# give even a random toy's groups reward variance, so every step trains.
+SOLVED = [
+    ("Name the colours of the rainbow.", "red, orange, yellow, green, blue, violet"),
+    ("Count to twelve.", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12"),
+    ("Spell the alphabet backwards.", "zyxwvutsrqponmlkjihgfedcba"),
+]
+TRL_DATA = ["data.task=null", "data.prompt_tokens=256", "tracking.wandb=false",
+            "rollout.num_generations=8", "rollout.max_new_tokens=12", "grpo.gradient=detached",
+            "rewards=[{name: 'trl_rewards:solution_char_recall'}]"]  # fmt: skip
+
+
+def train_in_process(recipe: str, config: str, output_dir: Path, *overrides: str) -> Path:
+    """The recipe's own ``Recipe`` (setup, train, cleanup) in this process: what ``main`` runs,
+    without a new interpreter's imports (the entry point itself is tested above)."""
+    spec = importlib.util.spec_from_file_location(
+        f"{recipe[:-3]}_in_process", ROOT / "recipes" / recipe
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = load_config(ROOT / config, [*FAST, *overrides, f"train.output_dir={output_dir}"])
+    run = module.Recipe(cfg)
+    run.setup()
+    try:
+        assert run.train() is None
+    finally:
+        run.cleanup()
+    return output_dir
+
+
+def test_trl_standard_jsonl_trains_unchanged(tmp_path):
+    """Plain-text prompts (no chat template, as TRL) with a `solution` column, as JSONL, with
+    the generation options TRL has (min_p, repetition_penalty, stop strings)."""
+    path = tmp_path / "trl.jsonl"
+    datasets.Dataset.from_list([{"prompt": p, "solution": s} for p, s in SOLVED]).to_json(path)
+    out = train_in_process(
+        "grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", tmp_path / "run", *TRL_DATA,
+        f"data.path={path}", "train.steps=2", "train.save_every=2", "rollout.stop=['.']",
+        "rollout.min_p=0.05", "rollout.repetition_penalty=1.2",
+    )  # fmt: skip
+    state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
+    assert state["data_position"] == 2
+    history = state["extra"]["logger"]["history"]
+    assert all(m["rewards/solution_char_recall/std"] > 0 for _, m in history)  # the column scored
+
+
+def test_trl_conversational_dataset_dict_resumes_like_an_uninterrupted_run(tmp_path):
+    """Message prompts with `solution` in one split of a saved DatasetDict, shuffled: a run
+    stopped after a step and resumed (across the end of the first pass over the two rows)
+    equals the uninterrupted run bit for bit."""
+    rows = [{"prompt": [{"role": "user", "content": p}], "solution": s} for p, s in SOLVED]
+    splits = {"train": rows[:1], "test": rows[1:]}
+    path = tmp_path / "trl_splits"
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_list(v) for k, v in splits.items()}
+    ).save_to_disk(path)
+    config = "configs/qwen36/tiny_grpo_cpu.yaml"
+    common = [*TRL_DATA, f"data.path={path}", "data.split=test", "data.seed=1",
+              "data.chat_template_kwargs={enable_thinking: false}", "train.save_every=1",
+              "optim.scheduler=constant"]  # fmt: skip
+    straight = train_in_process(
+        "grpo_qwen36.py", config, tmp_path / "straight", "train.steps=3", *common
+    )
+    stopped = train_in_process(
+        "grpo_qwen36.py", config, tmp_path / "stopped", "train.steps=1", *common
+    )
+    train_in_process(
+        "grpo_qwen36.py", config, stopped, "train.steps=3", "train.resume_from=latest", *common
+    )
+    first, second = weights(straight / "step-000003"), weights(stopped / "step-000003")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    initial = weights(straight / "step-000001")
+    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
 
 
 def test_resuming_with_another_length_says_the_schedule_changes(tmp_path):

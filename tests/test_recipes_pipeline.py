@@ -21,6 +21,9 @@ import pytest
 import torch
 from test_recipes_distributed import QWEN, ROOT, SMALL, assert_same_optimizer_state, tensors
 
+from longstraw_core import models
+from longstraw_core.config import load_config
+
 pytestmark = pytest.mark.multiprocess
 
 STAGED = ["distributed.pipeline_stages=2", "train.save_every=1"]
@@ -129,11 +132,22 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     assert_close(tensors(resumed / "step-000002/model"), final, 1e-3)
 
 
-def test_qlora_on_stages_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("base", ["toy", "checkpoint"])
+def test_qlora_on_stages_trains_like_one_process(base, tmp_path):
     """A 4-bit (NF4) base under LoRA on two stages: each stage quantizes its own layers the
-    same way, and one exact step's adapters equal one process's within float32 rounding."""
+    same way, and one exact step's adapters equal one process's within float32 rounding.
+    ``toy``: the random-init toy, built whole and quantized on every rank; ``checkpoint``:
+    its weights saved, each stage reading and quantizing only its own (``loading``)."""
     config_path = "configs/qwen36/tiny_qlora_grpo_cpu.yaml"
     overrides = ["grpo.gradient=exact", "train.steps=1", "train.save_every=1"]
+    if base == "checkpoint":
+        toy = load_config(ROOT / config_path, [*SMALL, "model.quantization=null"])
+        models.build_model(toy.model, seed=toy.train.seed).save_pretrained(tmp_path / "base")
+        overrides += [
+            "model.tiny=null",
+            "model.tiny_overrides={}",
+            f"model.path={tmp_path / 'base'}",
+        ]
     staged, one = tmp_path / "staged", tmp_path / "one"
     run("grpo_qwen36.py", config_path, staged, *overrides, "distributed.pipeline_stages=2",
         ranks=2)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -118,6 +119,33 @@ def test_on_policy_state_reuse_and_truncation_mask(models):
     assert_grads_close(grads, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rewards", [[1.0, float("nan"), -0.5], [float("nan")] * 3])
+def test_unscorable_branches_get_zero_advantage_as_in_trl(models, rewards):
+    """A NaN reward (every reward function returned None) is left out of the group's mean
+    and std and its branch gets zero advantage, as in TRL; with beta=0 it is not replayed,
+    and the gradient is TRL's group loss with those advantages (its tokens still count in
+    the loss's normalisation, as TRL keeps the completion's mask)."""
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=15)
+    cfg = ls.GRPOConfig(loss_type="dapo")
+    result, grads = step_grads(policy, adapter, prompt, responses, rewards, cfg)
+    advantages = hand_advantages(rewards)
+    assert result.advantages == pytest.approx(advantages.tolist(), abs=1e-12)
+    assert result.advantages[1] == 0.0
+    assert result.branches_replayed == sum(a != 0.0 for a in result.advantages)
+    loss, expected = group_reference(
+        policy, detached_reference_logps, prompt, responses, rewards, cfg
+    )
+    assert result.loss == pytest.approx(loss.item(), abs=1e-12)
+    assert_grads_close(grads, expected, rtol=1e-5)
+    scorable = [r for r in rewards if not math.isnan(r)]
+    if scorable:
+        assert result.group_reward_mean == pytest.approx(sum(scorable) / len(scorable))
+    else:
+        assert math.isnan(result.group_reward_mean)  # nothing scorable
+
+
 def test_lora_reference_uses_the_same_weights_with_adapters_disabled():
     model = tiny_model("qwen3", dtype=torch.float64, seed=2)
     peft_model = with_lora(model, ["q_proj", "v_proj"], std=0.2)
@@ -187,7 +215,7 @@ def test_step_result_is_typed_and_logs_flat_scalars(models):
     assert result.metrics()["checkpoint_bytes"] == 7
     # No name clashes with the reward set's (TRL's reward, reward_std, rewards/...).
     samples = [Sample(id="s", prompt="q", answer="a")] * 3
-    scored = RewardSet(["exact_match"])(["a", "b", "a"], samples)
+    scored = RewardSet(["exact_match"])(["a", "b", "a"], samples, completion_ids=[[1]] * 3)
     assert not flat.keys() & scored.metrics().keys()
 
 
@@ -197,7 +225,7 @@ def test_step_result_is_typed_and_logs_flat_scalars(models):
         ({"rewards": [1.0, 0.0]}, ValueError, "rewards has 2 values for 3 responses"),
         ({"responses_count": 1, "rewards": [1.0]}, ValueError, "at least 2"),
         ({"empty": True}, ValueError, r"responses\[1\] is empty"),
-        ({"rewards": [1.0, float("nan"), 0.0]}, ValueError, r"rewards\[1\] is nan"),
+        ({"rewards": [1.0, float("inf"), 0.0]}, ValueError, r"rewards\[1\] is inf.*or NaN"),
         ({"config": {"beta": 0.1}}, ValueError, "needs a reference policy"),
         ({"other_prompt_state": True}, ValueError, "different prompt"),
     ],

@@ -8,6 +8,8 @@ on-policy log-probs of sampled responses.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from reference import full_sequence_logps
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
 from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tokenizer import load_tokenizer
 from model_adapters import glm52
 
 VOCAB = 512
@@ -164,6 +167,153 @@ def test_logps_at_a_temperature_and_top_k_top_p_limits() -> None:
         assert (allowed == response[:, None]).any(-1).all()
 
 
+# --------------------------------------------------------------------------- generation options
+# A qwen3 toy over exactly the built-in byte tokenizer's 260 tokens, so that stop strings can be
+# read off its output and transformers' StopStringCriteria sees every token it can emit.
+BYTES_PAD = 257  # <|pad|>: what generate writes after a branch has stopped
+# <|im_end|>: with an EOS, generate pads every finished branch (stopped by a string too)
+BYTES_EOS = 259
+NEW_TOKENS = 16
+# Each of these changes the sampled tokens here (checked below): none is a no-op.
+OPTIONS = {"temperature": 0.8, "top_k": 40, "top_p": 0.7, "min_p": 0.15, "repetition_penalty": 1.3}
+
+
+@functools.cache
+def _bytes_model() -> torch.nn.Module:
+    return tiny_model("qwen3", vocab_size=260)
+
+
+def _bytes_prompt() -> torch.Tensor:
+    return torch.randint(0, 256, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(8))
+
+
+def _generate_with(model, prompt, group: int, seed: int, **options) -> torch.Tensor:
+    """transformers' ``generate`` on ``group`` copies of the prompt: the new tokens, padded."""
+    torch.manual_seed(seed)  # sampling draws from the global generator, ours from one seeded so
+    with torch.no_grad():
+        out = model.generate(
+            prompt.expand(group, -1),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=options.get("temperature", 1.0) > 0,
+            eos_token_id=BYTES_EOS,
+            pad_token_id=BYTES_PAD,
+            **{k: v for k, v in options.items() if not (k == "temperature" and v == 0)},
+        )
+    return out[:, len(prompt) :]
+
+
+def _padded(responses: list[torch.Tensor], length: int) -> torch.Tensor:
+    return torch.stack(
+        [
+            torch.cat([r, torch.full((length - len(r),), BYTES_PAD, dtype=torch.long)])
+            for r in responses
+        ]
+    )
+
+
+def _ascii_stop(tokens: list[int], start: int, width: int) -> tuple[str, int]:
+    """A stop string of ``width`` printable ASCII tokens first completed at position >= start,
+    and the position of its last token."""
+    text = "".join(chr(t) if 33 <= t <= 126 else "\ufffd" for t in tokens)
+    for end in range(start, len(tokens)):
+        candidate = text[end - width + 1 : end + 1]
+        if "\ufffd" not in candidate and len(candidate) == width and candidate not in text[:end]:
+            return candidate, end
+    raise AssertionError("no printable stop string in the output: pick another prompt")
+
+
+def test_greedy_repetition_penalty_and_stop_strings_equal_generate() -> None:
+    """Greedy decoding with ``repetition_penalty`` (which counts the prompt's tokens) and a
+    two-token stop string equals ``generate`` with the same settings; the stop string is kept."""
+    model, tok, prompt = _bytes_model(), load_tokenizer(None), _bytes_prompt()
+    adapter = ls.adapt(model)
+    state = adapter.prefill(prompt, chunk_size=16)
+    plain = _generate_with(model, prompt, 1, 0, temperature=0)[0]
+    penalised = _generate_with(model, prompt, 1, 0, temperature=0, repetition_penalty=1.5)[0]
+    assert not torch.equal(plain, penalised)  # the penalty changes what greedy picks
+    out = ls.rollout(
+        adapter,
+        state,
+        eos_token_ids=[BYTES_EOS],
+        num_generations=2,
+        max_new_tokens=NEW_TOKENS,
+        temperature=0,
+        repetition_penalty=1.5,
+    )
+    assert all(torch.equal(r, penalised) for r in out.responses)
+
+    stop, end = _ascii_stop(plain.tolist(), 3, width=2)
+    assert end + 1 < NEW_TOKENS  # it ends the response early
+    expected = _generate_with(
+        model, prompt, 1, 0, temperature=0, stop_strings=[stop], tokenizer=tok
+    )[0]
+    assert torch.equal(expected[: end + 1], plain[: end + 1])
+    assert (expected[end + 1 :] == BYTES_PAD).all()  # generate stopped there too
+    out = ls.rollout(
+        adapter,
+        state,
+        eos_token_ids=[BYTES_EOS],
+        num_generations=2,
+        max_new_tokens=NEW_TOKENS,
+        temperature=0,
+        stop_strings=[stop],
+        tokenizer=tok,
+    )
+    assert all(torch.equal(r, plain[: end + 1]) for r in out.responses)
+    assert tok.decode(out.responses[0]).endswith(stop)
+    assert out.truncated == [False, False] and out.stats["steps"] == end + 1
+
+
+def test_sampling_options_and_stop_strings_equal_seeded_generate() -> None:
+    """temperature, top-k, top-p, min-p and the repetition penalty together, seeded alike, draw
+    the tokens ``generate`` draws; a stop string ends some branches and not others."""
+    model, tok, prompt = _bytes_model(), load_tokenizer(None), _bytes_prompt()
+    adapter = ls.adapt(model)
+    state = adapter.prefill(prompt, chunk_size=16)
+    group, seed = 4, 3
+    free = _generate_with(model, prompt, group, seed, **OPTIONS)
+    out = ls.rollout(
+        adapter,
+        state,
+        eos_token_ids=[BYTES_EOS],
+        num_generations=group,
+        max_new_tokens=NEW_TOKENS,
+        seed=seed,
+        **OPTIONS,
+    )
+    assert torch.equal(_padded(out.responses, NEW_TOKENS), free)
+    assert len({tuple(r.tolist()) for r in out.responses}) == group  # branches differ
+    for name in OPTIONS:  # every option takes part in the draw
+        fewer = {k: v for k, v in OPTIONS.items() if k != name}
+        other = ls.rollout(adapter, state, group, NEW_TOKENS, seed=seed, **fewer)
+        pairs = zip(other.responses, out.responses, strict=True)
+        assert any(not torch.equal(a, b) for a, b in pairs), name
+
+    stop, end = _ascii_stop(free[0].tolist(), 2, width=1)
+    expected = _generate_with(
+        model, prompt, group, seed, **OPTIONS, stop_strings=[stop], tokenizer=tok
+    )
+    out = ls.rollout(
+        adapter,
+        state,
+        eos_token_ids=[BYTES_EOS],
+        num_generations=group,
+        max_new_tokens=NEW_TOKENS,
+        seed=seed,
+        stop_strings=[stop],
+        tokenizer=tok,
+        **OPTIONS,
+    )
+    assert torch.equal(_padded(out.responses, NEW_TOKENS), expected)
+    assert len(out.responses[0]) == end + 1 and not out.truncated[0]
+    assert any(out.truncated)  # another branch never wrote the stop string
+    for response, logps in zip(out.responses, out.logps, strict=True):
+        with torch.no_grad():  # the behaviour log-probs are the policy's, before any processor
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0]
+        scaled = torch.log_softmax(logits[PROMPT_LENGTH - 1 : -1] / OPTIONS["temperature"], -1)
+        assert (logps - scaled.gather(-1, response[:, None])[:, 0]).abs().max() <= 1e-5
+
+
 class RecordLargestOutput(TorchDispatchMode):
     """The largest numel among the outputs of all ops that allocate (not views)."""
 
@@ -238,6 +388,10 @@ def test_rollout_feeds_grpo_step_on_policy() -> None:
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be a non-negative integer"),
         ({"eos_token_ids": [3, 512]}, "eos_token_ids holds 512"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"stop_strings": ["x"]}, "stop_strings need the tokenizer"),
+        ({"stop_strings": "x"}, "must be a list of strings"),
         ({"max_new_tokens": 30}, r"prompt \(40 tokens\) \+ response \(30 tokens\) = 70"),
     ],
 )

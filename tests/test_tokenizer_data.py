@@ -110,12 +110,12 @@ def test_special_tokens_plain_vs_chat(word_tok, tok):
 # --------------------------------------------------------------------------- data
 
 GOOD_RECORDS = [
-    # (record, chat, expected prompt, expected answer, expected meta)
-    ({"prompt": "2+2?", "answer": "4"}, True, [{"role": "user", "content": "2+2?"}], "4", {}),
-    ({"prompt": "2+2?", "answer": 4}, False, "2+2?", "4", {}),
+    # (record, expected prompt, expected answer, expected meta)
+    ({"prompt": "2+2?", "answer": "4"}, "2+2?", "4", {}),  # plain text stays plain (TRL)
+    ({"prompt": "2+2?", "answer": 4}, "2+2?", "4", {}),
+    ({"prompt": "2+2?", "solution": "4"}, "2+2?", "", {"solution": "4"}),  # no answer needed
     (
         {"prompt": [{"role": "user", "content": "hi"}], "answer": "yo", "level": 3},
-        True,
         [{"role": "user", "content": "hi"}],
         "yo",
         {"level": 3},
@@ -128,18 +128,17 @@ GOOD_RECORDS = [
                 {"role": "assistant", "content": "a"},
             ]
         },
-        True,
         [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
         "a",
         {},
     ),
     (
         {"messages": [{"role": "user", "content": "u"}], "answer": 2.5},
-        True,
         [{"role": "user", "content": "u"}],
         "2.5",
         {},
     ),
+    ({"messages": [{"role": "user", "content": "u"}]}, [{"role": "user", "content": "u"}], "", {}),
 ]
 
 
@@ -148,11 +147,11 @@ def write_jsonl(path, records):
     return path
 
 
-@pytest.mark.parametrize(("record", "chat", "prompt", "answer", "meta"), GOOD_RECORDS)
-def test_jsonl_records(tmp_path, record, chat, prompt, answer, meta):
+@pytest.mark.parametrize(("record", "prompt", "answer", "meta"), GOOD_RECORDS)
+def test_jsonl_records(tmp_path, record, prompt, answer, meta):
     path = write_jsonl(tmp_path / "d.jsonl", [record])
-    (sample,) = load_samples(path, chat=chat)
-    assert sample == Sample(id=f"{path}:1", prompt=prompt, answer=answer, meta=meta)
+    (sample,) = load_samples(path)
+    assert sample == Sample(id=f"{path}:1", prompt=prompt, answer=answer, meta=meta, columns=record)
 
 
 def test_jsonl_ids_blank_lines_and_rendering(tmp_path, tok):
@@ -164,10 +163,23 @@ def test_jsonl_ids_blank_lines_and_rendering(tmp_path, tok):
         + "\n"
     )
     first, second = load_samples(path)
-    assert first.id == "17" and second.id == f"{path}:3"
-    assert (
-        render_prompt(tok, first.prompt) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
+    assert first.id == "17" and second.id == f"{path}:3"  # named by line, blank lines counted
+    assert render_prompt(tok, first.prompt) == "a"
+
+
+def test_jsonl_mixing_plain_and_message_prompts(tmp_path, tok):
+    """datasets stores a column of mixed types as JSON: each row keeps its own type."""
+    chat = [{"role": "user", "content": "c"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": chat}])
+    plain, templated = load_samples(path)
+    assert (plain.prompt, templated.prompt) == ("a", chat)
+    assert render_prompt(tok, templated.prompt) == (
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
     )
+    # ... but datasets' reader of such files fails on a blank line: the error says so.
+    path.write_text(path.read_text().replace("\n", "\n\n", 1))
+    with pytest.raises(DataError, match="line 2 is blank: remove the blank lines"):
+        load_samples(path)
 
 
 BAD_RECORDS = [
@@ -175,15 +187,12 @@ BAD_RECORDS = [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ('{"answer": "x"}', "missing field 'prompt'"),
-    ('{"prompt": "x"}', "missing field 'answer'"),
-    ('{"prompt": "x", "answer": null}', "missing field 'answer'"),
     ('{"prompt": "x", "answer": ["a"]}', "'answer' must be a string or a number"),
     ('{"prompt": "x", "answer": true}', "'answer' must be a string or a number"),
     ('{"prompt": "x", "messages": [], "answer": "a"}', "both 'prompt' and 'messages'"),
-    ('{"prompt": [], "answer": "a"}', "'prompt' must be a non-empty list"),
+    ('{"prompt": [], "answer": "a"}', "'prompt' must be a string or a non-empty list"),
     ('{"messages": [{"role": "user"}], "answer": "a"}', "messages[0] needs a string 'content'"),
     ('{"messages": [{"content": "x"}], "answer": "a"}', "messages[0] needs a string 'role'"),
-    ('{"messages": [{"role": "user", "content": "q"}]}', "missing field 'answer'"),
     ('{"messages": [{"role": "assistant", "content": "a"}]}', "no prompt"),
     ('{"prompt": " ", "answer": "a"}', "field 'prompt' is empty"),
     ('{"messages": [{"role": "user", "content": ""}], "answer": "a"}', "'content' is empty"),
@@ -220,7 +229,8 @@ def test_saved_dataset(tmp_path, tok):
     assert [s.answer for s in samples] == ["a0", "a1"]
     assert samples[1].meta == {"source": "y"}
     assert samples[0].id == f"{tmp_path / 'ds'}:row 0"
-    assert encode_prompt(tok, samples[0].prompt)[0] == 258  # rendered through the template
+    assert samples[1].columns == rows[1]
+    assert encode_prompt(tok, samples[0].prompt) == list(b"p0")  # plain: no template
 
 
 def test_saved_dataset_messages_with_null_columns(tmp_path):
@@ -239,14 +249,13 @@ def test_saved_dataset_messages_with_null_columns(tmp_path):
 
 def test_saved_dataset_dict_splits(tmp_path):
     one = datasets.Dataset.from_list([{"prompt": "p", "answer": "a"}])
-    bad = datasets.Dataset.from_list([{"prompt": "p", "other": "a"}])
+    bad = datasets.Dataset.from_list([{"question": "p", "other": "a"}])
     datasets.DatasetDict({"train": one, "test": bad}).save_to_disk(tmp_path / "dd")
-    with pytest.raises(DataError, match="pass split="):
-        load_samples(tmp_path / "dd")
+    assert [s.answer for s in load_samples(tmp_path / "dd")] == ["a"]  # "train" by default
     assert [s.answer for s in load_samples(tmp_path / "dd", split="train")] == ["a"]
-    with pytest.raises(DataError, match=r"\[test\]:row 0: missing field 'answer'"):
+    with pytest.raises(DataError, match=r"\[test\]:row 0: missing field 'prompt'"):
         load_samples(tmp_path / "dd", split="test")
-    with pytest.raises(DataError, match="no split 'dev'"):
+    with pytest.raises(DataError, match="no split 'dev'; its splits are"):
         load_samples(tmp_path / "dd", split="dev")
 
 

@@ -73,14 +73,24 @@ class DataSection:
     """
 
     task: str | None = None  # a name of longstraw_core.tasks.TASKS
-    path: str | None = None  # a JSONL file or a `datasets` directory saved to disk
+    # A .json/.jsonl/.parquet/.csv/.arrow file (read by `datasets.load_dataset`), a directory
+    # written by `save_to_disk`, or a directory of data files (a dataset repo on local disk).
+    path: str | None = None
+    split: str = "train"  # with path: the split to train on (TRL scripts' dataset_train_split)
+    # With path: each pass over the data in a new random order seeded by data.seed (TRL's
+    # shuffle_dataset); false: in file order (a curriculum, or to compare runs row by row).
+    shuffle: bool = True
     prompt_tokens: int = 16384
     # With path: prompts longer than prompt_tokens are "error" (refuse the data before the
     # model loads, naming them) or "skip" (leave them out of the run, counted and reported).
     on_overlong: str = "error"
     depth: float | None = None  # needle depth in [0, 1]; null: uniform random per sample
-    seed: int = 0
+    seed: int = 0  # a task's generation; with path, the shuffled order
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # extra task arguments (hops=4)
+    # Passed to the tokenizer's chat template for message prompts, as TRL's
+    # chat_template_kwargs (e.g. {enable_thinking: false} for Qwen3.6); plain-text prompts
+    # are never templated.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +103,13 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
+    # > 1 makes tokens already in the prompt or the response less likely (transformers' and
+    # vLLM's semantics: the whole prompt counts); 1: off
+    repetition_penalty: float = 1.0
+    # A response ends at the token that completes one of these strings (kept, like an EOS);
+    # e.g. ["</answer>"] stops a branch once it has answered. []: only EOS ends a response.
+    stop: list[str] = field(default_factory=list)
 
 
 def _grpo_section() -> type:

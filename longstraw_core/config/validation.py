@@ -33,10 +33,10 @@ from longstraw_core.config.schema import (
     SCHEDULERS,
     TRACKING_MODES,
     ConfigError,
+    DataSection,
     MemorySection,
     OffloadSection,
     OptimSection,
-    RewardSpec,
     RolloutSection,
     RunConfig,
     TrainSection,
@@ -49,7 +49,12 @@ from longstraw_core.quantization import (
     QUANTIZATIONS,
     require_bitsandbytes,
 )
-from longstraw_core.rewards import resolve_reward
+from longstraw_core.rewards import (
+    TRL_ARGUMENTS,
+    resolve_reward,
+    sample_columns,
+    signature_problem,
+)
 from longstraw_core.tasks import TASKS
 from longstraw_core.tiny_models import TINY_CONFIGS
 
@@ -64,7 +69,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_data(cfg, facts)
     _check_rollout(cfg.rollout)
     grpo_config(cfg)
-    _check_rewards(cfg.rewards)
+    _check_rewards(cfg, check_paths)
     _check_optim(cfg.optim, cfg.train)
     _check_train(cfg.train, check_paths)
     _check_choice("tracking.mode", cfg.tracking.mode, TRACKING_MODES)
@@ -201,6 +206,14 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
         _check_task_kwargs(data.task, data.task_kwargs)
     elif data.task_kwargs:
         raise ConfigError("data.task_kwargs", "only applies with data.task, not data.path")
+    else:
+        from longstraw_core.data_files import path_problem  # no `datasets` import here
+
+        problem = path_problem(data.path)
+        if problem:
+            raise ConfigError("data.path", problem)
+    if not data.split:
+        raise ConfigError("data.split", 'empty; name a split ("train", as TRL scripts do)')
     from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
 
     _check_choice("data.on_overlong", data.on_overlong, ON_OVERLONG)
@@ -224,7 +237,7 @@ def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
 
 
 def _check_task_kwargs(task: str, kwargs: dict[str, Any]) -> None:
-    reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id"}
+    reserved = {"tokenizer", "prompt_tokens", "depth", "seed", "id", "chat_template_kwargs"}
     parameters = inspect.signature(TASKS[task]).parameters
     for key in kwargs:
         if key in reserved or key not in parameters:
@@ -271,17 +284,71 @@ def _check_rollout(rollout: RolloutSection) -> None:
     )
     _check_range("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "a float in (0, 1] (1: off)")
     _check_range("rollout.top_k", r.top_k, r.top_k >= 0, "an int >= 0 (0: off)")
+    _check_range("rollout.min_p", r.min_p, 0 <= r.min_p <= 1, "a float in [0, 1] (0: off)")
+    _check_range(
+        "rollout.repetition_penalty",
+        r.repetition_penalty,
+        r.repetition_penalty > 0,
+        "a float > 0 (1: off; > 1 discourages repeats)",
+    )
+    for i, stop in enumerate(r.stop):
+        if not stop:
+            raise ConfigError(f"rollout.stop[{i}]", "an empty string would stop every response")
 
 
-def _check_rewards(rewards: list[RewardSpec]) -> None:
-    if not rewards:
+def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
+    """Each reward resolves, and TRL's keyword call can bind it with the data's columns
+    (``rewards.signature_problem``): a function never runs with arguments it cannot take."""
+    if not cfg.rewards:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
-    for i, spec in enumerate(rewards):
+    columns: Sequence[str] | None = None
+    for i, spec in enumerate(cfg.rewards):
         try:
-            resolve_reward(spec.name)
+            name, fn = resolve_reward(spec.name)
         except ValueError as exc:
             raise ConfigError(f"rewards[{i}].name", str(exc)) from None
+        if i == 0:
+            columns = _data_columns(cfg.data, check_paths)
+            taken = [c for c in columns or () if c in TRL_ARGUMENTS]
+            if taken:
+                raise ConfigError(
+                    "data.path",
+                    f"the records have the field(s) {', '.join(taken)}, which TRL passes reward "
+                    "functions itself: rename them",
+                )
+        problem = signature_problem(fn, columns)
+        if problem:
+            attr = spec.name.replace(":", ".").rpartition(".")[2]
+            shown = spec.name if name == attr else f"{spec.name} (function {name})"
+            raise ConfigError(f"rewards[{i}].name", f"{shown} {problem}")
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
+
+
+# A task's columns do not depend on its length: a short sample tells them, quickly.
+_COLUMN_PROBE_TOKENS = 4096
+
+
+def _data_columns(data: DataSection, check_paths: bool) -> tuple[str, ...] | None:
+    """The dataset columns the reward functions will get: those of the run's first sample
+    (``rewards.sample_columns``). None when they cannot be known yet: ``check_paths=False``
+    with ``data.path``, or data the scan will refuse anyway (it names the record then)."""
+    from longstraw_core.data import DataError, first_sample  # lazily, as in _check_data
+    from longstraw_core.tasks import sample_at
+    from longstraw_core.tokenizer import load_tokenizer
+
+    try:
+        if data.task is not None:
+            sample = sample_at(
+                data.task, load_tokenizer(None), min(data.prompt_tokens, _COLUMN_PROBE_TOKENS),
+                data.seed, 0, depth=data.depth, **data.task_kwargs,
+            )  # fmt: skip
+        elif check_paths:
+            sample = first_sample(data.path, split=data.split)
+        else:
+            return None
+    except (DataError, ValueError, OSError):
+        return None
+    return tuple(sample_columns(sample))
 
 
 def _check_optim(optim: OptimSection, train: TrainSection) -> None:

@@ -36,8 +36,9 @@ NCCL buffers (~1-3 GiB, covered by ``memory.headroom``), allocator fragmentation
 kernels' internal scratch.
 
 Loading (phase ``load``, before the first step): the rank's own share of the parameters
-on the device and one tensor of it on the host (``MemoryPlan.load_host``), as
-``longstraw_core.loading`` reads a checkpoint; never the whole model.
+on the device (NF4: its 4-bit share) and one tensor of it on the host
+(``MemoryPlan.load_host``; NF4: the largest 4-bit weight as read, with its quantization's
+scratch), as ``longstraw_core.loading`` reads a checkpoint; never the whole model.
 
 Pipeline stages (``Workload.stages``, ``--stages``): each rank of a stage group holds only
 its stage's layers (weights, prefix state, dS, checkpoints), the embeddings on stage 0, the

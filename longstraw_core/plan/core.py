@@ -18,7 +18,7 @@ from longstraw_core.plan.activations import Activations
 from longstraw_core.plan.model import LOAD, PHASES, LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
-from longstraw_core.quantization import nf4_bytes
+from longstraw_core.quantization import nf4_bytes, nf4_load_bytes
 
 
 @dataclass(frozen=True)
@@ -526,8 +526,19 @@ class MemoryParts(InFlight):
     def load_host(self) -> int:
         """Host bytes while loading: one tensor (of the rank's shard) at a time, read there
         before it is cast or copied to the device (none on a CPU rank whose checkpoint has
-        the model's dtype: read in place); never the whole model."""
-        return math.ceil(self.spec.largest_param / self.work.shards) * self.pb
+        the model's dtype: read in place), or a 4-bit weight being quantized
+        (``load_quantizing``), whichever is larger; never the whole model."""
+        read = math.ceil(self.spec.largest_param / self.work.shards) * self.pb
+        return max(read, self.load_quantizing())
+
+    def load_quantizing(self) -> int:
+        """Host bytes while the rank's largest 4-bit weight is read and quantized
+        (``model.quantization=nf4``: on the host, one weight at a time, then moved to the
+        device; ``quantization.nf4_load_bytes``)."""
+        if self.work.quantization is None:
+            return 0
+        largest = max((layer.largest_quantizable for layer in self.spec.layers), default=0)
+        return nf4_load_bytes(largest, self.pb)
 
     def _param_note(self) -> str:
         work = self.work

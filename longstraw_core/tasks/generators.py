@@ -6,7 +6,9 @@ one entry in ``streams.TASKS``."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from itertools import pairwise
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,6 +34,7 @@ def passkey_retrieval(
     *,
     digits: int = 5,
     chat: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
@@ -52,6 +55,7 @@ def passkey_retrieval(
         depth=depth,
         seed=seed,
         chat=chat,
+        chat_template_kwargs=chat_template_kwargs,
         tolerance=tolerance,
         id=id,
         meta={},
@@ -70,6 +74,7 @@ def uuid_retrieval(
     *,
     num_distractors: int = 3,
     chat: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
@@ -102,6 +107,7 @@ def uuid_retrieval(
         depth=depth,
         seed=seed,
         chat=chat,
+        chat_template_kwargs=chat_template_kwargs,
         tolerance=tolerance,
         id=id,
         meta={"key": keys[0], "distractor_keys": keys[1:]},
@@ -118,6 +124,7 @@ def multi_needle(
     num_distractors: int = 2,
     digits: int = 7,
     chat: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
@@ -155,6 +162,7 @@ def multi_needle(
         depth=depth,
         seed=seed,
         chat=chat,
+        chat_template_kwargs=chat_template_kwargs,
         tolerance=tolerance,
         id=id,
         meta={"key": key, "distractor_keys": others},
@@ -171,6 +179,7 @@ def kv_chain(
     num_distractor_chains: int = 2,
     digits: int = 6,
     chat: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
@@ -214,6 +223,7 @@ def kv_chain(
         depth=depth,
         seed=seed,
         chat=chat,
+        chat_template_kwargs=chat_template_kwargs,
         tolerance=tolerance,
         id=id,
         meta={"hops": hops, "chain": keys[: hops + 1]},
@@ -230,6 +240,7 @@ def variable_tracking(
     num_chains: int = 2,
     digits: int = 5,
     chat: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
@@ -274,6 +285,7 @@ def variable_tracking(
         depth=depth,
         seed=seed,
         chat=chat,
+        chat_template_kwargs=chat_template_kwargs,
         tolerance=tolerance,
         id=id,
         meta={"value": values[0]},

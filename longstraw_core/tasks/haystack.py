@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -133,13 +134,15 @@ def fit_prompt(
     seed: int,
     chat: bool,
     tolerance: float,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[Prompt, int, list[float]]:
     """Grow the haystack until the rendered prompt has ``prompt_tokens`` tokens (+-tolerance).
 
     Each pass tokenizes the full prompt once and corrects the filler budget by the observed
     ratio of real to estimated filler tokens, so a tokenizer whose words do not add up
     exactly (merges across spaces, prefix-space quirks) still converges in a few passes.
-    Returns the prompt, its token count and each needle's actual depth.
+    Returns the prompt, its token count and each needle's actual depth. The count is the
+    recipe's: chat prompts rendered with ``chat_template_kwargs`` (``data.chat_template_kwargs``).
     """
     if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
         raise ValueError(f"prompt_tokens must be a positive int, got {prompt_tokens!r}")
@@ -151,7 +154,7 @@ def fit_prompt(
         return ([{"role": "user", "content": content}] if chat else content), depths
 
     empty, _ = build(0)
-    base = count_prompt_tokens(tokenizer, empty)
+    base = count_prompt_tokens(tokenizer, empty, chat_template_kwargs)
     if base > prompt_tokens * (1 + tolerance):
         raise ValueError(
             f"{task}: prompt_tokens={prompt_tokens} is too small; the instruction, needles and "
@@ -166,7 +169,7 @@ def fit_prompt(
             break  # the remaining error is below one filler word
         tried.add(n_words)
         prompt, depths = build(n_words)
-        got = count_prompt_tokens(tokenizer, prompt)
+        got = count_prompt_tokens(tokenizer, prompt, chat_template_kwargs)
         if best is None or abs(got - prompt_tokens) < abs(best[0] - prompt_tokens):
             best = (got, prompt, depths)
         if got == prompt_tokens:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,15 +24,19 @@ class Sample:
     """One prompt with its reference answer.
 
     ``prompt`` is plain text or chat messages (``[{"role": ..., "content": ...}]``).
-    ``answer`` is the canonical answer string; tasks with several required answers (all the
-    values of a key, every variable of a chain) also list them in ``meta["answers"]``, which
-    the ``contains`` reward scores as the fraction found.
+    ``answer`` is the canonical answer string (``""`` when the data has none); tasks with
+    several required answers (all the values of a key, every variable of a chain) also list
+    them in ``meta["answers"]``, which the ``contains`` reward scores as the fraction found.
+    ``columns``: a dataset row's every column exactly as ``datasets`` returned it (``prompt``,
+    ``solution``, ``ground_truth``..., what TRL passes its reward functions); empty for a
+    generated task sample.
     """
 
     id: str
     prompt: Prompt
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 # Words for keys; none of them occurs in the filler.
@@ -102,10 +106,12 @@ def make_sample(
     tolerance: float,
     id: str | None,
     meta: dict[str, Any],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> Sample:
     prompt, got, actual = fit_prompt(
-        tokenizer, task, intro, question, needles, prompt_tokens, seed, chat, tolerance
-    )
+        tokenizer, task, intro, question, needles, prompt_tokens, seed, chat, tolerance,
+        chat_template_kwargs,
+    )  # fmt: skip
     meta = {
         "task": task,
         "seed": seed,
