@@ -23,8 +23,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw_core as ls
-from longstraw_core import gpu_emulation, models
+from longstraw_core import gpu_emulation, models, quantization
 from longstraw_core.config import grpo_config, offload_policy
+from longstraw_core.fake import real_values
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.pipeline import StageLayout, stage_model
 from longstraw_core.scale_check.link import FakeStageLink, Shape
@@ -54,6 +55,8 @@ def build_stage(
     dtype = getattr(torch, cfg.model.dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if cfg.model.quantization == "nf4":  # 4-bit placeholders, as loading builds them
+        quantization.quantize_nf4(model, compute_dtype=dtype)
     model = models.add_lora(model, cfg.lora).train()
     adapter = ls.adapt(model)
     adapter.activation_checkpointing = bool(cfg.train.activation_checkpointing)
@@ -75,8 +78,12 @@ def _on_device(stage: Any) -> Any:
 
 
 def _materialize(model: nn.Module) -> None:
-    """Replace every ``meta`` parameter and buffer with a fake one on ``DEVICE``."""
+    """Replace every ``meta`` parameter and buffer with a fake one on ``DEVICE``; quantize
+    each 4-bit placeholder from fake values (bitsandbytes' ops have fake kernels)."""
     for module in model.modules():
+        if quantization.is_nf4_placeholder(module):
+            _fake_nf4_(module)
+            continue
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 fake = torch.empty(param.shape, dtype=param.dtype, device=DEVICE)
@@ -84,6 +91,23 @@ def _materialize(model: nn.Module) -> None:
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=DEVICE)
+
+
+def _fake_nf4_(linear: nn.Module) -> None:
+    """Quantize a 4-bit placeholder from fake values as ``quantization.fill_nf4_`` does (NF4
+    from the float32 values, blocks of 64, double quantization), through bitsandbytes'
+    functional API: its ``Params4bit`` cannot wrap a FakeTensor, so the packed codes stay a
+    plain parameter carrying the state where ``Linear4bit.forward`` reads it."""
+    from bitsandbytes.functional import quantize_4bit
+
+    with real_values():  # bitsandbytes builds (and caches) its 8-bit code map on first use
+        quantize_4bit(torch.zeros(256), compress_statistics=True, quant_type="nf4")
+    values = torch.empty(linear.weight.shape, dtype=torch.float32, device=DEVICE)
+    packed, state = quantize_4bit(
+        values, blocksize=quantization.NF4_BLOCKSIZE, compress_statistics=True, quant_type="nf4"
+    )
+    linear.weight = nn.Parameter(packed, requires_grad=False)
+    linear.weight.quant_state = state
 
 
 def run_stage(
@@ -107,7 +131,7 @@ def run_stage(
     grpo = grpo_config(cfg)
     offload = offload_policy(cfg)
     chunk, group = cfg.train.chunk_size, cfg.rollout.num_generations
-    tracked = [*model.parameters(), *model.buffers()]
+    tracked = [*model.parameters(), *model.buffers(), *quantization.quantized_tensors(model)]
     with mode, gpu_emulation.gpu_kernels(), LiveTensorMemory(tracked) as memory:
         params_bytes = memory.current
 
