@@ -413,10 +413,11 @@ def _scatter_rows(
     positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, dim)
     in_span = positions >= prefix_length
     if is_fake(positions):  # a dry run: no values to select by; the worst case, every row
-        d_span.view(-1, dim).index_add_(0, span_rows.clamp(min=0), d_rows)
+        rows = d_rows.clone()  # what a boolean selection of every row copies
+        d_span.view(-1, dim).index_add_(0, span_rows.clamp(min=0), rows)
         for d_prefix in d_prefixes:
             d_prefix.index_add_(0, positions.clamp(min=0).to(d_prefix.device),
-                                d_rows.to(device=d_prefix.device, dtype=d_prefix.dtype))  # fmt: skip
+                                rows.to(device=d_prefix.device, dtype=d_prefix.dtype))  # fmt: skip
         return
     d_span.view(-1, dim).index_add_(0, span_rows[in_span], d_rows[in_span])
     if d_prefixes:
