@@ -65,17 +65,15 @@ class StageRow:
     planned_phases: dict[str, int]
     seconds: float
     measured_on: int  # the stage whose run measured it (itself, or an identical one)
+    params: int  # tracked bytes of its parameters (and 4-bit weights' state)
 
     @property
     def error(self) -> float:
         return (self.tracked - self.planned) / self.planned
 
 
-def run_config(
-    run: DryRun, stages: Sequence[int] | None = None, say: Callable[[str], object] | None = None
-) -> dict[str, Any]:
-    """Every stage of ``run`` (or the first ``max(stages) + 1``, reporting ``stages``);
-    ``say`` gets a line per phase of each stage run."""
+def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
+    """``run``'s config, transformers config, spec, workload and stage layout."""
     cfg = load_config(run.config, ["model.path=" + run.preset, *run.overrides], check_paths=False)
     config = preset_config(run.preset)
     for key, value in run.model:
@@ -86,6 +84,26 @@ def run_config(
     work = workload_from_config(cfg, device="cuda", model_type=config.model_type)
     layout = layout_for(spec, work)
     work = dataclasses.replace(work, stage_starts=tuple(layout.boundaries[:-1]))
+    return cfg, config, spec, work, layout
+
+
+def stage_runs(run: DryRun) -> dict[int, int]:
+    """Each stage of ``run`` -> the first stage with the same layers and ends: the one whose
+    dry run stands for it (``run_config`` also compares what they receive)."""
+    _, _, spec, _, layout = _prepare(run)
+    first: dict[str, int] = {}
+    return {
+        stage: first.setdefault(_stage_key(spec, layout, stage, []), stage)
+        for stage in range(layout.stages)
+    }
+
+
+def run_config(
+    run: DryRun, stages: Sequence[int] | None = None, say: Callable[[str], object] | None = None
+) -> dict[str, Any]:
+    """Every stage of ``run`` (or the first ``max(stages) + 1``, reporting ``stages``);
+    ``say`` gets a line per phase of each stage run."""
+    cfg, config, spec, work, layout = _prepare(run)
     plan = pipeline_plan(spec, work)
     wanted = range(layout.stages) if stages is None else sorted(stages)
     rows, incoming, measured = [], [], {}
@@ -93,20 +111,20 @@ def run_config(
         # A stage with the same layers, ends and incoming messages as one already run holds
         # what that one held: it is not run again (Qwen3.6-27B's 8 stages are 3 kinds).
         key = _stage_key(spec, layout, stage, incoming)
-        if key in measured:
-            result = dataclasses.replace(measured[key], stage=stage, seconds=0.0)
-        else:
+        result = measured.get(key)
+        if result is None:
             result = run_stage(
                 cfg, config, layout, stage, incoming=incoming,
                 rollout_tokens=run.rollout_tokens, say=say,
             )  # fmt: skip
             measured[key] = result
+        seconds = result.seconds if result.stage == stage else 0.0
         incoming = result.sent_forward
         if stage in wanted:
             planned = plan.stage_plans[stage]
             rows.append(StageRow(stage, list(layout.layers_of(stage)), result.peak,
                                  planned.peak, result.phases, dict(planned.phases),
-                                 result.seconds, result.stage))  # fmt: skip
+                                 seconds, result.stage, result.params_bytes))  # fmt: skip
     budget = work.budget
     return {
         "name": run.name,
