@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw_core.fake import is_fake, known_bool, known_float, known_list
+from longstraw_core.plan import pipeline_plan
 from longstraw_core.quantization import nf4_bytes
 from longstraw_core.scale_check.runs import (
     GLM,
@@ -32,8 +33,8 @@ from longstraw_core.scale_check.runs import (
     DryRun,
     _prepare,
     run_config,
-    stage_runs,
     table,
+    worst_stages,
 )
 
 REDUCED = DryRun(
@@ -123,16 +124,21 @@ def test_the_qlora_run_holds_4bit_weights():
         assert weights > 0 and bf16["params"] - nf4["params"] == pytest.approx(saved, rel=0.01)
 
 
-def test_identical_stages_are_measured_once():
+def test_each_kind_of_stage_is_worst_first_in_the_pipeline():
     """Qwen3.6-27B's 8 stages are 3 kinds (the embeddings', 6 alike, the head's) and
-    GLM-5.2's 32 are 4: each kind runs once, the rest take its result."""
-    kinds = {run.name: len(set(stage_runs(run).values())) for run in PAPER}
-    assert kinds == {
-        "qwen36-27b-lora-2.1M": 3,
-        "qwen36-27b-lora-4.46M": 3,
-        "qwen36-27b-qlora-2.1M": 3,
-        "glm52-lora-2.1M": 4,
+    GLM-5.2's 32 are 4 (the dense layers', two-layer and three-layer MoE stages, the
+    head's): each kind's first stage is its worst (most microbatches in flight), and the
+    planner agrees."""
+    worst = {run.name: worst_stages(run) for run in PAPER}
+    assert worst == {
+        "qwen36-27b-lora-2.1M": [0, 1, 7],
+        "qwen36-27b-lora-4.46M": [0, 1, 7],
+        "qwen36-27b-qlora-2.1M": [0, 1, 7],
+        "glm52-lora-2.1M": [0, 1, 19, 31],
     }
+    _, _, spec, work, _ = _prepare(PAPER[0])
+    planned = [stage.peak for stage in pipeline_plan(spec, work).stage_plans]
+    assert planned[1:7] == sorted(planned[1:7], reverse=True)
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -64,7 +64,6 @@ class StageRow:
     tracked_phases: dict[str, int]
     planned_phases: dict[str, int]
     seconds: float
-    measured_on: int  # the stage whose run measured it (itself, or an identical one)
     params: int  # tracked bytes of its parameters (and 4-bit weights' state)
 
     @property
@@ -87,44 +86,47 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
     return cfg, config, spec, work, layout
 
 
-def stage_runs(run: DryRun) -> dict[int, int]:
-    """Each stage of ``run`` -> the first stage with the same layers and ends: the one whose
-    dry run stands for it (``run_config`` also compares what they receive)."""
+def worst_stages(run: DryRun) -> list[int]:
+    """The first stage of each kind (the same layers, the same ends: embeddings, head):
+    the kind's worst. A pipeline's earlier stages run more 1F1B warm-up forwards (stage ``s``
+    of ``S`` holds up to ``S - s`` microbatch graphs), so among stages of one kind the first
+    holds the most; the planner counts the same (``waiting_branches``, ``waiting_chunks``)."""
     _, _, spec, _, layout = _prepare(run)
     first: dict[str, int] = {}
-    return {
-        stage: first.setdefault(_stage_key(spec, layout, stage, []), stage)
-        for stage in range(layout.stages)
-    }
+    for stage in range(layout.stages):
+        first.setdefault(_kind(spec, layout, stage, []), stage)
+    return sorted(first.values())
 
 
 def run_config(
     run: DryRun, stages: Sequence[int] | None = None, say: Callable[[str], object] | None = None
 ) -> dict[str, Any]:
-    """Every stage of ``run`` (or the first ``max(stages) + 1``, reporting ``stages``);
-    ``say`` gets a line per phase of each stage run."""
+    """Stages ``stages`` of ``run`` (None: every one), each run at its own place in the
+    pipeline; ``say`` gets a line per phase of each stage run.
+
+    A stage receives what the one before it sent: a stage before a wanted one is run for its
+    messages only when no stage of its kind (and its incoming messages) ran yet, since those
+    send the same (Qwen3.6-27B's stages 2-6 send what stage 1 sent).
+    """
     cfg, config, spec, work, layout = _prepare(run)
     plan = pipeline_plan(spec, work)
     wanted = range(layout.stages) if stages is None else sorted(stages)
-    rows, incoming, measured = [], [], {}
+    rows, incoming, sent = [], [], {}
     for stage in range(max(wanted) + 1):
-        # A stage with the same layers, ends and incoming messages as one already run holds
-        # what that one held: it is not run again (Qwen3.6-27B's 8 stages are 3 kinds).
-        key = _stage_key(spec, layout, stage, incoming)
-        result = measured.get(key)
-        if result is None:
-            result = run_stage(
-                cfg, config, layout, stage, incoming=incoming,
-                rollout_tokens=run.rollout_tokens, say=say,
-            )  # fmt: skip
-            measured[key] = result
-        seconds = result.seconds if result.stage == stage else 0.0
-        incoming = result.sent_forward
+        kind = _kind(spec, layout, stage, incoming)
+        if stage not in wanted and kind in sent:
+            incoming = sent[kind]
+            continue
+        result = run_stage(
+            cfg, config, layout, stage, incoming=incoming,
+            rollout_tokens=run.rollout_tokens, say=say,
+        )  # fmt: skip
+        incoming = sent[kind] = result.sent_forward
         if stage in wanted:
             planned = plan.stage_plans[stage]
             rows.append(StageRow(stage, list(layout.layers_of(stage)), result.peak,
                                  planned.peak, result.phases, dict(planned.phases),
-                                 seconds, result.stage, result.params_bytes))  # fmt: skip
+                                 result.seconds, result.params_bytes))  # fmt: skip
     budget = work.budget
     return {
         "name": run.name,
@@ -143,9 +145,9 @@ def run_config(
     }
 
 
-def _stage_key(spec: ModelSpec, layout: Any, stage: int, incoming: list) -> str:
-    """What decides a stage's dry run: its layers' specs, whether it holds the embeddings
-    (first) or the head (last), and the shapes of the messages it receives."""
+def _kind(spec: ModelSpec, layout: Any, stage: int, incoming: list) -> str:
+    """What decides the messages a stage sends: its layers' specs, whether it holds the
+    embeddings (first) or the head (last), and the shapes of the messages it receives."""
     layers = [spec.layers[i] for i in layout.layers_of(stage)]
     return repr((layers, stage == 0, stage == layout.stages - 1, incoming))
 
@@ -163,20 +165,13 @@ def table(result: dict[str, Any]) -> str:
         f"{result['name']}: {result['prompt_tokens']:,} positions, G={result['group']}, "
         f"{result['stages']} stages, budget {result['budget'] / gib:.1f} GiB",
         f"{'stage':>5} {'layers':>9} {'tracked GiB':>12} {'planned GiB':>12} {'error':>7} "
-        f"{'peak phase':>10} {'s':>7}",  # "=3": the same run as stage 3 (identical stages)
+        f"{'peak phase':>10} {'s':>7}",
     ]
     for row in result["rows"]:
         phases = row["tracked_phases"]
         lines.append(
             f"{row['stage']:>5} {row['layers'][0]:>4}-{row['layers'][-1]:<4} "
             f"{row['tracked'] / gib:>12.2f} {row['planned'] / gib:>12.2f} "
-            f"{row['error']:>+7.1%} {max(phases, key=phases.get):>10} {_seconds(row):>7}"
+            f"{row['error']:>+7.1%} {max(phases, key=phases.get):>10} {row['seconds']:>7.0f}"
         )
     return "\n".join(lines)
-
-
-def _seconds(row: dict[str, Any]) -> str:
-    """The stage's run time, or ``=k`` when stage k's identical run stands for it."""
-    return (
-        f"{row['seconds']:.0f}" if row["measured_on"] == row["stage"] else f"={row['measured_on']}"
-    )
