@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core import sdpa_flash
+from longstraw_core import gpu_emulation, sdpa_flash
 
 Segment = tuple[torch.Tensor, torch.Tensor]
 
@@ -601,7 +601,7 @@ def _fused_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment]
 ) -> str | None:
     """Why neither fused CUDA kernel (flash-attn's, SDPA's) can take these inputs, or None."""
-    if not q.is_cuda:
+    if not gpu_emulation.takes_gpu_path(q):
         return "inputs are not on CUDA"
     if q.dtype not in _FLASH_DTYPES:
         return f"dtype {q.dtype} (flash-attn needs float16 or bfloat16)"

@@ -229,15 +229,20 @@ def dequantize_(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modu
     return model
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes the 4-bit layers of ``model`` hold: packed codes, absmax and nested scales."""
-    total = 0
+def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """What the 4-bit layers of ``model`` hold: packed codes, absmax and nested scales (the
+    quantization state's tensors are neither parameters nor buffers)."""
+    tensors = []
     for module in model.modules():
-        if not is_quantized(module):
+        if not is_quantized(module) or is_nf4_placeholder(module):
             continue
         state = module.weight.quant_state
-        tensors = [module.weight.data, state.absmax]
+        tensors += [module.weight.data, state.absmax]
         if state.nested:
             tensors += [state.state2.absmax, state.offset]
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+    return tensors
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes the 4-bit layers of ``model`` hold: packed codes, absmax and nested scales."""
+    return sum(t.numel() * t.element_size() for t in quantized_tensors(model))

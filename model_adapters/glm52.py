@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core import quantization
+from longstraw_core import gpu_emulation, quantization
 from longstraw_core.attention import accumulation_dtype, segmented_attention
-from longstraw_core.fake import is_fake
+from longstraw_core.fake import is_fake, representative
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchLatent, LatentKV
 from model_adapters.base import ModelAdapter, Span
@@ -123,8 +123,14 @@ FAMILY = ModelFamily(
 
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]
 
-# Elements of scratch per block (indexer scores, gathered latent rows): ~16 MB in fp32.
+# Elements of scratch per block (indexer scores, gathered latent rows). On a CPU ~16 MB in
+# fp32 keeps blocks in cache. On a GPU each block is a few kernel launches, and at GLM-5.2's
+# widths 2^22 elements is ONE query per sparse-attention block and 2,048 keys per top-k
+# block: millions of launches per layer for a million-token prompt (found by the dry run at
+# real dimensions, ``longstraw_core.scale_check``). 2^28 (1 GiB in fp32) gives 68 queries
+# and 65,536 keys per block.
 _WORK_ELEMENTS = 1 << 22
+_GPU_WORK_ELEMENTS = 1 << 28
 # The RoPE function each model's indexer uses (the main attention is interleaved in both).
 _INDEXER_ROPE = {
     "glm_moe_dsa": "apply_rotary_pos_emb_interleave",
@@ -132,9 +138,16 @@ _INDEXER_ROPE = {
 }
 
 
-def work_elements() -> int:
-    """``_WORK_ELEMENTS`` as it is now (read when called: tests patch it), for the planner."""
-    return _WORK_ELEMENTS
+def work_elements(device_type: str = "cpu") -> int:
+    """The block budget on a ``device_type`` device as it is now (read when called: tests
+    patch it), for the planner."""
+    return _GPU_WORK_ELEMENTS if device_type == "cuda" else _WORK_ELEMENTS
+
+
+def _work_elements(like: torch.Tensor) -> int:
+    """The block budget for work on ``like``'s device (a dry run's stand-in for a GPU's
+    tensor gets the GPU's)."""
+    return work_elements("cuda" if gpu_emulation.takes_gpu_path(like) else "cpu")
 
 
 # --- weight absorption -----------------------------------------------------------------------
@@ -264,10 +277,11 @@ def select_topk(
     query_positions = first + torch.arange(length, device=queries.device)
     best_scores = queries.new_empty(batch, length, 0, dtype=torch.float32)
     best_positions = query_positions.new_empty(batch, length, 0)
-    block = max(topk, _WORK_ELEMENTS // (batch * length))
+    work = _work_elements(queries)
+    block = max(topk, work // (batch * length))
     blocks = _blocks(prefix_keys, 0, block) + _blocks(span_keys, prefix_length, block)
-    for keys, offset in blocks:
-        scores = _index_scores(queries, weights, keys.to(queries.device), scale)
+    for keys, offset in representative(blocks, queries):
+        scores = _index_scores(queries, weights, keys.to(queries.device), scale, work)
         positions = offset + torch.arange(keys.shape[-2], device=queries.device)
         scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
         scores = torch.cat([best_scores, scores], dim=-1)
@@ -278,7 +292,7 @@ def select_topk(
 
 
 def _index_scores(
-    queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
+    queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float, work: int
 ) -> torch.Tensor:
     """``[B, T, n]`` index scores of ``n`` keys, a few indexer heads at a time (bounded memory).
 
@@ -290,8 +304,8 @@ def _index_scores(
     if keys_t.dim() == 3:
         keys_t = keys_t[:, None]  # [B, 1, Di, n]: each branch's keys for all its queries
     scores = queries.new_zeros(batch, length, count, dtype=torch.float32)
-    step = max(1, _WORK_ELEMENTS // (batch * length * count))
-    for head in range(0, heads, step):
+    step = max(1, work // (batch * length * count))
+    for head in representative(range(0, heads, step), queries):
         per_head = torch.relu((queries[:, :, head : head + step].float() @ keys_t) * scale)
         scores += (weights[:, :, None, head : head + step] @ per_head)[:, :, 0]
     return scores
@@ -357,10 +371,11 @@ def latent_attention(
 
 def _query_blocks(positions: torch.Tensor, dim: int, heads: int) -> list[slice]:
     """Query blocks (of ``positions`` ``[B, T, k]``) whose gathered rows and scores stay
-    under ``_WORK_ELEMENTS``."""
+    under the block budget (``work_elements``); on fake tensors only the representative ones."""
     batch, length, topk = positions.shape
-    step = max(1, _WORK_ELEMENTS // (batch * topk * 3 * (dim + heads)))
-    return [slice(start, start + step) for start in range(0, length, step)]
+    step = max(1, _work_elements(positions) // (batch * topk * 3 * (dim + heads)))
+    blocks = [slice(start, start + step) for start in range(0, length, step)]
+    return list(representative(blocks, positions))
 
 
 def _gather_rows(
@@ -398,10 +413,11 @@ def _scatter_rows(
     positions, d_rows = positions.reshape(-1), d_rows.reshape(-1, dim)
     in_span = positions >= prefix_length
     if is_fake(positions):  # a dry run: no values to select by; the worst case, every row
-        d_span.view(-1, dim).index_add_(0, span_rows.clamp(min=0), d_rows)
+        rows = d_rows.clone()  # what a boolean selection of every row copies
+        d_span.view(-1, dim).index_add_(0, span_rows.clamp(min=0), rows)
         for d_prefix in d_prefixes:
             d_prefix.index_add_(0, positions.clamp(min=0).to(d_prefix.device),
-                                d_rows.to(device=d_prefix.device, dtype=d_prefix.dtype))  # fmt: skip
+                                rows.to(device=d_prefix.device, dtype=d_prefix.dtype))  # fmt: skip
         return
     d_span.view(-1, dim).index_add_(0, span_rows[in_span], d_rows[in_span])
     if d_prefixes:

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_core import gpu_emulation
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import (
     AttentionKV,
@@ -295,7 +296,7 @@ def _fla_decode_step(fused: DeltaRuleFn, chunked: DeltaRuleFn) -> DeltaRuleFn:
 
 
 def deltanet_kernels(
-    deltanet: nn.Module, device: torch.device, dtype: torch.dtype
+    deltanet: nn.Module, device: torch.device, dtype: torch.dtype, *, emulated: bool = False
 ) -> DeltaNetKernels:
     """The fastest available kernels for tensors on ``device`` in ``dtype``.
 
@@ -304,12 +305,14 @@ def deltanet_kernels(
     pure-torch path steps single tokens with the model's recurrent function (the chunked
     one would pad each token to a whole chunk); with fla they go through its fused
     recurrent kernel when it is there (``_fla_decode_step``), else its chunked one.
+    ``emulated``: fake tensors standing in for CUDA ones (``gpu_emulation``) get fla's
+    shape-only stand-ins, as a CUDA run with fla installed would run fla.
     """
     conv, conv_name = model_function(type(deltanet), "causal_conv1d_fn", pure=True), "torch"
     rule = model_function(type(deltanet), "torch_chunk_gated_delta_rule", pure=True)
     step = model_function(type(deltanet), "torch_recurrent_gated_delta_rule", pure=True)
     rule_name = "torch"
-    if device.type == "cuda":
+    if device.type == "cuda" and not emulated:
         package_conv = _causal_conv1d_package()
         if (
             package_conv is not None
@@ -317,10 +320,13 @@ def deltanet_kernels(
             and deltanet.activation in _CAUSAL_CONV1D_ACTIVATIONS
         ):
             conv, conv_name = package_conv, "causal_conv1d"
-        fla_rule = _fla_chunk_gated_delta_rule()
+    if device.type == "cuda" or emulated:
+        fla_rule, fused = _fla_chunk_gated_delta_rule(), _fla_fused_recurrent_gated_delta_rule()
+        if emulated:
+            fla_rule = gpu_emulation.chunk_gated_delta_rule
+            fused = gpu_emulation.fused_recurrent_gated_delta_rule
         if fla_rule is not None and dtype in _FLA_DTYPES:
             rule, rule_name, step = _fla_delta_rule(fla_rule), "fla", None
-            fused = _fla_fused_recurrent_gated_delta_rule()
             if fused is not None:
                 step = _fla_decode_step(_fla_delta_rule(fused), rule)
     return DeltaNetKernels(conv, rule, (conv_name, rule_name), step)
@@ -558,7 +564,10 @@ class Qwen36Adapter(ModelAdapter):
         With ``state_only`` it only writes its state and returns None."""
         normed = layer.input_layernorm(hidden)
         if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
-            kernels = deltanet_kernels(layer.linear_attn, hidden.device, hidden.dtype)
+            kernels = deltanet_kernels(
+                layer.linear_attn, hidden.device, hidden.dtype,
+                emulated=gpu_emulation.emulated(hidden),
+            )  # fmt: skip
             mixed = run_gated_deltanet(
                 layer.linear_attn, normed, record, span, kernels, branch_record
             )

@@ -1,19 +1,41 @@
 """Dry runs at real dimensions (``longstraw_core.scale_check``), reduced to run in the suite.
 
-Qwen3.6-27B's real widths (hidden 5120, 248K vocabulary, DeltaNet 48 x 128 heads, gated
-attention 24 q / 4 kv heads of 256) with 4 layers (three Gated DeltaNet, one full attention)
-on 2 pipeline stages and a 4K prompt: a whole GRPO step per stage on fake tensors, through
-the real staged passes. Each stage's tracked peak must be within 10% of the planner's for
-that stage and within the 96 GiB budget. ``make scale-check`` runs the paper's sizes.
+The paper's models at their real widths, with few layers on 2 pipeline stages and a 4K
+prompt: a whole GRPO step per stage on fake tensors, through the real staged passes and the
+GPU's kernels (``gpu_emulation``). Each stage's tracked peak must be within 10% of the
+planner's for that stage and within the 96 GiB budget. ``make scale-check`` runs the
+paper's sizes.
+
+- Qwen3.6-27B (hidden 5120, 248K vocabulary, DeltaNet 48 x 128 heads, gated attention 24 q
+  / 4 kv heads of 256): 4 layers (three Gated DeltaNet, one full attention), LoRA, and the
+  same with an NF4 base (QLoRA);
+- GLM-5.2 (hidden 6144, MLA with a 512 + 64 latent over 64 heads, DSA top-2048, 256
+  experts): 2 layers (one dense MLP, one MoE), the prompt long enough that the second chunk
+  takes the sparse (top-k) path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw_core.fake import is_fake, known_bool, known_float, known_list
-from longstraw_core.scale_check.runs import QWEN, TOLERANCE, DryRun, run_config, table
+from longstraw_core.plan import pipeline_plan
+from longstraw_core.quantization import nf4_bytes
+from longstraw_core.scale_check.runs import (
+    GLM,
+    PAPER,
+    QWEN,
+    TOLERANCE,
+    DryRun,
+    _prepare,
+    run_config,
+    table,
+    worst_stages,
+)
 
 REDUCED = DryRun(
     "qwen36-27b-widths-4-layers",
@@ -30,9 +52,35 @@ REDUCED = DryRun(
 )
 
 
-@pytest.fixture(scope="module")
-def reduced() -> dict:
-    return run_config(REDUCED)
+REDUCED_RUNS = {
+    "qwen36-lora": REDUCED,
+    "qwen36-qlora": dataclasses.replace(
+        REDUCED, overrides=(*REDUCED.overrides, "model.quantization=nf4")
+    ),
+    "glm52-lora": DryRun(
+        "glm52-widths-2-layers",
+        GLM,
+        "GLM-5.2",
+        REDUCED.overrides,
+        (("num_hidden_layers", 2), ("first_k_dense_replace", 1)),
+        rollout_tokens=2,
+    ),
+}
+
+
+_RESULTS: dict[str, dict] = {}
+
+
+def _result(name: str) -> dict:
+    """Each reduced run once per session, whichever test asks first."""
+    if name not in _RESULTS:
+        _RESULTS[name] = run_config(REDUCED_RUNS[name])
+    return _RESULTS[name]
+
+
+@pytest.fixture(scope="module", params=sorted(REDUCED_RUNS))
+def reduced(request) -> dict:
+    return _result(request.param)
 
 
 def test_every_stage_runs_a_whole_step(reduced):
@@ -51,7 +99,6 @@ def test_tracked_peaks_match_the_planner_and_fit(reduced):
 
 
 def test_value_helpers_read_real_tensors_and_stand_in_for_fake_ones():
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     real = torch.tensor([1, 0])
     assert not is_fake(real)
@@ -64,3 +111,73 @@ def test_value_helpers_read_real_tensors_and_stand_in_for_fake_ones():
         assert known_list(fake, fake=7) == [7, 7, 7]
         assert known_bool(fake.any(), fake=True) is True
         assert known_float(fake.sum(), 2.0) == 2.0
+
+
+def test_the_qlora_run_holds_4bit_weights():
+    """The NF4 base's stages hold their decoder linears in ~0.52 byte a weight instead of 2
+    (the embeddings and head stay bf16): the dry run quantized exactly those weights."""
+    lora, qlora = _result("qwen36-lora"), _result("qwen36-qlora")
+    spec = _prepare(REDUCED_RUNS["qwen36-qlora"])[2]
+    for bf16, nf4 in zip(lora["rows"], qlora["rows"], strict=True):
+        weights = sum(spec.layers[i].quantizable for i in nf4["layers"])
+        saved = 2 * weights - nf4_bytes(weights)
+        assert weights > 0 and bf16["params"] - nf4["params"] == pytest.approx(saved, rel=0.01)
+
+
+def test_each_kind_of_stage_is_worst_first_in_the_pipeline():
+    """Qwen3.6-27B's 8 stages are 3 kinds (the embeddings', 6 alike, the head's) and
+    GLM-5.2's 32 are 4 (the dense layers', two-layer and three-layer MoE stages, the
+    head's): each kind's first stage is its worst (most microbatches in flight), and the
+    planner agrees."""
+    worst = {run.name: worst_stages(run) for run in PAPER}
+    assert worst == {
+        "qwen36-27b-lora-2.1M": [0, 1, 7],
+        "qwen36-27b-lora-4.46M": [0, 1, 7],
+        "qwen36-27b-qlora-2.1M": [0, 1, 7],
+        "glm52-lora-2.1M": [0, 1, 19, 31],
+    }
+    _, _, spec, work, _ = _prepare(PAPER[0])
+    planned = [stage.peak for stage in pipeline_plan(spec, work).stage_plans]
+    assert planned[1:7] == sorted(planned[1:7], reverse=True)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_the_planners_sparse_attention_scratch_is_what_the_kernel_holds(
+    monkeypatch: pytest.MonkeyPatch, blocks: int, backward: bool
+):
+    """``glm52._SparseLatentAttention`` at GLM-5.2's widths (64 heads, a 576-wide latent,
+    top-2048) on fake tensors, its tracked scratch against ``plan.kernels``' formula, in
+    blocks of 16 queries: one block, and several (the previous block's tensors bound while
+    the next gathers)."""
+    from longstraw_core import gpu_emulation
+    from longstraw_core.memory import LiveTensorMemory
+    from longstraw_core.plan.kernels import sparse_attention_scratch
+    from model_adapters import glm52
+
+    heads, dim, value, topk, step = 64, 576, 512, 2048, 16
+    tokens, prefix = step * blocks, 4096
+    d = {"index_topk": topk, "heads": heads, "kv_rank": value, "rope_dim": dim - value}
+    monkeypatch.setattr(glm52, "_GPU_WORK_ELEMENTS", step * topk * 3 * (dim + heads))
+    with FakeTensorMode(), gpu_emulation.gpu_kernels(), LiveTensorMemory() as memory:
+        bf16 = torch.bfloat16
+        queries = torch.empty(1, tokens, heads, dim, dtype=bf16, requires_grad=True)
+        span = torch.empty(1, tokens, dim, dtype=bf16, requires_grad=True)
+        latent = torch.empty(prefix, dim, dtype=bf16)
+        positions = torch.empty(1, tokens, topk, dtype=torch.long)
+        sink = torch.empty(prefix, dim)
+        apply = glm52._SparseLatentAttention.apply
+        before = memory.current
+        with memory.phase("forward"):
+            out = apply(queries, span, latent, positions, value, 0.1, sink)
+        scratch = memory.phases["forward"] - memory.current  # the output and lse are kept
+        if backward:
+            d_out = torch.empty_like(out)
+            before = memory.current
+            with memory.phase("backward"):
+                out.backward(d_out)
+            grads = 4 * tokens * dim * (heads + 1)  # float32 dq and d_span, filled block by block
+            scratch = memory.phases["backward"] - before - grads
+    assert before > 0
+    planned = sparse_attention_scratch(d, tokens, 1, "cuda", 2, backward)
+    assert planned == pytest.approx(scratch, rel=0.05)

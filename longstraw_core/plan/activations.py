@@ -441,9 +441,9 @@ class Activations:
             latent = d["kv_rank"] + d["rope_dim"]
             rows = batch * d["heads"] * tokens  # one latent "head" for every query head
             return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, False)
-        scratch = sparse_attention_scratch(d, tokens, batch)
+        scratch = sparse_attention_scratch(d, tokens, batch, self.work.device, self.b, False)
         if d["indexer"]:
-            scratch = max(scratch, select_topk_peak(d, tokens, prefix, batch))
+            scratch = max(scratch, select_topk_peak(d, tokens, prefix, batch, self.work.device))
         return scratch
 
     def backward_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
@@ -477,7 +477,7 @@ class Activations:
             return 0
         if layer.mixer == "mla":
             if d["index_topk"] < prefix + tokens:
-                return 2 * sparse_attention_scratch(d, tokens, 1)
+                return sparse_attention_scratch(d, tokens, 1, self.work.device, self.b, True)
             rows, latent = d["heads"] * tokens, d["kv_rank"] + d["rope_dim"]
             return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, True)
         kv, head = d["kv_heads"], d["head_dim"]

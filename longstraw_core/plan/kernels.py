@@ -51,17 +51,37 @@ def blocked_scratch(
     return scratch + 2 * FP32 * kv_heads * rows * max(dk, dv)  # output / dq accumulators
 
 
-def sparse_attention_scratch(d: dict[str, int], tokens: int, batch: int) -> int:
-    """``glm52._SparseLatentAttention``: per block of queries the gathered latent rows, the
-    scores and probabilities (fp32); blocks keep ``3 x (dim + heads)`` per row under
-    ``work_elements()``."""
-    topk, heads, dim = d["index_topk"], d["heads"], d["kv_rank"] + d["rope_dim"]
-    step = max(1, work_elements() // (batch * topk * 3 * (dim + heads)))
-    queries = min(tokens, step)
-    return FP32 * batch * queries * topk * (2 * dim + 3 * heads)
+def sparse_attention_scratch(
+    d: dict[str, int], tokens: int, batch: int, device: str, state_bytes: int, backward: bool
+) -> int:
+    """``glm52._SparseLatentAttention``'s scratch, block of queries by block, as the code
+    allocates it (checked on fake tensors at GLM-5.2's widths, tests/test_scale_check.py):
+
+    - the gather (``_gather_rows``): the span's and the prefix's rows in the state's dtype and
+      their selection, then the selection's float32 copy (``rows``);
+    - forward: ``rows`` and two float32 ``[b, H, k]`` score tensors; backward: ``rows``,
+      ``d_rows`` and four score tensors, with one more float32 row set at a time (the value
+      part's product, then the rows ``_scatter_rows`` selects);
+    - from the second block on, the previous block's tensors stay bound while the next
+      block gathers.
+    """
+    topk, heads = d["index_topk"], d["heads"]
+    dim, value = d["kv_rank"] + d["rope_dim"], d["kv_rank"]
+    step = max(1, work_elements(device) // (batch * topk * 3 * (dim + heads)))
+    selected = batch * min(tokens, step) * topk  # gathered rows per block
+    rows, scores = FP32 * selected * dim, FP32 * selected * heads
+    gather = selected * dim * max(3 * state_bytes, state_bytes + FP32)
+    if backward:
+        kept = 2 * rows + 4 * scores
+        inside = kept + FP32 * selected * max(dim, value)
+    else:
+        kept = inside = rows + 2 * scores
+    if tokens <= step:
+        return max(gather, inside)
+    return max(inside, kept + gather)
 
 
-def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
+def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int, device: str) -> int:
     """Peak scratch of ``glm52.select_topk``, replayed block by block as the code runs.
 
     During one block's index scores, the previous block's concatenated scores (fp32) and
@@ -69,7 +89,7 @@ def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int) ->
     ``[B, T, heads_step, n]`` (the matmul and its scaled relu).
     """
     topk, heads = d["index_topk"], d["index_heads"]
-    rows, work = batch * tokens, work_elements()
+    rows, work = batch * tokens, work_elements(device)
     block = max(topk, work // rows)
     sizes = _block_sizes(prefix, block) + _block_sizes(tokens, block)
     peak, kept, previous = 0, 0, 0
