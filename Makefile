@@ -9,6 +9,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 FLASH_ATTN ?=
+# Test processes (pytest-xdist): the suite on 2 cores takes ~35 min in one process.
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
@@ -29,9 +31,10 @@ demo: $(STAMP)
 state-demo: $(STAMP)
 	$(PY) -m longstraw_core.demo
 
-# Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs.
+# Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files
+# are spread over TEST_WORKERS processes, each file's tests in one (their fixtures are shared).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

@@ -39,6 +39,7 @@ FAMILIES = ("qwen3", "qwen3_5_text", "glm_moe_dsa")
 # test files import (wandb, datasets) off the GPU machine. ``test_gpu_check`` keeps it whole.
 GPU_TEST_FILES = (
     "tests/test_attention.py",
+    "tests/test_gpu_emulation.py",
     "tests/test_offload.py",
     "tests/test_pinned.py",
     "tests/test_qwen36_adapter.py",
