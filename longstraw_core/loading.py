@@ -17,6 +17,10 @@ soon as its weight is read (``quantization.fill_nf4_``), then moved to the devic
 memory is one weight in the model dtype and its quantization's scratch, the device holds
 the rank's 4-bit share.
 
+Checkpoint names are the model's after transformers' own renamings for its class
+(``checkpoint_renamings``), as ``from_pretrained`` applies them: Qwen3.5/3.6 checkpoints are
+multimodal and store the text decoder under ``model.language_model.``.
+
 ``load_policy`` / ``load_reference`` are what the recipes call; tiny random-init models
 (``model.tiny``) keep the old path (they are built from a seed, and small).
 """
@@ -30,7 +34,7 @@ import functools
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +44,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 import longstraw_core as ls
 from longstraw_core import models, quantization
@@ -156,7 +162,7 @@ def materialize(
         for name, buffer in model.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
-        checkpoint = SafetensorsCheckpoint(directory)
+        checkpoint = SafetensorsCheckpoint(directory, checkpoint_renamings(adapter.causal_lm))
         for name, module, tensor in _base_tensors(adapter.causal_lm):
             if quantization.is_nf4_placeholder(module) and tensor is module.weight:
                 # A 4-bit weight: read in the model's dtype, quantized, moved to the device.
@@ -288,6 +294,15 @@ def _checkpoint_parts(
     return parts
 
 
+def checkpoint_renamings(causal_lm: nn.Module) -> list[WeightRenaming]:
+    """transformers' key renamings for ``causal_lm``'s class, the ones ``from_pretrained``
+    applies to a checkpoint's names (``Qwen3_5ForCausalLM``: ``model.language_model.X`` ->
+    ``model.X``). Its converters (per-expert tensors fused into 3-D parameters) are left
+    out: ``_checkpoint_parts`` reads the experts one by one instead."""
+    model = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+
 @contextlib.contextmanager
 def keep_lora_init() -> Iterator[dict[nn.Module, dict[str, torch.Tensor]]]:
     """While PEFT adds adapters to a meta model, keep each adapter's initial values.
@@ -333,9 +348,10 @@ class _Entry:
 
 class SafetensorsCheckpoint:
     """A checkpoint directory's safetensors files, read tensor by tensor without ``mmap``
-    (mapped pages a rank touches would count in its memory) into tensors it is given."""
+    (mapped pages a rank touches would count in its memory) into tensors it is given, each
+    under its name after ``renamings`` (``checkpoint_renamings``)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, renamings: Sequence[WeightRenaming] = ()) -> None:
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.exists():
@@ -348,6 +364,10 @@ class SafetensorsCheckpoint:
         self.entries: dict[str, _Entry] = {}
         for file in files:
             self.entries |= _header(self.directory / file)
+        if renamings:
+            renamings = list(renamings)
+            self.entries = {apply_renamings(n, renamings): e for n, e in self.entries.items()}
+            self.weight_map = {apply_renamings(n, renamings): f for n, f in self.weight_map.items()}
 
     def read_into(
         self,

@@ -40,7 +40,7 @@ import longstraw_core as ls
 from longstraw_core import loading, models, quantization
 from longstraw_core.config import LoraSection, ModelSection, load_config
 from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "loading_worker.py"
@@ -271,6 +271,36 @@ def test_one_process_load_equals_the_old_path(model_type, section, tmp_path):
     old = models.build_model(ModelSection(path=str(tmp_path), **SECTIONS[section]), 0)
     for name, buffer in old.named_buffers():
         assert torch.equal(buffers[name], buffer), name
+
+
+def _multimodal_qwen35(directory: Path) -> None:
+    """A Qwen3.5/3.6-style checkpoint as published: the multimodal model, its text decoder
+    under ``model.language_model.``, a vision tower beside it."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {k: v for k, v in TINY_CONFIGS["qwen3_5_text"].items() if k != "model_type"}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    config = Qwen3_5Config(
+        text_config=text, vision_config=vision | {"out_hidden_size": text["hidden_size"]}
+    )
+    torch.manual_seed(1)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_multimodal_qwen35_checkpoint_loads_its_text_decoder(lora, tmp_path):
+    """The names transformers renames on load (``model.language_model.X`` -> ``model.X``)
+    are renamed here too: the text model equals ``from_pretrained``'s."""
+    _multimodal_qwen35(tmp_path)
+    stored = list(loading.SafetensorsCheckpoint(tmp_path).entries)  # the names as stored
+    assert any(name.startswith("model.language_model.layers.") for name in stored)
+    assert any(name.startswith("model.visual.") for name in stored)
+    torch.manual_seed(worker.SEED)
+    got = _load(tmp_path, lora=lora).state_dict()
+    expected = _reference(tmp_path, lora=lora)
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_tied_embeddings_stay_tied(tmp_path):
