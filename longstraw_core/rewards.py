@@ -71,6 +71,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Re-exported: the recipes import it from here, once longstraw_core has quieted bitsandbytes
+# (transformers.TrainerState's import imports it).
 from transformers import TrainerState
 
 from longstraw_core import metrics as metric_names

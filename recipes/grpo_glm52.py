@@ -63,7 +63,6 @@ from typing import NamedTuple
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import TrainerState
 
 import longstraw_core as ls
 from longstraw_core import (
@@ -86,7 +85,7 @@ from longstraw_core import (
 from longstraw_core import metrics as names
 from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
-from longstraw_core.rewards import RewardError, RewardResult, RewardSet
+from longstraw_core.rewards import RewardError, RewardResult, RewardSet, TrainerState
 from longstraw_core.stop import GracefulStop, exit_after_stop
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/glm52/tiny_grpo_cpu.yaml"

@@ -66,6 +66,7 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     out = tmp_path / "run"
     result = run_recipe(recipe, config, out, "train.steps=2", "train.save_every=2", *extra)
     assert "step 2/2" in result.stdout + result.stderr
+    assert "gemm_4bit_forward" not in result.stdout + result.stderr  # bitsandbytes' notice
     # The step line shows what the recipe emits: completion length, tokens/s, peak memory.
     assert re.search(r"step 2/2 .* len \d+ +tok/s [\d,]+ +peak [\d.]+ \w+", result.stdout)
     assert (out / "latest").read_text().strip() == "step-000002"
