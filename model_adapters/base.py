@@ -356,10 +356,10 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the layers compute in (and the state is kept in)."""
-        if self.stage is not None:
-            return self.stage.dtype
         if self.parallel is not None and self.parallel.param_dtype is not None:
             return self.parallel.param_dtype  # FSDP mixed precision: params gathered in it
+        if self.stage is not None:  # before FSDP: a stage records its weights' dtype
+            return self.stage.dtype
         return self.embed_tokens.weight.dtype
 
     @property

@@ -26,6 +26,7 @@ from launch import torchrun_ok
 
 import longstraw_core as ls
 from longstraw_core import checkpoint
+from longstraw_core.distributed import shard_model
 from longstraw_core.pipeline import (
     StageLayout,
     StageLayoutError,
@@ -219,3 +220,17 @@ def test_stage_model_refuses_misuse(world_of_one):
         stage_model(tied, StageLayout((0, 1, 2)), link)
     with pytest.raises(ValueError, match="must divide the 1 processes"):
         pipeline_mesh(2)
+
+
+def test_a_stage_sharded_with_bf16_keeps_its_state_in_bf16(world_of_one):
+    """Stages are made before FSDP shards them, so the stage records the float32 masters'
+    dtype; with bf16 mixed precision the layers compute in bf16 and the prefix state must
+    be kept in it (as unstaged FSDP keeps it), not in float32 at twice the memory."""
+    adapter = ls.adapt(tiny_model("qwen3").train())
+    mesh = pipeline_mesh(1)
+    stage_model(adapter, StageLayout((0, 2)), stage_link(mesh, adapter.device))
+    shard_model(adapter, mixed_precision="bf16", mesh=mesh["replica"])
+    assert adapter.dtype == torch.bfloat16
+    state = adapter.prefill(torch.arange(40), chunk_size=16)
+    stored = {t.dtype for layer in state.layers for t in (layer.keys, layer.values)}
+    assert stored == {torch.bfloat16}
