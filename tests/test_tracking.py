@@ -10,8 +10,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from rich.console import Console
-from wandb.proto import wandb_internal_pb2
-from wandb_records import wandb_config, wandb_records
+from wandb_records import wandb_config, wandb_history, wandb_records
 
 from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
@@ -19,19 +18,6 @@ from longstraw_core.progress import StepProgress
 from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
-
-
-def _steps(records: list[wandb_internal_pb2.Record]) -> dict[int, dict[str, object]]:
-    rows: dict[int, dict[str, object]] = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            # Items carry either a flat key or a nested key path (a table's fields).
-            row = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
-            rows.setdefault(int(row["_step"]), {}).update(row)
-    return rows
 
 
 def test_offline_wandb_run_records_metrics_config_and_completions(
@@ -63,7 +49,7 @@ def test_offline_wandb_run_records_metrics_config_and_completions(
 
     assert len(lines) == 3 and lines[0].startswith("step 1/3") and "reward 0.250" in lines[0]
     records = wandb_records(next(run_dir.glob("run-*.wandb")))
-    steps = _steps(records)
+    steps = wandb_history(records)
     assert steps[3]["loss"] == pytest.approx(1 / 3) and steps[1]["reward"] == 0.25
     assert steps[2]["time/prefill"] == 2.0 and steps[2]["state_bytes/full_attention"] == 4096
     assert steps[2]["completions/_type"] == "table-file"
