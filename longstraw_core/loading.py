@@ -294,13 +294,14 @@ def _checkpoint_parts(
     return parts
 
 
-def checkpoint_renamings(causal_lm: nn.Module) -> list[WeightRenaming]:
+def checkpoint_renamings(causal_lm: PreTrainedModel) -> list[WeightRenaming]:
     """transformers' key renamings for ``causal_lm``'s class, the ones ``from_pretrained``
     applies to a checkpoint's names (``Qwen3_5ForCausalLM``: ``model.language_model.X`` ->
     ``model.X``). Its converters (per-expert tensors fused into 3-D parameters) are left
-    out: ``_checkpoint_parts`` reads the experts one by one instead."""
-    model = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out: ``_checkpoint_parts`` reads the experts one by one instead. ``causal_lm``: the
+    adapter's, already unwrapped from PEFT."""
+    mapping = get_model_conversion_mapping(causal_lm)
+    return [t for t in mapping if isinstance(t, WeightRenaming)]
 
 
 @contextlib.contextmanager
