@@ -343,9 +343,12 @@ class FSDPRun:
         return int(value.item())
 
     def everywhere(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self.device)
+        return self.everywhere_each(flag)[0]
+
+    def everywhere_each(self, *flags: bool) -> tuple[bool, ...]:
+        value = torch.tensor([int(flag) for flag in flags], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(value.item())
+        return tuple(bool(v) for v in value.tolist())
 
     def reshard(self) -> None:
         for layer, inner in self.layers.items():

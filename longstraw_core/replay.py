@@ -360,7 +360,8 @@ def _replay_on_stages(
         return loss * loss_scale
 
     branches = [None if index is None else responses[index] for index in items]
-    adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature)
+    pieces = adapter.stage.pieces_for(len(branches))
+    adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature, pieces)
     loss, entropy, stats = adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
     return loss, entropy, stats, len(items) - len(contributing)
 

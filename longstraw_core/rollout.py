@@ -64,6 +64,9 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from longstraw_core.fake import known_bool, known_list
 from longstraw_core.guard import NonFiniteError
+from longstraw_core.pipeline.runner import run_program
+from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
+from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
 from longstraw_core.state import PrefixState
 from model_adapters.base import ModelAdapter
 
@@ -142,28 +145,20 @@ def rollout(
     )
     _check_options(min_p, repetition_penalty, stop_strings, tokenizer)
     adapter._check_positions(state.prompt_length, max_new_tokens)
-    device, group = adapter.device, num_generations
-    generator = torch.Generator(device=device)
+    generator = torch.Generator(device=adapter.device)
     generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
-    processors = _processors(temperature, top_k, top_p, min_p, repetition_penalty)
-    stop = StopStringCriteria(tokenizer, list(stop_strings)) if stop_strings else None
-    eos = torch.tensor(eos, dtype=torch.long, device=device)
-    pad_id = int(eos[0]) if len(eos) else 0
-    # What the processors see as the sequence: the prompt's distinct tokens (the repetition
-    # penalty needs only which tokens occur), then each branch's tokens, filled step by step.
-    seen = torch.unique(state.prompt_ids) if repetition_penalty != 1.0 else state.prompt_ids[:0]
-    sequence = torch.cat(
-        [
-            seen.to(device).expand(group, -1),
-            torch.full((group, max_new_tokens), pad_id, dtype=torch.long, device=device),
-        ],
-        dim=1,
+    group = _Group(
+        state,
+        num_generations,
+        max_new_tokens,
+        temperature,
+        _processors(temperature, top_k, top_p, min_p, repetition_penalty),
+        StopStringCriteria(tokenizer, list(stop_strings)) if stop_strings else None,
+        torch.tensor(eos, dtype=torch.long, device=adapter.device),
+        generator,
+        torch.promote_types(adapter.dtype, torch.float32),
+        repetition_penalty != 1.0,
     )
-    tokens = sequence[:, len(seen) :]  # a view: the responses
-    logps: torch.Tensor | None = None
-    finished = torch.zeros(group, dtype=torch.bool, device=device)
-    lengths = torch.full((group,), max_new_tokens, dtype=torch.long, device=device)
-    inputs = state.last_token.expand(group)[:, None]
     bar = tqdm(
         total=max_new_tokens,
         desc="rollout",
@@ -172,61 +167,221 @@ def rollout(
         leave=False,
     )
     started = time.perf_counter()
-    steps = 0
     gathered = adapter.parameters_gathered() if gather_parameters else nullcontext()
     with torch.no_grad(), bar, gathered:
-        cache = adapter.new_branch_cache(state, group, max_new_tokens)
-        logps_dtype = torch.promote_types(adapter.dtype, torch.float32)
-        for step in range(max_new_tokens):
-            logits = adapter.decode(state, cache, inputs)
-            # On pipeline stages only the last one has logits: it samples, every stage gets
-            # the tokens (and whether the logits were finite).
-            finite, next_tokens, next_logps = _sample_on_last_stage(
-                adapter, logits, temperature, processors, sequence[:, : len(seen) + step],
-                generator, group, logps_dtype,
-            )  # fmt: skip
-            # Sampling would fail on them (or worse); sharded, every rank stops together.
-            if not adapter.everywhere(finite):
-                raise NonFiniteError(
-                    f"rollout: non-finite logits at decode step {step}: the weights or the "
-                    "prompt's state hold inf/NaN (diverged training?)"
-                )
-            if logps is None:
-                logps = torch.zeros(group, max_new_tokens, dtype=logps_dtype, device=device)
-            next_tokens = next_tokens.masked_fill(finished, pad_id)
-            tokens[:, step] = next_tokens
-            logps[:, step] = next_logps.masked_fill(finished, 0.0)
-            ended = torch.isin(next_tokens, eos)
-            if stop is not None:  # every stage has the tokens: each checks them alike
-                ended |= stop(tokens[:, : step + 1], None)
-            ended &= ~finished
-            lengths = torch.where(ended, step + 1, lengths)
-            finished |= ended
-            steps += 1
-            bar.update(1)
-            # sharded: every rank decodes on; a dry run's fake tokens never end a response
-            if adapter.everywhere(known_bool(finished.all(), fake=False)):
-                break
-            inputs = next_tokens[:, None]
+        if adapter.stage is not None:
+            steps, cache_bytes = _decode_on_stages(adapter, state, group, bar)
+        else:
+            steps, cache_bytes = _decode(adapter, state, group, bar)
     seconds = time.perf_counter() - started
 
-    lengths_list = known_list(lengths, fake=steps)
-    finished_list = known_list(finished, fake=False)
-    responses = [tokens[i, :n].clone() for i, n in enumerate(lengths_list)]
+    lengths_list = known_list(group.lengths, fake=steps)
+    finished_list = known_list(group.finished, fake=False)
+    responses = [group.tokens[i, :n].clone() for i, n in enumerate(lengths_list)]
     generated = sum(lengths_list)
     return RolloutOutput(
         responses=responses,
-        logps=[logps[i, :n].clone() for i, n in enumerate(lengths_list)],
+        logps=[group.logps[i, :n].clone() for i, n in enumerate(lengths_list)],
         truncated=[not done for done in finished_list],
         stats={
             "decode_seconds": seconds,
             "steps": steps,
             "generated_tokens": generated,
             "tokens_per_second": generated / seconds if seconds > 0 else float("inf"),
-            "branch_cache_bytes": cache.nbytes(),
+            "branch_cache_bytes": cache_bytes,
             "prefix_state_bytes": state.nbytes(),
         },
     )
+
+
+class _Group:
+    """The group being sampled: every branch's tokens, behaviour log-probs and whether it
+    ended (on pipeline stages: kept by the last stage, which samples).
+
+    A decode step's draws for the whole group are made when the step begins
+    (``begin_step``) and each part of the group then samples its own rows (``sample``), so
+    sampling in micro-groups draws what one batch draws: ``torch.multinomial`` of one
+    sample is ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn ``[G, vocab]`` at once (its
+    fast path), which is what ``generate`` draws for the same seed.
+    """
+
+    def __init__(
+        self,
+        state: PrefixState,
+        size: int,
+        max_new_tokens: int,
+        temperature: float,
+        processors: list[LogitsProcessor],
+        stop: StopStringCriteria | None,
+        eos: torch.Tensor,
+        generator: torch.Generator,
+        logps_dtype: torch.dtype,
+        needs_prompt_tokens: bool,
+    ) -> None:
+        device = eos.device
+        self.size, self.temperature, self.processors = size, temperature, processors
+        self.stop, self.eos, self.generator = stop, eos, generator
+        self.pad_id = int(eos[0]) if len(eos) else 0
+        # What the processors see as the sequence: the prompt's distinct tokens (the
+        # repetition penalty needs only which tokens occur), then each branch's tokens.
+        seen = torch.unique(state.prompt_ids) if needs_prompt_tokens else state.prompt_ids[:0]
+        self.seen = len(seen)
+        self.sequence = torch.cat(
+            [
+                seen.to(device).expand(size, -1),
+                torch.full((size, max_new_tokens), self.pad_id, dtype=torch.long, device=device),
+            ],
+            dim=1,
+        )
+        self.tokens = self.sequence[:, self.seen :]  # a view: the responses
+        self.logps = torch.zeros(size, max_new_tokens, dtype=logps_dtype, device=device)
+        self.finished = torch.zeros(size, dtype=torch.bool, device=device)
+        self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.noise: torch.Tensor | None = None
+
+    def begin_step(self, vocab: int) -> None:
+        """Draw the step's noise for every branch (sampling only)."""
+        if self.temperature != 0:
+            noise = torch.empty(self.size, vocab, dtype=self.logps.dtype, device=self.eos.device)
+            self.noise = noise.exponential_(1, generator=self.generator)
+
+    def sample(self, rows: range, step: int, logits: torch.Tensor) -> torch.Tensor:
+        """Sample step ``step`` of branches ``rows`` from their logits ``[len(rows), vocab]``:
+        record the tokens (the pad id for ended branches), their log-probs, and which branches
+        end; return the tokens. Non-finite logits are noted (``nonfinite``), not sampled."""
+        logits = logits.to(self.logps.dtype)
+        finite = torch.isfinite(logits).all()
+        self.nonfinite |= ~finite
+        rows_ = slice(rows.start, rows.stop)
+        scores = logits
+        for processor in self.processors:
+            scores = processor(self.sequence[rows_, : self.seen + step], scores)
+        if self.temperature == 0:
+            tokens = scores.argmax(-1)
+            log_probs = torch.log_softmax(logits, -1)
+        else:
+            log_probs = torch.log_softmax(logits / self.temperature, -1)
+            tokens = (torch.softmax(scores, -1) / self.noise[rows_]).argmax(-1)
+        tokens = tokens.masked_fill(~finite, 0)  # what ends is decided by the finite check
+        finished = self.finished[rows_]
+        tokens = tokens.masked_fill(finished, self.pad_id)
+        self.tokens[rows_, step] = tokens
+        chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
+        self.logps[rows_, step] = chosen.masked_fill(finished, 0.0)
+        ended = torch.isin(tokens, self.eos)
+        if self.stop is not None:
+            ended |= self.stop(self.tokens[rows_, : step + 1], None)
+        ended &= ~finished
+        self.lengths[rows_] = torch.where(ended, step + 1, self.lengths[rows_])
+        self.finished[rows_] = finished | ended
+        return tokens
+
+    def raise_if_nonfinite(self, step: int | str) -> None:
+        raise NonFiniteError(
+            f"rollout: non-finite logits at decode step {step}: the weights or the prompt's "
+            "state hold inf/NaN (diverged training?)"
+        )
+
+
+def _decode(adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm) -> tuple[int, int]:
+    """One process (or FSDP ranks in step): every branch decoded in one batch per step.
+    Returns the steps run and the branch cache's bytes."""
+    cache = adapter.new_branch_cache(state, group.size, group.tokens.shape[1])
+    inputs = state.last_token.expand(group.size)[:, None]
+    steps = 0
+    for step in range(group.tokens.shape[1]):
+        logits = adapter.decode(state, cache, inputs)[:, -1]
+        group.begin_step(logits.shape[-1])
+        tokens = group.sample(range(group.size), step, logits)
+        steps += 1
+        bar.update(1)
+        # One collective a step on a sharded model: every rank raises, or stops, together
+        # (a dry run's fake logits are finite and its fake tokens never end a response).
+        finite, done = adapter.everywhere_each(
+            not known_bool(group.nonfinite, fake=False),
+            known_bool(group.finished.all(), fake=False),
+        )
+        if not finite:
+            group.raise_if_nonfinite(step)
+        if done:
+            break
+        inputs = tokens[:, None]
+    return steps, cache.nbytes()
+
+
+def _decode_on_stages(
+    adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm
+) -> tuple[int, int]:
+    """Pipeline stages: the group's micro-groups go around the ring of stages
+    (``schedule.ring_program``): stage ``s`` decodes micro-group ``j`` while stage ``s - 1``
+    decodes ``j + 1``; the last stage samples and sends the tokens to the first; one
+    collective per step says whether every branch has ended (of every replica, when FSDP
+    shards the stages over the replicas: their passes gather together). The last
+    stage then sends the whole group to every stage. Returns the steps run and this stage's
+    branch caches' bytes."""
+    link = adapter.stage.link
+    rows = micro_groups(group.size, link.stages)
+    ring = Ring(link.stages, len(rows), group.tokens.shape[1])
+    caches = [adapter.new_branch_cache(state, len(r), ring.max_steps) for r in rows]
+    last = link.is_last
+
+    def compute(step: Compute, received: dict[Key, Payload]) -> Payload | None:
+        j, t = step.microbatch
+        if link.is_first:
+            ids = state.last_token.expand(len(rows[j])) if t == 0 else received[("T", j, t - 1)][0]
+            output = adapter.ring_decode(state, caches[j], ids[:, None], None)
+        else:
+            output = adapter.ring_decode(state, caches[j], None, received[("H", j, t)])
+        if j == len(rows) - 1:
+            bar.update(1)
+        if not last:
+            return output
+        logits = output[:, -1]
+        if j == 0:
+            group.begin_step(logits.shape[-1])
+        return (group.sample(rows[j], t, logits),)
+
+    def spec(message: Message) -> MessageSpec:
+        kind, j, t = message.key
+        if kind == "T":
+            return (((len(rows[j]),), torch.long),)
+        return adapter.decode_spec(state, len(rows[j]), t)
+
+    def collective(name: Key) -> None:
+        _, t = name
+        flags = torch.zeros(2, dtype=torch.long, device=adapter.device)
+        if last:
+            flags[0] = (~group.finished).any()
+            flags[1] = group.nonfinite
+        if link.signal_any(flags, every_replica=adapter.parallel is not None)[0] == 0:
+            ring.stop_at(t)
+
+    run_program(link, ring_steps(ring, link.stage), compute, spec, collective)
+    _share_group(link, group, ring.planned_steps)
+    if known_bool(group.nonfinite, fake=False):
+        group.raise_if_nonfinite(f"<= {ring.planned_steps - 1}")
+    return ring.planned_steps, sum(cache.nbytes() for cache in caches)
+
+
+def _share_group(link: StageLink, group: _Group, steps: int) -> None:
+    """The last stage's sampled group on every stage of the pipeline (one broadcast of the
+    tokens, lengths, ends and the non-finite flag, one of the log-probs)."""
+    packed = torch.cat(
+        [group.tokens[:, :steps], group.lengths[:, None], group.finished[:, None].long(),
+         group.nonfinite.long().expand(group.size)[:, None]],
+        dim=1,
+    )  # fmt: skip
+    packed = link.from_last(packed if link.is_last else None, like=packed)
+    logps = link.from_last(group.logps[:, :steps] if link.is_last else None,
+                           like=group.logps[:, :steps])  # fmt: skip
+    if link.is_last:
+        return
+    group.tokens[:, :steps] = packed[:, :steps]
+    group.lengths.copy_(packed[:, steps])
+    group.finished.copy_(packed[:, steps + 1].bool())
+    group.nonfinite.copy_(packed[0, steps + 2].bool())
+    group.logps[:, :steps] = logps
 
 
 def _check_arguments(
@@ -297,63 +452,3 @@ def _processors(
     if min_p > 0:
         processors.append(MinPLogitsWarper(float(min_p)))
     return processors
-
-
-def _sample_on_last_stage(
-    adapter: ModelAdapter,
-    logits: torch.Tensor | None,
-    temperature: float,
-    processors: list[LogitsProcessor],
-    sequence: torch.Tensor,
-    generator: torch.Generator,
-    group: int,
-    logps_dtype: torch.dtype,
-) -> tuple[bool, torch.Tensor, torch.Tensor]:
-    """Whether the step's logits are finite, the next tokens ``[B]`` and their log-probs.
-
-    ``sequence`` ``[B, L]``: what the processors read (the prompt's tokens and each branch's
-    so far). In one process (or sharded) ``logits`` are this rank's. On pipeline stages the
-    last stage has them: it samples with its generator (the same draws as one process), and
-    every stage receives the tokens, log-probs and finiteness (the others' generators stay
-    unused).
-    """
-    finite = tokens = logps = None
-    if logits is not None:
-        logits = logits[:, -1].to(logps_dtype)
-        finite = known_bool(torch.isfinite(logits).all(), fake=True)
-        tokens = torch.zeros(group, dtype=torch.long, device=logits.device)
-        logps = torch.zeros(group, dtype=logps_dtype, device=logits.device)
-        if finite:
-            tokens, logps = _sample(logits, temperature, processors, sequence, generator)
-    if adapter.stage is None:
-        return finite, tokens, logps
-    link = adapter.stage.link
-    device = adapter.device
-    flag = link.from_last(
-        None if finite is None else torch.tensor([int(finite)], device=device),
-        like=torch.empty(1, dtype=torch.long, device=device),
-    )
-    tokens = link.from_last(tokens, like=torch.empty(group, dtype=torch.long, device=device))
-    logps = link.from_last(logps, like=torch.empty(group, dtype=logps_dtype, device=device))
-    return known_bool(flag[0], fake=True), tokens, logps
-
-
-def _sample(
-    logits: torch.Tensor,
-    temperature: float,
-    processors: list[LogitsProcessor],
-    sequence: torch.Tensor,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens ``[B]`` and their behaviour log-probs ``[B]`` from logits ``[B, vocab]``."""
-    scores = logits
-    for processor in processors:
-        scores = processor(sequence, scores)
-    if temperature == 0:
-        next_tokens = scores.argmax(-1)
-        log_probs = torch.log_softmax(logits, -1)
-    else:
-        log_probs = torch.log_softmax(logits / temperature, -1)
-        probs = torch.softmax(scores, -1)
-        next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return next_tokens, log_probs.gather(-1, next_tokens[:, None])[:, 0]

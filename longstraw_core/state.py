@@ -23,12 +23,13 @@ record's ``window`` (what the pass reads) to the device one layer at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from longstraw_core.fake import is_fake
 from longstraw_core.kinds.attention import AttentionKV, BranchKV
-from longstraw_core.kinds.base import LayerState
+from longstraw_core.kinds.base import LayerState, Pieces, Produced
 from longstraw_core.kinds.latent import BranchLatent, LatentKV
 from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from longstraw_core.offload import OffloadPolicy, Residency
@@ -242,3 +243,23 @@ class BranchCache:
     def nbytes(self) -> int:
         """Bytes allocated by the branch records (preallocated to ``capacity``)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+@dataclass
+class PieceCache:
+    """One branch replayed in pieces with autograd (pipeline replay): per layer, what the
+    pieces keep between them (``LayerState.new_pieces``). ``piece(produced)`` gives the
+    records of the next piece, which ``run_owned_layers`` takes as a branch cache; what the
+    piece writes goes into ``produced``, seeded for its backward."""
+
+    chains: list[Pieces]
+
+    def piece(self, produced: Produced) -> PieceStep:
+        return PieceStep([chain.piece(produced) for chain in self.chains])
+
+
+@dataclass
+class PieceStep:
+    """The branch records of one piece (``layers``, as ``BranchCache.layers``)."""
+
+    layers: list[Any]

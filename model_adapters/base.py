@@ -387,7 +387,7 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         self, state: PrefixState, branch: BranchCache, input_ids: torch.Tensor
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of the next ``T`` positions of every branch in ``branch``
-        (on pipeline stages: on the last stage; the others return ``None``).
+        (one process or sharded; pipeline stages decode with ``ring_decode``).
 
         ``input_ids`` ``[B, T]`` are appended to the branches' records; the first position of
         a branch is the prompt's last token (``state.last_token``). Runs with whatever
@@ -395,10 +395,11 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         """
         check_decode_inputs(state, branch, input_ids)
         span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
-        if self.stage is not None:  # the logits on the last stage, None on the others
-            logits = self._staged_decode(state, branch, input_ids, span)
-            branch.length += span.length
-            return logits
+        if self.stage is not None:
+            raise RuntimeError(
+                "on pipeline stages decoding runs the stages' ring schedule: call "
+                "longstraw_core.rollout (or ModelAdapter.ring_decode within its program)"
+            )
 
         def step() -> torch.Tensor:
             hidden = self.run_layers(self.embed_tokens(input_ids), span, state, branch)

@@ -594,6 +594,13 @@ class GlmMoeDsaAdapter(ModelAdapter):
             state_only,
         )
 
+    def carried_spec(self, batch: int, span: Span) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """The DSA selection a stage hands the next: ``[batch, T, index_topk]`` positions,
+        none while dense (when no query of the span sees more than ``index_topk``)."""
+        if self.config.index_topk >= span.start + span.length:
+            return None
+        return ((batch, span.length, self.config.index_topk), torch.long)
+
     def layer_result(
         self, output: tuple[torch.Tensor | None, torch.Tensor | None]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

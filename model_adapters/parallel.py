@@ -50,6 +50,9 @@ class Parallel(Protocol):
     def everywhere(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
 
+    def everywhere_each(self, *flags: bool) -> tuple[bool, ...]:
+        """Whether each flag holds on every rank (one collective)."""
+
     def reshard(self) -> None:
         """Free every gathered parameter (the next pass gathers the current values)."""
 
@@ -115,6 +118,12 @@ class ShardedPasses:
         """Whether ``flag`` holds on every rank of a sharded model (in one process: ``flag``);
         a loop that stops on it stops on every rank at once."""
         return flag if self.parallel is None else self.parallel.everywhere(flag)
+
+    def everywhere_each(self, *flags: bool) -> tuple[bool, ...]:
+        """``everywhere`` of each flag, in one collective."""
+        if self.parallel is None:
+            return flags
+        return self.parallel.everywhere_each(*flags)
 
     def release_parameters(self) -> None:
         """Free the parameters a sharded model still holds gathered (FSDP keeps the root's and

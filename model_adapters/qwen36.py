@@ -433,7 +433,10 @@ def run_gated_deltanet(
 
     beta = b.sigmoid()
     g = -deltanet.A_log.float().exp() * F.softplus(a.float() + deltanet.dt_bias)
-    delta_rule = kernels.delta_rule if branch is None else kernels.rule_for(length)
+    # A decode step's one position takes the step kernel; with autograd (a branch replayed
+    # in pieces on pipeline stages) the chunked one, whose backward is the replay's.
+    decoding = branch is not None and not torch.is_grad_enabled()
+    delta_rule = kernels.rule_for(length) if decoding else kernels.delta_rule
     output, final_state = delta_rule(
         query,
         key,

@@ -67,6 +67,7 @@ class Case:
     checkpoint: bool = False  # save a staged checkpoint at the end and load it back
     fsdp: bool = False  # FSDP2 shards each stage over its replicas (which then average)
     temperature: float = 1.0  # GRPOConfig.temperature: the last stage's head divides by it
+    pieces: int | None = None  # pieces per replayed branch (None: the schedule's choice)
 
 
 CASES = {
@@ -82,7 +83,10 @@ CASES = {
     "qwen3_5_text-lora-exact": Case("qwen3_5_text", "exact", lora=True, checkpoint=True),
     # Stage 1 starts at a layer that reuses layer 2's DSA selection: it crosses the boundary.
     "qwen3_5_text-exact-offloaded": Case("qwen3_5_text", "exact", offload="cpu"),
-    "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3)),
+    # One piece per branch: one process's replay arithmetic, also where the model computes
+    # in float32 inside (the delta rule, the MoE router), so the numbers match to 1e-6.
+    "qwen3_5_text-exact-one-piece": Case("qwen3_5_text", "exact", pieces=1),
+    "glm_moe_dsa-exact": Case("glm_moe_dsa", "exact", starts=(0, 3), pieces=1),
     "glm_moe_dsa-lora-detached": Case("glm_moe_dsa", "detached", lora=True),
     "glm_moe_dsa-exact-4": Case("glm_moe_dsa", "exact"),
     # FSDP2 across the replicas of each stage (S=2 x D=2): replicas pad with idle passes.
@@ -161,7 +165,7 @@ def by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
 
 def place(case: Case, adapter: ls.ModelAdapter, mesh) -> None:
     """Put ``adapter`` on its stage, and shard that over the replicas for FSDP cases."""
-    stage_adapter(adapter, mesh, starts=case.starts)
+    stage_adapter(adapter, mesh, starts=case.starts, replay_pieces=case.pieces)
     if case.fsdp:
         shard_model(adapter, mesh=mesh["replica"], mixed_precision="fp32")
 

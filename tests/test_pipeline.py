@@ -69,6 +69,22 @@ def reference(name: str, replicas: int) -> dict:
     return worker.train_reference(worker.CASES[name], replicas)
 
 
+# Families that compute part of a layer in float32 whatever the model's dtype (the Gated
+# DeltaNet rule in transformers' torch kernel, GLM's MoE router).
+FLOAT32_INSIDE = {"qwen3_5_text", "glm_moe_dsa"}
+
+
+def _tolerances(case: worker.Case) -> tuple[float, float]:
+    """``(loss, AdamW state)`` relative tolerances. Replay in pieces runs the same sums in
+    other groupings: float64 rounding, within 1e-12 and 1e-6; but where a model computes in
+    float32 inside, the pieces' rounding is float32's. The gradients stay within 1e-6 (checked
+    for every case); AdamW then divides each entry by its own gradient's size, so an entry
+    whose gradient is near zero moves by a visible part of its step (2e-4 of the largest)."""
+    if case.pieces != 1 and case.model_type in FLOAT32_INSIDE:
+        return 1e-7, 2e-4
+    return 1e-12, 1e-6
+
+
 def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().clamp(min=1e-12)
     return float((got - expected).abs().max() / scale)
@@ -80,10 +96,11 @@ def test_stages_train_like_one_process(staged_runs, stages, ranks, name):
     got = torch.load(staged_runs / f"{name}-S{stages}-W{ranks}.pt", weights_only=False)
     replicas = ranks // stages
     expected = reference(name, replicas)
+    loss_rtol, state_rtol = _tolerances(worker.CASES[name])
     for logps in got["logps"]:  # every rank receives the last stage's log-probs
         assert torch.equal(logps, expected["logps"])
     for replica, step, loss in got["losses"]:  # the reference runs the groups step by step
-        assert loss == pytest.approx(expected["losses"][step * replicas + replica], rel=1e-12)
+        assert loss == pytest.approx(expected["losses"][step * replicas + replica], rel=loss_rtol)
     assert sorted(got["grads"]) == sorted(expected["grads"])
     for key, grad in expected["grads"].items():
         assert _relative(got["grads"][key], grad) < 1e-6, key
@@ -93,7 +110,7 @@ def test_stages_train_like_one_process(staged_runs, stages, ranks, name):
         assert sorted(saved) == sorted(entry), key
         for field in ("value", "exp_avg", "exp_avg_sq"):
             if field in entry:
-                assert _relative(saved[field], entry[field]) < 1e-6, (key, field)
+                assert _relative(saved[field], entry[field]) < state_rtol, (key, field)
         moved = (entry["value"] - initial[key].detach()).abs().max()
         assert (moved > 0) == (key in expected["grads"]), key  # trained moved, frozen did not
     for replica_state in got["replica_states"][1:]:  # replicas agree after the average
@@ -153,7 +170,15 @@ def test_staged_rollout_equals_one_process_and_generate(staged_runs, stages, ran
     assert len(got["replicas"]) == replicas
     for replica, rollouts in enumerate(got["replicas"]):
         prompt = worker.step_groups(0, replicas)[replica].prompt
-        assert rollouts == worker.rollouts(adapter, prompt)
+        expected = worker.rollouts(adapter, prompt)
+        # The same tokens; log-probs within float64 rounding (the stages decode the group in
+        # micro-groups, smaller batches than one process's).
+        for key, values in expected.items():
+            if key.endswith("logps"):
+                for got_row, row in zip(rollouts[key], values, strict=True):
+                    assert got_row == pytest.approx(row, rel=1e-12), key
+            else:
+                assert rollouts[key] == values, key
         with torch.no_grad():
             generated = model.generate(
                 prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0

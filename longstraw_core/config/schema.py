@@ -247,6 +247,10 @@ class DistributedSection:
     # the world is S stages x (world / S) replicas, each replica training its own prompt.
     pipeline_stages: int = 1
     stage_starts: list[int] | None = None  # each stage's first layer; null: balanced
+    # Replay on stages cuts each branch into this many pieces, which follow each other
+    # through the stages (more pieces: busier stages, more, shorter kernel calls); null: the
+    # fewest that keep the schedule's idle time at 15% (S=8, G=8: 5; G=2: 20).
+    replay_pieces: int | None = None
     # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a checkpoint
     timeout_minutes: float = 60.0
 

@@ -535,6 +535,15 @@ def _check_distributed(cfg: RunConfig) -> None:
             "distributed.timeout_minutes",
             f"must be a positive number of minutes, got {minutes!r}",
         )
+    pieces = dist.replay_pieces
+    if pieces is not None and (
+        isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1
+    ):
+        raise ConfigError(
+            "distributed.replay_pieces",
+            f"must be a positive integer (pieces per replayed branch on pipeline stages) or "
+            f"null (the schedule's choice), got {pieces!r}",
+        )
     starts = dist.stage_starts
     if starts is not None and (len(starts) != stages or list(starts)[:1] != [0]):
         raise ConfigError(

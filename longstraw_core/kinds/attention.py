@@ -18,6 +18,7 @@ import torch
 from longstraw_core.attention import AttentionOutput
 from longstraw_core.kinds.base import (
     ExactViewBase,
+    GrowingPieces,
     Produced,
     RecordBase,
     Seed,
@@ -168,6 +169,10 @@ class AttentionKV(RecordBase):
 
     def new_grad(self, dtype: torch.dtype) -> AttentionKVGrad:
         return AttentionKVGrad.zeros_like(self, dtype)
+
+    def new_pieces(self, device: torch.device) -> GrowingPieces:
+        """A branch replayed in pieces: its keys/values ``[1, kv_heads, T, dim]`` per piece."""
+        return GrowingPieces(dim=2)
 
     def exact_view(self, grad: AttentionKVGrad, produced: Produced | None) -> AttentionKVExactView:
         return AttentionKVExactView(self, grad, produced)

@@ -23,6 +23,7 @@ The protocols below name every method called from outside a kind's module:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -48,6 +49,11 @@ class Seed:
     def __init__(self, buffer: torch.Tensor, like: torch.Tensor, clear: bool = False) -> None:
         self.buffer, self.like, self.clear = buffer, like, clear
 
+    @property
+    def used(self) -> bool:
+        """Whether anything read what the chunk wrote (a backward seeds only then)."""
+        return True
+
     def resolve(self) -> torch.Tensor:
         grad = grad_like(self.buffer, self.like)
         if self.clear:
@@ -66,6 +72,18 @@ class GradBuffer(Protocol):
     """Exact mode's ``dS`` of one layer (``LayerState.new_grad``)."""
 
     def nbytes(self) -> int: ...
+
+
+class Pieces(Protocol):
+    """One layer's share of a branch replayed in pieces (``LayerState.new_pieces``): each
+    piece's forward reads what the earlier pieces wrote, as leaves whose gradients become
+    the seeds of those pieces' backwards (run later, last piece first), as exact mode's
+    sweep seeds a prompt chunk with ``dS``."""
+
+    def piece(self, produced: Produced) -> Any:
+        """The branch record the next piece's forward runs with (pieces run in order): the
+        kind's branch interface (``append``, or the recurrent ``conv``/``recurrent``/
+        ``update``); what the piece writes goes into ``produced`` with its seed."""
 
 
 class BranchState(Protocol):
@@ -100,6 +118,10 @@ class LayerState(Protocol):
 
     def new_grad(self, dtype: torch.dtype) -> GradBuffer:
         """Exact mode's zero ``dS`` for this record, in ``dtype``, beside the record."""
+
+    def new_pieces(self, device: torch.device) -> Pieces:
+        """What one branch replayed in pieces with autograd keeps of this layer between its
+        pieces (pipeline replay), computing on ``device``."""
 
     def exact_view(self, grad: GradBuffer, produced: Produced | None) -> ExactView:
         """This record as exact mode reads it: gradients of reads go into ``grad``; with
@@ -224,6 +246,11 @@ class RecordBase:
             f"exact gradients are not implemented for {type(self).__name__} records"
         )
 
+    def new_pieces(self, device: torch.device) -> Pieces:
+        raise NotImplementedError(
+            f"replay in pieces is not implemented for {type(self).__name__} records"
+        )
+
     def with_record(self, copy: LayerState) -> LayerState:
         return StreamedRecord(copy, self)
 
@@ -265,6 +292,87 @@ class ExactViewBase:
 
     def release(self) -> None:
         self.record = None
+
+    def new_pieces(self, device: torch.device) -> Pieces:
+        return self.record.new_pieces(device)
+
+
+# --- replay in pieces ------------------------------------------------------------------------
+
+
+def piece_leaf(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """What later pieces read of ``tensor``: detached, so their backward stops here and adds
+    into its ``.grad`` (the seed of the backward of the piece that wrote it)."""
+    return None if tensor is None else tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+class LeafSeed(Seed):
+    """The seed of what a piece wrote: the gradient later pieces' backwards left in its
+    leaf (zeros when none of them read it)."""
+
+    def __init__(self, leaf: torch.Tensor) -> None:
+        self.leaf = leaf
+
+    @property
+    def used(self) -> bool:
+        """Whether a later piece read it: the branch's last piece's writes are read by none,
+        and seeding them (with zeros) would only reorder the backward's sums."""
+        return self.leaf.grad is not None
+
+    def resolve(self) -> torch.Tensor:
+        return torch.zeros_like(self.leaf) if self.leaf.grad is None else self.leaf.grad
+
+
+def record_writes(
+    produced: Produced,
+    written: Sequence[torch.Tensor | None],
+    leaves: Sequence[torch.Tensor | None],
+) -> None:
+    """Hand what a piece wrote (with a graph) to ``produced``, seeded by its leaf."""
+    for tensor, leaf in zip(written, leaves, strict=True):
+        if tensor is not None and leaf is not None and tensor.requires_grad:
+            produced.append((tensor, LeafSeed(leaf)))
+
+
+class GrowingPieces:
+    """The rows of one layer that grow with the branch (keys and values, a latent), for a
+    branch replayed in pieces: each piece appends its rows, later pieces read them, earlier
+    pieces' rows as leaves (``piece_leaf``), concatenated along ``dim`` with the piece's own."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.leaves: list[tuple[torch.Tensor | None, ...]] = []
+
+    def piece(self, produced: Produced) -> GrowingPiece:
+        return GrowingPiece(self, produced)
+
+
+class GrowingPiece:
+    """One piece's branch record over ``GrowingPieces`` (see ``BranchKV.append``).
+
+    The first ``append`` is the piece's forward: it records what the piece wrote and the
+    leaves later pieces will read. A second one is activation checkpointing's recompute of
+    the same piece in its backward: it sees the same earlier rows and records nothing.
+    """
+
+    def __init__(self, chain: GrowingPieces, produced: Produced) -> None:
+        self.chain, self.produced = chain, produced
+        self.visible = list(chain.leaves)
+        self.appended = False
+
+    def append(self, *rows: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """The branch's rows so far, this piece's last."""
+        if not self.appended:
+            self.appended = True
+            leaves = tuple(piece_leaf(row) for row in rows)
+            self.chain.leaves.append(leaves)
+            record_writes(self.produced, rows, leaves)
+        return tuple(
+            None
+            if row is None
+            else torch.cat([*(earlier[i] for earlier in self.visible), row], dim=self.chain.dim)
+            for i, row in enumerate(rows)
+        )
 
 
 # --- helpers the kinds share ----------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from longstraw_core.kinds.base import (
     ExactViewBase,
+    GrowingPieces,
     Produced,
     RecordBase,
     Seed,
@@ -141,6 +142,10 @@ class LatentKV(RecordBase):
     def summary_bytes(self) -> dict[str, int]:
         """``expanded_bytes``: what a naive per-head K/V cache would hold."""
         return {"expanded_bytes": self.expanded_nbytes()}
+
+    def new_pieces(self, device: torch.device) -> GrowingPieces:
+        """A branch replayed in pieces: its latent and index keys ``[1, T, ...]`` per piece."""
+        return GrowingPieces(dim=1)
 
     def new_grad(self, dtype: torch.dtype) -> LatentKVGrad:
         return LatentKVGrad.zeros_like(self, dtype)

@@ -23,6 +23,8 @@ from longstraw_core.kinds.base import (
     RecordBase,
     Seed,
     attach_grad_sink,
+    piece_leaf,
+    record_writes,
     tensor_nbytes,
 )
 from longstraw_core.offload.pinned import empty_buffers, pinned_copy
@@ -127,6 +129,9 @@ class RecurrentState(RecordBase):
     def exact_view(self, grad: RecurrentStateGrad, produced: Produced | None) -> RecurrentExactView:
         return RecurrentExactView(self, grad, produced)
 
+    def new_pieces(self, device: torch.device) -> RecurrentPieces:
+        return RecurrentPieces(self, device)
+
     def new_branch(
         self, batch: int, capacity: int, device: torch.device | None = None
     ) -> BranchRecurrent:
@@ -175,6 +180,47 @@ class BranchRecurrent:
         return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
 
 
+class RecurrentPieces:
+    """A branch replayed in pieces: each piece starts from the states the one before it
+    ended with (read as leaves, ``piece_leaf``), the first from the prompt's final states as
+    ``reader`` (the record, or exact mode's view with its gradient sinks) gives them."""
+
+    def __init__(self, reader: RecurrentState | RecurrentExactView, device: torch.device) -> None:
+        self.reader, self.device = reader, device
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def piece(self, produced: Produced) -> RecurrentPiece:
+        if self.last is None:
+            conv, recurrent = self.reader.read(None)
+            self.last = (conv.to(self.device)[None], recurrent.to(self.device)[None])
+        return RecurrentPiece(self, produced, *self.last)
+
+
+class RecurrentPiece:
+    """One piece's branch record (``BranchRecurrent``'s interface): ``conv``/``recurrent``
+    are the states it starts from, also when activation checkpointing runs it again; its
+    first ``update`` hands the states it ends with to the next piece and to ``produced``."""
+
+    def __init__(
+        self,
+        chain: RecurrentPieces,
+        produced: Produced,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+    ) -> None:
+        self.chain, self.produced = chain, produced
+        self.conv, self.recurrent = conv, recurrent
+        self.updated = False
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        if self.updated:
+            return
+        self.updated = True
+        leaves = (piece_leaf(conv), piece_leaf(recurrent))
+        self.chain.last = leaves
+        record_writes(self.produced, (conv, recurrent), leaves)
+
+
 # --- exact mode ------------------------------------------------------------
 
 
@@ -211,6 +257,9 @@ class RecurrentExactView(ExactViewBase):
 
     record: RecurrentState
     grad: RecurrentStateGrad
+
+    def new_pieces(self, device: torch.device) -> RecurrentPieces:
+        return RecurrentPieces(self, device)
 
     def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.produced is None and start is not None:

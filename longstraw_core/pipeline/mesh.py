@@ -54,13 +54,27 @@ def pipeline_mesh(stages: int, device_type: str | None = None) -> DeviceMesh:
 
 
 def stage_link(mesh: DeviceMesh, device: torch.device) -> StageLink:
-    """This rank's link to the other stages of its replica."""
+    """This rank's link to the other stages of its replica.
+
+    Its point-to-point ops get a process group of their own (every rank creates every
+    pipeline's, in the same order, as ``new_group`` requires), initialised at once by a
+    barrier: NCCL runs a group's batched point-to-point ops on the stream of its
+    collectives, and a group's first op must be joined by all its ranks
+    (``batch_isend_irecv``'s note), which a pipeline's first exchange, between two stages,
+    is not.
+    """
     group = mesh.get_group(STAGE)
+    stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
+    world = dist.get_world_size()
+    pipelines = [list(range(first, first + stages)) for first in range(0, world, stages)]
+    p2p_group, _ = dist.new_subgroups_by_enumeration(pipelines)
+    dist.barrier(group=p2p_group)
     return StageLink(
         ranks=dist.get_process_group_ranks(group),
         stage=mesh.get_local_rank(STAGE),
         group=group,
         device=device,
+        p2p_group=p2p_group,
     )
 
 
@@ -85,12 +99,14 @@ def stage_adapter(
     mesh: DeviceMesh,
     starts: Sequence[int] | None = None,
     gradient: str = "detached",
+    replay_pieces: int | None = None,
 ) -> ModelAdapter:
     """Put ``adapter`` on this rank's stage of ``mesh`` (``stage_model``), in place.
 
     ``starts``: each stage's first layer (config ``distributed.stage_starts``); default: the
     planner's balanced ``default_layout`` for the ``gradient`` mode. Every rank must pass the
-    same model, ``starts`` and ``gradient``.
+    same model, ``starts``, ``gradient`` and ``replay_pieces`` (pieces per replayed
+    branch; ``None``: the schedule's choice, ``Stage.pieces_for``).
     """
     stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
     num_layers = len(adapter.decoder.layers)
@@ -104,4 +120,4 @@ def stage_adapter(
             )
     else:
         layout = default_layout(adapter, stages, gradient)
-    return stage_model(adapter, layout, stage_link(mesh, adapter.device))
+    return stage_model(adapter, layout, stage_link(mesh, adapter.device), replay_pieces)

@@ -40,6 +40,17 @@ class Stage:
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
+    replay_pieces: int | None = None  # pieces per replayed branch (None: ``pieces_for``)
+
+    def pieces_for(self, branches: int) -> int:
+        """How many pieces replay cuts each of ``branches`` branches into: the configured
+        number, else the fewest that keep the schedule's idle share at 15%
+        (``simulate.replay_pieces``)."""
+        if self.replay_pieces is not None:
+            return self.replay_pieces
+        from longstraw_core.pipeline.simulate import replay_pieces
+
+        return replay_pieces(self.link.stages, branches)
 
     @property
     def index(self) -> int:
@@ -95,7 +106,12 @@ class OnAnotherStage(nn.Module):
         return f"{self.owner_name!r} on stage {self.owner_stage}"
 
 
-def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> ModelAdapter:
+def stage_model(
+    adapter: ModelAdapter,
+    layout: StageLayout,
+    link: StageLink,
+    replay_pieces: int | None = None,
+) -> ModelAdapter:
     """Cut ``adapter``'s model down to stage ``link.stage`` of ``layout``, in place.
 
     Refused: a layout for another number of layers, a link for another number of stages,
@@ -128,6 +144,7 @@ def stage_model(adapter: ModelAdapter, layout: StageLayout, link: StageLink) -> 
         device=adapter.device,
         dtype=adapter.dtype,
         vocab_size=adapter.vocab_size,
+        replay_pieces=replay_pieces,
     )
     record = StagedModel(
         stage=stage,

@@ -54,6 +54,7 @@ class RunTopology:
     stage: int = 0
     mesh: DeviceMesh | None = None
     stage_starts: Sequence[int] | None = None
+    replay_pieces: int | None = None  # distributed.replay_pieces (None: the schedule's choice)
     gradient: str = "detached"  # the gradient mode the stage boundaries are balanced for
     fsdp: bool = False  # FSDP2 shards the model (with stages: each stage over its replicas)
 
@@ -78,6 +79,7 @@ class RunTopology:
             stage=mesh.get_local_rank(STAGE),
             mesh=mesh,
             stage_starts=distributed.stage_starts,
+            replay_pieces=distributed.replay_pieces,
             gradient=gradient,
             fsdp=distributed.fsdp,
         )
@@ -96,7 +98,9 @@ class RunTopology:
         if not self.staged:
             return adapter
         try:
-            return stage_adapter(adapter, self.mesh, self.stage_starts, self.gradient)
+            return stage_adapter(
+                adapter, self.mesh, self.stage_starts, self.gradient, self.replay_pieces
+            )
         except StageLayoutError as error:
             key = "distributed.stage_starts" if self.stage_starts else "distributed.pipeline_stages"
             raise ConfigError(key, str(error)) from None

@@ -94,7 +94,7 @@ def worst_stages(run: DryRun) -> list[int]:
     _, _, spec, _, layout = _prepare(run)
     first: dict[str, int] = {}
     for stage in range(layout.stages):
-        first.setdefault(_kind(spec, layout, stage, []), stage)
+        first.setdefault(_kind(spec, layout, stage), stage)
     return sorted(first.values())
 
 
@@ -102,31 +102,18 @@ def run_config(
     run: DryRun, stages: Sequence[int] | None = None, say: Callable[[str], object] | None = None
 ) -> dict[str, Any]:
     """Stages ``stages`` of ``run`` (None: every one), each run at its own place in the
-    pipeline; ``say`` gets a line per phase of each stage run.
-
-    A stage receives what the one before it sent: a stage before a wanted one is run for its
-    messages only when no stage of its kind (and its incoming messages) ran yet, since those
-    send the same (Qwen3.6-27B's stages 2-6 send what stage 1 sent).
-    """
+    pipeline; ``say`` gets a line per phase of each stage run. A stage receives what its
+    schedule's plan says the others send, so each runs alone."""
     cfg, config, spec, work, layout = _prepare(run)
     plan = pipeline_plan(spec, work)
     wanted = range(layout.stages) if stages is None else sorted(stages)
-    rows, incoming, sent = [], [], {}
-    for stage in range(max(wanted) + 1):
-        kind = _kind(spec, layout, stage, incoming)
-        if stage not in wanted and kind in sent:
-            incoming = sent[kind]
-            continue
-        result = run_stage(
-            cfg, config, layout, stage, incoming=incoming,
-            rollout_tokens=run.rollout_tokens, say=say,
-        )  # fmt: skip
-        incoming = sent[kind] = result.sent_forward
-        if stage in wanted:
-            planned = plan.stage_plans[stage]
-            rows.append(StageRow(stage, list(layout.layers_of(stage)), result.peak,
-                                 planned.peak, result.phases, dict(planned.phases),
-                                 result.seconds, result.params_bytes))  # fmt: skip
+    rows = []
+    for stage in wanted:
+        result = run_stage(cfg, config, layout, stage, rollout_tokens=run.rollout_tokens, say=say)
+        planned = plan.stage_plans[stage]
+        rows.append(StageRow(stage, list(layout.layers_of(stage)), result.peak,
+                             planned.peak, result.phases, dict(planned.phases),
+                             result.seconds, result.params_bytes))  # fmt: skip
     budget = work.budget
     return {
         "name": run.name,
@@ -145,11 +132,11 @@ def run_config(
     }
 
 
-def _kind(spec: ModelSpec, layout: Any, stage: int, incoming: list) -> str:
-    """What decides the messages a stage sends: its layers' specs, whether it holds the
-    embeddings (first) or the head (last), and the shapes of the messages it receives."""
+def _kind(spec: ModelSpec, layout: Any, stage: int) -> str:
+    """What decides a stage's work: its layers' specs, and whether it holds the embeddings
+    (first) or the head (last)."""
     layers = [spec.layers[i] for i in layout.layers_of(stage)]
-    return repr((layers, stage == 0, stage == layout.stages - 1, incoming))
+    return repr((layers, stage == 0, stage == layout.stages - 1))
 
 
 def _dtype(name: str) -> Any:

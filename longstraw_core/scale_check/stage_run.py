@@ -15,7 +15,7 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from longstraw_core.config import grpo_config, offload_policy
 from longstraw_core.fake import real_values
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.pipeline import StageLayout, stage_model
-from longstraw_core.scale_check.link import FakeStageLink, Shape
+from longstraw_core.scale_check.link import FakeStageLink
 
 DEVICE = torch.device("cpu")  # fake tensors on CPU: the CPU kernels' code paths run
 
@@ -43,11 +43,10 @@ class StageResult:
     peak: int
     params_bytes: int
     seconds: float
-    sent_forward: list[tuple[Shape, ...]] = field(default_factory=list, repr=False)
 
 
 def build_stage(
-    cfg: Any, config: Any, layout: StageLayout, stage: int, incoming: list, mode: FakeTensorMode
+    cfg: Any, config: Any, layout: StageLayout, stage: int, mode: FakeTensorMode
 ) -> tuple[ls.ModelAdapter, FakeStageLink]:
     """``config``'s model (with ``cfg``'s LoRA) cut down to ``stage``, parameters fake."""
     from transformers import AutoModelForCausalLM
@@ -60,10 +59,7 @@ def build_stage(
     model = models.add_lora(model, cfg.lora).train()
     adapter = ls.adapt(model)
     adapter.activation_checkpointing = bool(cfg.train.activation_checkpointing)
-    link = FakeStageLink(
-        ranks=list(range(layout.stages)), stage=stage, group=None, device=DEVICE,
-        incoming=incoming,
-    )  # fmt: skip
+    link = FakeStageLink(ranks=list(range(layout.stages)), stage=stage, group=None, device=DEVICE)
     stage_model(adapter, layout, link)
     adapter.stage = _on_device(adapter.stage)
     with mode:
@@ -116,7 +112,6 @@ def run_stage(
     layout: StageLayout,
     stage: int,
     *,
-    incoming: list,
     rollout_tokens: int,
     say: Callable[[str], object] | None = None,
 ) -> StageResult:
@@ -125,7 +120,7 @@ def run_stage(
     as each phase ends (a full-size stage runs for many minutes)."""
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # rewards, advantages: real
-    adapter, link = build_stage(cfg, config, layout, stage, incoming, mode)
+    adapter, _ = build_stage(cfg, config, layout, stage, mode)
     model = adapter.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     grpo = grpo_config(cfg)
@@ -183,5 +178,4 @@ def run_stage(
         peak=memory.peak,
         params_bytes=params_bytes,
         seconds=time.perf_counter() - started,
-        sent_forward=link.sent_forward,
     )
