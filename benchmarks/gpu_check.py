@@ -380,11 +380,12 @@ def run_benchmark(settings: Settings, report: Report, phase: Phase, budget: Budg
             return "; ".join(problems) or None
 
         _run(report, phase, budget, name, bench_command(name, settings, row), check)
-        report.header["calibration"] = calibration_block(phase, settings)
+        gpu = (report.header.get("environment") or {}).get("gpu")
+        report.header["calibration"] = calibration_block(phase, settings, gpu)
         report.write()
 
 
-def calibration_block(phase: Phase, settings: Settings) -> dict[str, Any] | None:
+def calibration_block(phase: Phase, settings: Settings, gpu: str | None) -> dict[str, Any] | None:
     """What the planner's ``--calibration`` reads (``longstraw_core.plan.calibration``): the
     MFU per family, the prefill's TFLOP/s over the GPU's datasheet peak (no datasheet, e.g.
     on CPU: over the matmul peak measured here), the lowest as ``mfu``; the bandwidth
@@ -393,7 +394,7 @@ def calibration_block(phase: Phase, settings: Settings) -> dict[str, Any] | None
 
     peaks = phase.steps.get("peaks")
     peaks = peaks.details if peaks is not None and peaks.status == "passed" else {}
-    device = peaks.get("device_name", settings.device)
+    device = peaks.get("device_name") or gpu or settings.device
     sheet = datasheet(device) if settings.device == "cuda" else None
     if sheet is not None:
         basis, reference = sheet.tflops, f"{device}'s datasheet {sheet.tflops:g} TFLOP/s"

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw_core as ls
 from longstraw_core import attention, config, gpu_emulation, models
+from longstraw_core.plan.calibration import load_calibration, resolve_hardware
 from longstraw_core.plan.cli import main as plan_main
 from longstraw_core.tiny_models import tiny_model
 
@@ -29,8 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the check's modules import each 
 
 import gpu_check  # noqa: E402
 import gpu_check_bench  # noqa: E402
+import gpu_check_report  # noqa: E402
 import kernel_trace  # noqa: E402
-from gpu_check_report import Report, run_step  # noqa: E402
+from gpu_check_report import Report, Step, run_step  # noqa: E402
 
 
 def test_arguments(tmp_path):
@@ -70,7 +72,8 @@ def test_the_inner_limits_fit_inside_the_outer_one():
     assert int(printed) == gpu_check.OUTER_LIMIT_S
     shell = (ROOT / "benchmarks/gpu_check.sh").read_text()
     assert 'outer=$("$PYTHON" benchmarks/gpu_check.py --outer-limit)' in shell
-    assert 'exec timeout -k 15 "$outer"' in shell and "timeout 4" not in shell
+    assert 'exec timeout -k 15 "$outer"' in shell
+    assert not re.search(r"timeout (-k \d+ )?\d", shell)  # no second, hard-coded limit
 
 
 def test_every_file_with_gpu_tests_is_collected():
@@ -208,6 +211,40 @@ def test_an_output_folder_not_made_by_the_check_is_left_alone(tmp_path):
     (ours / "old").write_text("x")
     gpu_check.fresh_output(ours)
     assert not (ours / "old").exists()
+
+
+def test_a_cuda_benchmark_calibrates_against_the_datasheet(tmp_path):
+    """The calibration block a CUDA run writes (from its steps' rows) is what the planner
+    reads: MFU per family over the GPU's datasheet peak, the lowest as the default, the copy's
+    share of the datasheet HBM bandwidth; a family whose run failed is left out."""
+    phase = gpu_check_report.Phase("benchmark")
+    phase.steps["peaks"] = Step("peaks", status="passed", details={
+        "device_name": "NVIDIA H200", "matmul_tflop_per_s": 700.0, "matmul_dtype": "bfloat16",
+        "copy_tbps": 4.0,
+    })  # fmt: skip
+    for family, tflops, kernels in (
+        ("qwen3", 300.0, {"attention": {"cuda/sdpa": 3}}),
+        ("qwen3_5_text", 250.0, {"attention": {"cuda/flash": 3}, "deltanet": {"cuda/fla": 18}}),
+    ):
+        row = {"prefill_tflop_per_s": tflops, "tokens": 32768, "dtype": "bfloat16"}
+        phase.steps[family] = Step(family, status="passed", details={**row, "kernels": kernels})
+    settings = gpu_check.parse_args([])
+    block = gpu_check.calibration_block(phase, settings, "NVIDIA H200")
+    assert block["values"] == {
+        "mfu": round(250 / 989, 3),
+        "bandwidth_efficiency": round(4 / 4.8, 3),
+    }
+    note = block["mfu_by_model_type"]["qwen3_5_text"]["note"]
+    assert "250 TFLOP/s of NVIDIA H200's datasheet 989 TFLOP/s" in note and "cuda/fla" in note
+    phase.steps["qwen3_5_text"].status = "failed"  # e.g. a torch fallback: not a measurement
+    assert gpu_check.calibration_block(phase, settings, None)["values"]["mfu"] == round(
+        300 / 989, 3
+    )
+
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps({"phases": {}, "calibration": block}))
+    hardware = resolve_hardware({}, load_calibration(path), "qwen3_5_text")
+    assert (hardware.mfu, hardware.bandwidth_efficiency) == (round(250 / 989, 3), 0.833)
 
 
 # --- the record: whatever happens ----------------------------------------------------------------
