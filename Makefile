@@ -74,12 +74,15 @@ paper-tables: $(STAMP)
 	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
 	$(PY) docs/tools/paper_tables.py --pipeline docs/pipeline_plans.md
 
-# On a machine with one CUDA GPU (no internet, its own torch): the gpu-marked tests, a bf16
-# recipe step per family with the state offloaded, and a prefill benchmark; under 8 minutes,
-# results in outputs/gpu_check/gpu_check.json, non-zero exit on any failure. No venv: it uses
-# $(PYTHON)'s torch and installs what it lacks from wheels/ (`make gpu-wheels`, here).
+# On a machine with CUDA GPUs (no internet, its own torch): the gpu-marked tests, a bf16
+# recipe step per family with the state offloaded and its kernels checked, the GPU's peaks and
+# a prefill benchmark (the planner's --calibration), and with 2+ GPUs each recipe on two NCCL
+# pipeline stages; every step under its own limit, all within 560 s (benchmarks/gpu_check.py's
+# budget). Results in outputs/gpu_check/gpu_check.json, written as each step ends; non-zero
+# exit on any failure. No venv: it uses $(PYTHON)'s torch and installs what it lacks from
+# wheels/ (`make gpu-wheels`, here). CPU self-test: make gpu-check ARGS="--device cpu --quick".
 gpu-check:
-	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh
+	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh $(ARGS)
 
 # The wheels gpu-check installs (pure Python, ~15 MB; git-ignored), for a CPython 3.12 target.
 GPU_WHEELS ?= transformers==5.24.0 omegaconf==2.4.0 fla-core==0.6.0 flash-linear-attention==0.6.0

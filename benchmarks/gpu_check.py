@@ -1,6 +1,7 @@
-"""``make gpu-check``: what a machine with one CUDA GPU checks that no CPU test can.
+"""``make gpu-check``: what a machine with CUDA GPUs checks that no CPU test can, reported
+whatever happens.
 
-Three phases, each recorded in one JSON file (``--out``), and a non-zero exit when any fails:
+Four phases, each an entry of one JSON file (``--out``), and a non-zero exit when any fails:
 
 1. ``tests``: the suite's ``gpu``-marked tests (offload streams and pinned arenas, the
    flash-attn / SDPA attention backends against the torch one, flash-linear-attention
@@ -9,32 +10,83 @@ Three phases, each recorded in one JSON file (``--out``), and a non-zero exit wh
 2. ``recipes``: one GRPO step of each family's recipe (qwen3 dense, Qwen3.6 = ``qwen3_5_text``,
    GLM-5.x = ``glm_moe_dsa``) in bfloat16 with GPU-sized head dims (the GPU kernels' minimum
    is above the CPU toys' 8/12), the prefix state offloaded to pinned host memory, exact
-   gradients and a checkpoint written.
-3. ``benchmark``: prefill tokens/s of the adapter against the transformers model's own
-   no-grad forward on the same prompt, and the TFLOP/s each achieves.
+   gradients and a checkpoint written; the kernels each run chose are recorded
+   (``kernel_trace``) and a torch fallback on CUDA fails it.
+3. ``benchmark``: the device's matmul and copy peaks, then per family the adapter's prefill
+   against the transformers model's own no-grad forward (tokens/s, TFLOP/s, kernels); from
+   these the ``calibration`` block the planner's ``--calibration`` reads (MFU per family
+   against the GPU's datasheet peak, HBM bandwidth efficiency).
+4. ``multi_gpu``: with two or more GPUs, each recipe on two pipeline stages over NCCL
+   (``torchrun --nproc_per_node 2 ... distributed.pipeline_stages=2``); skipped, with the
+   reason recorded, on one GPU.
 
-``--device cpu --quick`` builds the same configs and commands and runs a shortened version
-of phases 2 and 3 on CPU in float32 (what ``tests/test_gpu_check.py`` checks); phase 1 needs
-CUDA. It was written without a GPU: it has not run on one yet.
+Whatever happens, the record says it (``gpu_check_report``): each step runs in its own
+process session under its own limit (``LIMITS_S``: they and the start-up fit inside the outer
+limit the shell's ``timeout`` enforces, ``OUTER_LIMIT_S``), the JSON is rewritten when a step
+starts and ends, and a phase that fails, crashes, times out or is killed keeps its entry.
+
+Kernels: the library falls back to its torch paths when a fused kernel is missing or refuses
+the inputs (on a user's GPU that trains, slower); this check does not accept that on CUDA:
+attention must run flash-attn or PyTorch's SDPA flash kernels (except MLA's latent
+attention, whose unequal head dims no fused kernel takes: torch by design) and Gated
+DeltaNet flash-linear-attention.
+
+``--device cpu --quick`` runs phases 2 and 3 shortened on CPU in float32 (phases 1 and 4 are
+recorded as skipped: they need CUDA), what ``tests/test_gpu_check.py`` checks. It was written
+without a GPU: it has not run on one yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import subprocess
+import shutil
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import kernel_trace
+from gpu_check_report import Killed, Phase, Report, Step, run_step, stop_on_signals
+
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = Path(__file__).resolve().parent
 FAMILIES = ("qwen3", "qwen3_5_text", "glm_moe_dsa")
+PHASES = ("tests", "recipes", "benchmark", "multi_gpu")
+
+# --- the time budget: every limit in one place ---------------------------------------------------
+# The shell's `timeout` (gpu_check.sh reads it: `gpu_check.py --outer-limit`): under the device
+# tool's 600 s a command, with the wheels' install before it.
+OUTER_LIMIT_S = 560
+# Python's start, imports (torch), the environment's probe and the JSON writes, outside any step.
+START_AND_WRITE_S = 30
+# Each step's own limit (seconds): what a step may take before its process group is ended.
+LIMITS_S: dict[str, dict[str, int]] = {
+    "tests": {"pytest": 110},
+    "recipes": {"qwen3": 50, "qwen3_5_text": 80, "glm_moe_dsa": 70},
+    "benchmark": {"peaks": 20, "qwen3": 40, "qwen3_5_text": 50},
+    "multi_gpu": {"qwen36": 55, "glm52": 55},
+}
+# A step is not started with less than this left before the outer limit (less the writes).
+MIN_STEP_S = 5
+# NCCL's watchdog ends a hung collective or point-to-point op after this (the run config's
+# distributed.timeout_minutes), inside the step's limit, printing the op that hung.
+NCCL_TIMEOUT_MINUTES = 0.5
+
+
+def inner_total_s() -> int:
+    """Every step's limit added up: with ``START_AND_WRITE_S``, within ``OUTER_LIMIT_S``."""
+    return sum(sum(steps.values()) for steps in LIMITS_S.values())
+
+
 # The test files holding ``gpu``-marked tests: collecting only these keeps the packages other
 # test files import (wandb, datasets) off the GPU machine. ``test_gpu_check`` keeps it whole.
 GPU_TEST_FILES = (
@@ -62,46 +114,12 @@ _RECIPES = {
     "qwen3_5_text": ("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
     "glm_moe_dsa": ("recipes/grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml"),
 }
-# Benchmark models: wide enough for the GPU to be busy, a few layers (random weights).
-_WIDE = {
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "vocab_size": 32000,
-}
-_DELTANET = {
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-}
-BENCH_MODELS: dict[str, dict[str, int]] = {"qwen3": _WIDE, "qwen3_5_text": _WIDE | _DELTANET}
-# --quick (CPU): the same layer types at toy widths.
-_QUICK = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-}
-
-
-@dataclass
-class Phase:
-    """One phase's outcome as the JSON records it."""
-
-    name: str
-    ok: bool = False
-    seconds: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
+# The two-stage runs: recipe -> the family it trains.
+MULTI_GPU = {"qwen36": "qwen3_5_text", "glm52": "glm_moe_dsa"}
+BENCH_FAMILIES = ("qwen3", "qwen3_5_text")  # gpu_check_bench.BENCH_MODELS
+# The packages whose kernels the check exercises (distribution names), versions recorded.
+KERNEL_PACKAGES = ("flash-linear-attention", "fla-core", "flash-attn", "triton", "causal-conv1d")
+_OWNED = ".made-by-gpu-check"  # marks the output folders this check may clear and reuse
 
 
 @dataclass(frozen=True)
@@ -109,10 +127,10 @@ class Settings:
     device: str
     quick: bool
     out: Path
+    work: Path  # logs, kernel records, the recipes' output folders
     phases: tuple[str, ...]
     families: tuple[str, ...]
     prompt_tokens: int
-    bench_tokens: int
 
     @property
     def dtype_name(self) -> str:
@@ -124,44 +142,104 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="short prompts (CPU self-test)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs/gpu_check/gpu_check.json")
-    parser.add_argument("--phases", default="tests,recipes,benchmark")
+    parser.add_argument("--work", type=Path, help="logs and run outputs (default: beside --out)")
+    parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument(
+        "--outer-limit", action="store_true", help="print OUTER_LIMIT_S (for gpu_check.sh)"
+    )
     args = parser.parse_args(argv)
+    if args.outer_limit:
+        print(OUTER_LIMIT_S)
+        parser.exit()
     phases = tuple(p for p in args.phases.split(",") if p)
     families = tuple(f for f in args.families.split(",") if f)
-    unknown = sorted(set(phases) - {"tests", "recipes", "benchmark"}) + sorted(
-        set(families) - set(FAMILIES)
-    )
+    unknown = sorted(set(phases) - set(PHASES)) + sorted(set(families) - set(FAMILIES))
     if unknown:
-        parser.error(f"unknown phases/families {unknown}")
-    if args.device == "cpu" and "tests" in phases:
-        phases = tuple(p for p in phases if p != "tests")  # the gpu tests need CUDA
+        parser.error(f"unknown phases/families {unknown}: phases {PHASES}, families {FAMILIES}")
     return Settings(
         device=args.device,
         quick=args.quick,
         out=args.out,
+        work=args.work or args.out.parent / "work",
         phases=phases,
         families=families,
         prompt_tokens=512 if args.quick else 8192,
-        bench_tokens=1024 if args.quick else 32768,
     )
+
+
+def steps_of(phase: str, settings: Settings) -> list[str]:
+    """The steps ``phase`` runs for these settings (its limits' keys, filtered)."""
+    if phase == "recipes":
+        return [f for f in FAMILIES if f in settings.families]
+    if phase == "benchmark":
+        return ["peaks", *(f for f in BENCH_FAMILIES if f in settings.families)]
+    if phase == "multi_gpu":
+        return [name for name, family in MULTI_GPU.items() if family in settings.families]
+    return list(LIMITS_S[phase])
+
+
+def skip_reason(phase: str, settings: Settings, environment: dict[str, Any]) -> str | None:
+    """Why ``phase`` cannot run here (recorded as its entry), or None."""
+    if phase in ("tests", "multi_gpu") and settings.device != "cuda":
+        return "needs CUDA (--device cpu)"
+    if phase == "multi_gpu" and environment.get("cuda_devices", 0) < 2:
+        count = environment.get("cuda_devices", 0)
+        return f"{count} CUDA GPU(s) here: the two-stage NCCL runs need 2"
+    if phase != "tests" and not steps_of(phase, settings):
+        return f"no step for families {list(settings.families)}"
+    return None
+
+
+class Budget:
+    """Each step's limit: its own (``LIMITS_S``), cut to what is left of the outer limit."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def limit(self, phase: str, step: str) -> float:
+        left = OUTER_LIMIT_S - START_AND_WRITE_S / 2 - (time.monotonic() - self.start)
+        return min(LIMITS_S[phase][step], left)
+
+
+def _run(
+    report: Report, phase: Phase, budget: Budget, step: str, command: list[str], check: Any
+) -> Step:
+    """One step under its limit, or recorded as skipped when too little time is left."""
+    limit = budget.limit(phase.name, step)
+    if limit < MIN_STEP_S:
+        phase.steps[step] = Step(step, status="skipped", error="no time left in the budget")
+        report.write()
+        return phase.steps[step]
+    log = report_log(phase.name, step, report)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return run_step(
+        report, phase, step, command, limit=limit, log=log, cwd=ROOT, env=env, check=check
+    )
+
+
+def report_log(phase: str, step: str, report: Report) -> Path:
+    return Path(report.header["settings"]["work"]) / "logs" / f"{phase}_{step}.log"
 
 
 # --- phase 1: the gpu-marked tests ------------------------------------------------------------
 
 
-def run_gpu_tests(settings: Settings) -> Phase:
-    phase = Phase("tests")
+def run_gpu_tests(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
     missing = [name for name in ("fla", "triton") if not _importable(name)]
-    junit = settings.out.with_name("gpu_tests.xml")
+    junit = settings.work / "gpu_tests.xml"
+    junit.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", f"--junitxml={junit}"]
     command += [*GPU_TEST_FILES, "-p", "no:cacheprovider"]
-    result = _run(command, timeout=240)
-    counts = _junit_counts(junit)
-    phase.details = {"missing_packages": missing, **counts, "tail": result["tail"]}
-    phase.details["returncode"] = result["returncode"]
-    phase.ok = result["returncode"] == 0 and counts.get("passed", 0) > 0 and not missing
-    return phase
+
+    def check(step: Step) -> str | None:
+        counts = _junit_counts(junit)
+        step.details.update(counts, missing_packages=missing)
+        if missing:
+            return f"{missing} missing (make gpu-wheels, and carry wheels/)"
+        return None if counts.get("passed") else "no gpu test passed"
+
+    _run(report, phase, budget, "pytest", command, check)
 
 
 def _junit_counts(path: Path) -> dict[str, int]:
@@ -202,145 +280,183 @@ def recipe_overrides(family: str, settings: Settings, output_dir: Path) -> list[
     return overrides
 
 
-def recipe_command(family: str, settings: Settings, output_dir: Path) -> list[str]:
+def recipe_command(family: str, settings: Settings, output_dir: Path, kernels: Path) -> list[str]:
+    """The recipe run under ``kernel_trace`` (its kernel choices written to ``kernels``)."""
     script, config = _RECIPES[family]
     return [
-        sys.executable, str(ROOT / script), "--config", str(ROOT / config),
+        sys.executable, str(BENCHMARKS / "kernel_trace.py"), "--record", str(kernels),
+        str(ROOT / script), "--config", str(ROOT / config),
         *recipe_overrides(family, settings, output_dir),
     ]  # fmt: skip
 
 
-def run_recipes(settings: Settings) -> Phase:
-    phase = Phase("recipes", ok=True)
-    for family in settings.families:
-        output_dir = settings.out.parent / f"recipe_{family}"
-        result = _run(recipe_command(family, settings, output_dir), timeout=150)
-        saved = (output_dir / "latest").exists()
-        ok = result["returncode"] == 0 and saved
-        phase.details[family] = {**result, "checkpoint_saved": saved, "ok": ok}
-        phase.ok &= ok
-        print(f"recipe {family}: {'ok' if ok else 'FAILED'} ({result['seconds']:.0f} s)")
-    return phase
+def multi_gpu_command(name: str, settings: Settings, output_dir: Path, kernels: Path) -> list[str]:
+    """``name``'s recipe on two pipeline stages, one GPU each, under torchrun (NCCL: the
+    recipe's Accelerator takes it, and each rank's GPU from LOCAL_RANK); each rank's kernels
+    in ``kernels`` with ``{rank}`` filled in."""
+    family = MULTI_GPU[name]
+    script, config = _RECIPES[family]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(BENCHMARKS / "kernel_trace.py"), "--record", str(kernels),
+        str(ROOT / script), "--config", str(ROOT / config),
+        *recipe_overrides(family, settings, output_dir),
+        "distributed.pipeline_stages=2", f"distributed.timeout_minutes={NCCL_TIMEOUT_MINUTES}",
+    ]  # fmt: skip
 
 
-# --- phase 3: prefill speed against the transformers forward ------------------------------------
-
-
-def forward_flops(config: Any, tokens: int, lm_head: bool = True) -> float:
-    """FLOPs of one causal forward over ``tokens``: 2 per weight per token for the decoder's
-    matmuls (embeddings excluded; the LM head on every token as transformers computes it,
-    none for the adapter's prefill, which keeps the state instead) plus
-    causal attention's two ``T^2/2`` products per full-attention layer. Gated DeltaNet's
-    chunked recurrence (linear in ``T``, a few percent here) is not counted."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
-    head_dim = head_dim or hidden // heads
-    kv = config.num_key_value_heads * head_dim
-    attention_weights = hidden * heads * head_dim * 2 + 2 * hidden * kv
-    mlp_weights = 3 * hidden * config.intermediate_size
-    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    full = sum(kind == "full_attention" for kind in types[:layers])
-    head = hidden * config.vocab_size if lm_head else 0  # prefill keeps the state, no logits
-    per_token = 2 * (layers * (attention_weights + mlp_weights) + head)
-    attention = 2 * 2 * full * heads * head_dim * tokens * tokens / 2
-    return per_token * tokens + attention
-
-
-def run_benchmark(settings: Settings) -> Phase:
-    phase = Phase("benchmark", ok=True)
-    for family, dims in BENCH_MODELS.items():
-        if family in settings.families:
-            quick = {k: v for k, v in _QUICK.items() if k in dims}
-            phase.details[family] = bench_family(
-                family, dims | quick if settings.quick else dims, settings
+def fresh_output(path: Path) -> None:
+    """An empty output folder for a run: one this check made before is cleared; anything
+    else there is left alone and the run refused."""
+    if path.exists():
+        if not (path / _OWNED).exists():
+            raise FileExistsError(
+                f"{path} exists and was not made by gpu-check: use another --work"
             )
-    return phase
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / _OWNED).touch()
 
 
-def bench_family(family: str, dims: dict[str, int], settings: Settings) -> dict[str, float]:
-    """Prefill (K/V on the device) against ``model(prompt)`` under no_grad, one prompt."""
-    import torch
-
-    import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
-
-    device, dtype = torch.device(settings.device), getattr(torch, settings.dtype_name)
-    tokens, chunk = settings.bench_tokens, min(8192, settings.bench_tokens)
-    model = tiny_model(family, dtype=dtype, **dims, max_position_embeddings=2 * tokens)
-    model = model.to(device)
-    prompt = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
-    adapter = ls.adapt(model)
-    with torch.no_grad():
-        ours = _timed(lambda: adapter.prefill(prompt, chunk_size=chunk, progress=False), device)
-        theirs = _timed(lambda: model(prompt[None]).logits.sum(), device)
-    text = model.config.get_text_config()
-    flops, prefill_flops = forward_flops(text, tokens), forward_flops(text, tokens, lm_head=False)
-    row = {
-        "tokens": tokens,
-        "chunk_size": chunk,
-        "prefill_tokens_per_s": tokens / ours,
-        "transformers_forward_tokens_per_s": tokens / theirs,
-        "prefill_over_forward": theirs / ours,
-        "forward_tflop": flops / 1e12,
-        "prefill_tflop": prefill_flops / 1e12,
-        "prefill_tflop_per_s": prefill_flops / ours / 1e12,
-        "transformers_tflop_per_s": flops / theirs / 1e12,
-    }
-    print(
-        f"benchmark {family}: prefill {row['prefill_tokens_per_s']:,.0f} tok/s "
-        f"({row['prefill_tflop_per_s']:.2f} TFLOP/s), transformers forward "
-        f"{row['transformers_forward_tokens_per_s']:,.0f} tok/s "
-        f"({row['transformers_tflop_per_s']:.2f} TFLOP/s), {tokens} tokens"
-    )
-    if device.type == "cuda":
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
+def run_recipes(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
+    for family in steps_of("recipes", settings):
+        output_dir = settings.work / f"recipe_{family}"
+        kernels = settings.work / f"kernels_recipe_{family}.json"
+        fresh_output(output_dir)
+        kernels.unlink(missing_ok=True)
+        check = run_check(settings, output_dir, [kernels], family)
+        command = recipe_command(family, settings, output_dir, kernels)
+        _run(report, phase, budget, family, command, check)
 
 
-def _timed(work: Any, device: Any, repeats: int = 2) -> float:
-    """Seconds of the fastest of ``repeats`` runs after one warm-up (kernels compile then)."""
-    import torch
+def run_check(settings: Settings, output_dir: Path, records: list[Path], family: str) -> Any:
+    """A recipe run's check: a checkpoint written, and (CUDA) no torch fallback among the
+    kernels its processes chose (``kernel_trace.failures``)."""
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def check(step: Step) -> str | None:
+        saved = (output_dir / "latest").exists()
+        record = merged_record(records)
+        step.details.update(checkpoint_saved=saved, kernels=record)
+        problems = [] if saved else [f"no checkpoint in {output_dir}"]
+        problems += kernel_trace.failures(record, settings.device, family)
+        return "; ".join(problems) or None
 
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        work()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return check
+
+
+def merged_record(paths: list[Path]) -> dict[str, dict[str, int]]:
+    """The kernel records of a run's processes, added up (a stage sees only its layers)."""
+    merged: dict[str, Counter[str]] = {}
+    for path in paths:
+        if path.exists():
+            for kind, counts in json.loads(path.read_text()).items():
+                merged.setdefault(kind, Counter()).update(counts)
+    return {kind: dict(counts) for kind, counts in merged.items()}
+
+
+# --- phase 3: the device's peaks, prefill speed, the planner's calibration ---------------------
+
+
+def bench_command(step: str, settings: Settings, row: Path) -> list[str]:
+    what = ["--peaks"] if step == "peaks" else ["--family", step]
+    command = [sys.executable, str(BENCHMARKS / "gpu_check_bench.py"), *what]
+    command += ["--device", settings.device, "--out", str(row)]
+    return [*command, "--quick"] if settings.quick else command
+
+
+def run_benchmark(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
+    for name in steps_of("benchmark", settings):
+        row = settings.work / f"bench_{name}.json"
+        row.unlink(missing_ok=True)
+
+        def check(step: Step, row: Path = row, name: str = name) -> str | None:
+            if not row.exists():
+                return f"no result written ({row})"
+            step.details.update(json.loads(row.read_text()))
+            if name == "peaks":
+                return None
+            kernels = step.details["kernels"]
+            problems = kernel_trace.failures(kernels, settings.device, name)
+            return "; ".join(problems) or None
+
+        _run(report, phase, budget, name, bench_command(name, settings, row), check)
+        gpu = (report.header.get("environment") or {}).get("gpu")
+        report.header["calibration"] = calibration_block(phase, settings, gpu)
+        report.write()
+
+
+def calibration_block(phase: Phase, settings: Settings, gpu: str | None) -> dict[str, Any] | None:
+    """What the planner's ``--calibration`` reads (``longstraw_core.plan.calibration``): the
+    MFU per family, the prefill's TFLOP/s over the GPU's datasheet peak (no datasheet, e.g.
+    on CPU: over the matmul peak measured here), the lowest as ``mfu``; the bandwidth
+    efficiency, a device copy over the datasheet HBM bandwidth (with a datasheet only)."""
+    from longstraw_core.plan.calibration import datasheet
+
+    peaks = phase.steps.get("peaks")
+    peaks = peaks.details if peaks is not None and peaks.status == "passed" else {}
+    device = peaks.get("device_name") or gpu or settings.device
+    sheet = datasheet(device) if settings.device == "cuda" else None
+    if sheet is not None:
+        basis, reference = sheet.tflops, f"{device}'s datasheet {sheet.tflops:g} TFLOP/s"
+    elif peaks.get("matmul_tflop_per_s"):
+        basis = peaks["matmul_tflop_per_s"]
+        reference = f"the {peaks['matmul_dtype']} matmul peak measured on {device}, {basis:.3g}"
+    else:
+        return None
+    by_type = {}
+    for family in BENCH_FAMILIES:
+        step = phase.steps.get(family)
+        if step is None or step.status != "passed":
+            continue
+        row, kernels = step.details, step.details["kernels"]
+        chosen = sorted({*kernels.get("attention", {}), *kernels.get("deltanet", {})})
+        by_type[family] = {
+            "value": float(f"{min(row['prefill_tflop_per_s'] / basis, 1.0):.3g}"),
+            "note": f"{family} prefill at {row['prefill_tflop_per_s']:.3g} TFLOP/s of "
+            f"{reference} ({row['tokens']} tokens, {row['dtype']}; kernels {', '.join(chosen)})",
+        }
+    if not by_type:
+        return None
+    lowest = min(by_type, key=lambda family: by_type[family]["value"])
+    values: dict[str, float] = {"mfu": by_type[lowest]["value"]}
+    notes = {"mfu": f"the lowest family's, {by_type[lowest]['note']}"}
+    if sheet is not None and peaks.get("copy_tbps"):
+        values["bandwidth_efficiency"] = float(f"{min(peaks['copy_tbps'] / sheet.hbm_tbps, 1):.3g}")
+        notes["bandwidth_efficiency"] = (
+            f"a device copy at {peaks['copy_tbps']:.3g} TB/s of {device}'s datasheet "
+            f"{sheet.hbm_tbps:g} TB/s"
+        )
+    return {"measured_on": device, "values": values, "notes": notes, "mfu_by_model_type": by_type}
+
+
+# --- phase 4: each recipe on two pipeline stages over NCCL ----------------------------------------
+
+
+def run_multi_gpu(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
+    for name in steps_of("multi_gpu", settings):
+        output_dir = settings.work / f"multi_gpu_{name}"
+        records = [settings.work / f"kernels_multi_gpu_{name}_{rank}.json" for rank in (0, 1)]
+        fresh_output(output_dir)
+        for record in records:
+            record.unlink(missing_ok=True)
+        template = settings.work / f"kernels_multi_gpu_{name}_{{rank}}.json"
+        check = run_check(settings, output_dir, records, MULTI_GPU[name])
+        command = multi_gpu_command(name, settings, output_dir, template)
+        _run(report, phase, budget, name, command, check)
 
 
 # --- running ------------------------------------------------------------------------------------
 
+RUNNERS = {
+    "tests": run_gpu_tests,
+    "recipes": run_recipes,
+    "benchmark": run_benchmark,
+    "multi_gpu": run_multi_gpu,
+}
+
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None
-
-
-def _run(command: list[str], timeout: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
-        )
-        returncode, log = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        returncode, log = 124, f"timed out after {timeout} s\n{expired.stdout or ''}"
-    return {
-        "command": " ".join(command[1:]),
-        "returncode": returncode,
-        "seconds": round(time.perf_counter() - start, 1),
-        "tail": log[-3000:] if isinstance(log, str) else str(log)[-3000:],
-    }
 
 
 def environment() -> dict[str, Any]:
@@ -352,46 +468,68 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
-    for name in ("fla", "flash_attn", "triton"):
+    for name in KERNEL_PACKAGES:  # versions without importing (triton's import probes the GPU)
         try:
-            info[name] = __import__(name).__version__
-        except Exception:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             info[name] = None
     return info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
-    settings.out.parent.mkdir(parents=True, exist_ok=True)
-    if settings.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("gpu-check: CUDA is not available", file=sys.stderr)
-            return 2
-    runners = {"tests": run_gpu_tests, "recipes": run_recipes, "benchmark": run_benchmark}
-    phases = []
-    for name in settings.phases:
-        start = time.perf_counter()
-        try:
-            phase = runners[name](settings)
-        except Exception as error:  # recorded, and the check fails
-            phase = Phase(name, ok=False, details={"error": f"{type(error).__name__}: {error}"})
-        phase.seconds = round(time.perf_counter() - start, 1)
-        phases.append(phase)
-        print(f"gpu-check {name}: {'ok' if phase.ok else 'FAILED'} ({phase.seconds:.0f} s)")
-    ok = all(phase.ok for phase in phases)
-    record = {
-        "ok": ok,
-        "settings": {**asdict(settings), "out": str(settings.out)},
-        "environment": environment(),
-        "phases": {phase.name: asdict(phase) for phase in phases},
+    stop_on_signals()
+    budget = Budget()
+    header: dict[str, Any] = {
+        "settings": {**asdict(settings), "out": str(settings.out), "work": str(settings.work)},
+        "budget": {
+            "outer_s": OUTER_LIMIT_S,
+            "start_and_write_s": START_AND_WRITE_S,
+            "inner_total_s": inner_total_s(),
+            "limits_s": LIMITS_S,
+        },
+        "environment": None,
+        "calibration": None,
     }
-    settings.out.write_text(json.dumps(record, indent=2, default=str))
-    print(f"gpu-check: {'passed' if ok else 'FAILED'}; results in {settings.out}")
-    return 0 if ok else 1
+    report = Report(settings.out, header)
+    report.plan({p: sum(LIMITS_S[p][s] for s in steps_of(p, settings)) for p in settings.phases})
+    killed = False
+    try:
+        header["environment"] = env = environment()
+        report.write()
+        if settings.device == "cuda" and not env["cuda_available"]:
+            header["error"] = "CUDA is not available (--device cpu runs the CPU self-test)"
+            print(f"gpu-check: {header['error']}", file=sys.stderr)
+            for name in settings.phases:
+                report.skip(name, "CUDA is not available")
+            report.finish()
+            return 2
+        for name in settings.phases:
+            reason = skip_reason(name, settings, env)
+            if reason is not None:
+                report.skip(name, reason)
+            else:
+                with report.phase(name) as phase:
+                    RUNNERS[name](settings, report, phase, budget)
+            entry = report.phases[name]
+            print(f"gpu-check {name}: {entry.status} ({entry.seconds:.0f} s){_why(entry)}")
+    except Killed as signal_name:
+        killed = True
+        print(f"gpu-check: stopped by {signal_name}", file=sys.stderr)
+    finally:
+        report.finish()
+    print(f"gpu-check: {'passed' if report.ok else 'FAILED'}; results in {settings.out}")
+    if killed:
+        return 124  # as timeout(1) reports a command it stopped
+    return 0 if report.ok else 1
+
+
+def _why(phase: Phase) -> str:
+    return f": {phase.error}" if phase.error and (not phase.ok or phase.status == "skipped") else ""
 
 
 if __name__ == "__main__":

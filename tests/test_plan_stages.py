@@ -29,9 +29,11 @@ from longstraw_core.plan import (
 )
 from longstraw_core.plan.advice import fixes_for, largest_chunk
 from longstraw_core.plan.cli import main
+from longstraw_core.plan.core import PHASES
 from longstraw_core.plan.sources import PRESET_LORA_TARGETS
 from longstraw_core.plan.stages import full_attention_counts, layer_costs, stage_spec
 from longstraw_core.plan.units import GIB
+from longstraw_core.quantization import nf4_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 _QWEN = PRESET_LORA_TARGETS["Qwen3.6-27B"]
@@ -329,6 +331,29 @@ def test_the_time_model_follows_its_inputs(qwen: ModelSpec) -> None:
     assert slow.phase("rollout").pcie_bytes > 2048 * 128 * GIB
     assert base.total < 0.5 * 6785  # well under the paper's measured step
     assert base.phase("prefill").seconds / base.total > 0.7  # still mostly prefill
+
+
+def test_a_4_bit_base_pays_its_dequantization(qwen: ModelSpec) -> None:
+    """QLoRA: every pass over more than NF4_FUSED_ROWS rows, and every backward, reads the
+    NF4 codes and writes the bf16 copy of each 4-bit weight before its matmul (bitsandbytes),
+    added to the roofline; decoding up to that many rows reads the codes instead of bf16."""
+    base = _work(QWEN_21, 8, "exact", stages=1, gpus=1)
+    nf4 = dataclasses.replace(base, quantization="nf4")
+    plain, quantized = estimate_time(qwen, base), estimate_time(qwen, nf4)
+    weights = sum(layer.quantizable for layer in qwen.layers)
+    per_pass = (nf4_bytes(weights) + 2 * weights) / Hardware().hbm_rate
+    assert 2 < per_pass * Hardware().hbm_rate / weights < 2.6
+    chunks, passes = 257, 3  # forward, the checkpointed recompute, backward
+    added = {name: quantized.phase(name).seconds - plain.phase(name).seconds for name in PHASES}
+    assert added["prefill"] == pytest.approx(chunks * per_pass, rel=1e-6)
+    assert added["replay"] == pytest.approx(8 * passes * per_pass, rel=1e-6)
+    assert added["sweep"] == pytest.approx(chunks * passes * per_pass, rel=1e-6)
+    assert added["rollout"] == pytest.approx(2048 * per_pass, rel=0.01)  # G=8 rows: dequantized
+    assert added["optimizer"] == 0
+    # G=2: bitsandbytes' fused kernel reads the 4-bit codes, less than the bf16 weights
+    two = [estimate_time(qwen, dataclasses.replace(w, group=2)) for w in (base, nf4)]
+    assert two[1].phase("rollout").seconds < two[0].phase("rollout").seconds
+    assert two[1].phase("prefill").seconds == pytest.approx(quantized.phase("prefill").seconds)
 
 
 # --- the CLI ---------------------------------------------------------------------------------

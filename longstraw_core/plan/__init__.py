@@ -51,7 +51,8 @@ Modules, each importing only those before it: ``units`` (byte sizes, number form
 kernels' scratch from their block budgets), ``activations`` (transients from tensor
 shapes), ``flops`` (forward FLOPs from shapes), ``stages`` (stage layouts, a stage's slice
 of the model, what is in flight), ``core`` (the pure plan: lines and phase peaks),
-``timing`` (seconds per phase), ``sources`` (specs and workloads from presets, checkpoints
+``timing`` (seconds per phase), ``calibration`` (the time estimate's GPU figures from
+flags, defaults or ``make gpu-check``'s measurements), ``sources`` (specs and workloads from presets, checkpoints
 and run configs), ``advice`` (fixes, ``plan_memory`` with advice, ``check_fits``),
 ``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
 ``docs/tools/paper_tables.py``.

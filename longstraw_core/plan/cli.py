@@ -11,6 +11,13 @@ from typing import Any
 
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.plan.advice import error_message, plan_memory
+from longstraw_core.plan.calibration import (
+    DEFAULT_GPU_CHECK_JSON,
+    FIELDS,
+    Calibration,
+    load_calibration,
+    resolve_hardware,
+)
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import PRESETS
 from longstraw_core.plan.output import print_plan, print_time, render_markdown
@@ -81,52 +88,44 @@ def _parser() -> argparse.ArgumentParser:
         help="each stage's first layer, e.g. 0,8,16 (default: distributed.stage_starts, or "
         "the balanced layout)",
     )
-    timing = parser.add_argument_group("time estimate (printed with --time, and always with S > 1)")
+    timing = parser.add_argument_group(
+        "time estimate (printed with --time, and always with S > 1); a flag given wins over "
+        "--calibration, which wins over the defaults (an H20)"
+    )
     timing.add_argument("--time", action="store_true", help="print seconds per phase")
-    timing.add_argument("--gpu-name", default=_H20.name, help=f"default: {_H20.name}")
     timing.add_argument(
-        "--tflops", type=float, default=_H20.tflops, help="dense bf16 TFLOP/s (H20: 148)"
+        "--calibration",
+        help=f"make gpu-check's JSON ({DEFAULT_GPU_CHECK_JSON}: measured MFU and bandwidth "
+        "efficiency) or a YAML/JSON of the figures below, e.g. {mfu: 0.3}",
     )
-    timing.add_argument("--hbm-tbps", type=float, default=_H20.hbm_tbps, help="TB/s (H20: 4.0)")
-    timing.add_argument(
-        "--link-gbps", type=float, default=_H20.link_gbps, help="GB/s between stages (NVLink: 900)"
-    )
-    timing.add_argument(
-        "--pcie-gbps", type=float, default=_H20.pcie_gbps, help="GB/s host <-> GPU (PCIe 5: 64)"
-    )
-    timing.add_argument(
-        "--mfu",
-        type=float,
-        default=_H20.mfu,
-        help=f"fraction of the FLOP peak (default {_H20.mfu})",
-    )
+    timing.add_argument("--gpu-name", help=f"default: {_H20.name}")
+    timing.add_argument("--tflops", type=float, help="dense bf16 TFLOP/s (H20: 148)")
+    timing.add_argument("--hbm-tbps", type=float, help="TB/s (H20: 4.0)")
+    timing.add_argument("--link-gbps", type=float, help="GB/s between stages (NVLink: 900)")
+    timing.add_argument("--pcie-gbps", type=float, help="GB/s host <-> GPU (PCIe 5: 64)")
+    timing.add_argument("--mfu", type=float, help=f"fraction of the FLOP peak (default {_H20.mfu})")
     timing.add_argument(
         "--bandwidth-efficiency",
         type=float,
-        default=_H20.bandwidth_efficiency,
         help=f"fraction of the bandwidth peaks (default {_H20.bandwidth_efficiency})",
     )
     timing.add_argument(
         "--link-latency-us",
         type=float,
-        default=_H20.latency_us,
         help=f"microseconds a message between stages (default {_H20.latency_us:g})",
     )
     return parser
 
 
-def hardware_from(args: argparse.Namespace) -> Hardware:
-    """The GPU the time estimate assumes (the CLI's flags; defaults: an H20)."""
-    return Hardware(
-        name=args.gpu_name,
-        tflops=args.tflops,
-        hbm_tbps=args.hbm_tbps,
-        link_gbps=args.link_gbps,
-        pcie_gbps=args.pcie_gbps,
-        mfu=args.mfu,
-        bandwidth_efficiency=args.bandwidth_efficiency,
-        latency_us=args.link_latency_us,
-    )
+def hardware_from(
+    args: argparse.Namespace,
+    calibration: Calibration | None = None,
+    model_type: str | None = None,
+) -> Hardware:
+    """The GPU the time estimate assumes: the flags given, else ``calibration``'s figures
+    (for ``model_type``'s family), else an H20's defaults; each value's source recorded."""
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in FIELDS.items()}
+    return resolve_hardware(given, calibration, model_type)
 
 
 def _stage_starts(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -218,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.config and not args.preset:
         parser.error("give --config PATH or --preset NAME")
     try:
+        # read before any planning: a bad file is named before the model is built
+        calibration = load_calibration(args.calibration) if args.calibration else None
         plan = _cli_plan(args)
     except (ValueError, OSError) as exc:
         hint = ""
@@ -231,8 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_plan(plan)
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(plan) + "\n")
-    if args.time or plan.work.stages > 1:
-        print_time(estimate_time(plan.spec, plan.work, hardware_from(args)))
+    if args.time or args.calibration or plan.work.stages > 1:
+        hardware = hardware_from(args, calibration, plan.spec.model_type)
+        print_time(estimate_time(plan.spec, plan.work, hardware))
     if plan.fits is False:
         print(f"error: {error_message(plan)}", file=sys.stderr)
         return 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from longstraw_core.plan.advice import offload_keys
+from longstraw_core.plan.calibration import describe_sources
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import LOAD, Workload
 from longstraw_core.plan.stages import full_attention_counts
-from longstraw_core.plan.timing import TimeEstimate
+from longstraw_core.plan.timing import NF4_FUSED_ROWS, TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
@@ -202,6 +203,8 @@ def time_assumptions(estimate: TimeEstimate) -> list[str]:
     work = estimate.work
     return [
         estimate.hardware.describe(),
+        f"values: {describe_sources(estimate.hardware)}",
+        time_kernels(estimate),
         f"one stage group of {estimate.layout.stages} GPU(s) training one prompt "
         f"({work.replicas} replica(s) run theirs side by side); stages "
         f"{estimate.layout.describe()}",
@@ -216,6 +219,28 @@ def time_assumptions(estimate: TimeEstimate) -> list[str]:
         "not counted: kernel launches and Python, rewards and sampling, FSDP gathers, "
         "checkpoint I/O, the reference model (beta = 0), imbalance between MoE experts",
     ]
+
+
+def time_kernels(estimate: TimeEstimate) -> str:
+    """Which kernels the estimate's one MFU stands for (what make gpu-check checks ran)."""
+    mixers = {layer.mixer for layer in estimate.spec.layers}
+    if estimate.work.device == "cuda":
+        kernels = []
+        if mixers & {"attention", "gated_attention"}:
+            kernels.append("attention in flash-attn or PyTorch's SDPA flash kernels")
+        if "deltanet" in mixers:
+            kernels.append("Gated DeltaNet in flash-linear-attention")
+        if "mla" in mixers:
+            kernels.append("MLA's latent attention and the DSA top-k search in pure-torch blocks")
+    else:
+        kernels = ["CPU kernels: PyTorch's fused attention for float32, the torch loops otherwise"]
+    if estimate.work.quantization is not None:
+        kernels.append(
+            f"{estimate.work.quantization.upper()} weights dequantized by bitsandbytes before "
+            f"each matmul of more than {NF4_FUSED_ROWS} rows and in every backward (HBM bytes, "
+            "added to the roofline)"
+        )
+    return f"kernels (all at the one MFU): {'; '.join(kernels)}"
 
 
 def render_time_text(estimate: TimeEstimate) -> str:

@@ -6,7 +6,9 @@ the whole prefix state per generated token, the pipeline's bubbles) before anyth
 
 Per stage and phase the work is a roofline: the largest of its FLOPs over ``flops x mfu``,
 its HBM bytes over ``hbm x bandwidth_efficiency``, and its host traffic (offloaded state)
-over ``pcie x bandwidth_efficiency``. The stages then combine as each phase's schedule does:
+over ``pcie x bandwidth_efficiency``; a 4-bit (QLoRA) base adds its dequantization, a
+memory-bound kernel of its own before each matmul (``Work.dequant``), to that. The stages then
+combine as each phase's schedule does:
 
 - prefill, exact sweep: ``K`` prompt chunks through ``S`` stages, ``(K + S - 1) / K`` x the
   slowest stage's total (chunks of equal cost on average);
@@ -39,10 +41,16 @@ from longstraw_core.plan.flops import (
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import layout_for, root_split
 from longstraw_core.plan.units import FP32, dtype_bytes
+from longstraw_core.quantization import nf4_bytes
 
 # flash-attn's backward: five matmuls (scores recomputed, dP, dV, dQ, dK) to the forward's two.
 ATTENTION_BACKWARD = 2.5
 ADAM_ACCESSES = 7  # AdamW reads parameter, gradient and both moments and writes three back
+# bitsandbytes (>= 0.50, CUDA) multiplies by a 4-bit weight in its fused kernel, reading the
+# codes alone, up to this many rows (``_GEMM_4BIT_CUSTOM_FLOOR_M``; up to 1536 on some GPUs
+# and shapes: not counted); with more rows, and in every backward, it dequantizes the weight
+# to the compute dtype first (``_dequant_linear_fallback``, ``MatMul4Bit.backward``).
+NF4_FUSED_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class Hardware:
     mfu: float = 0.4  # fraction of the FLOP peak the kernels reach (GEMMs and attention alike)
     bandwidth_efficiency: float = 0.8  # fraction of the HBM, link and PCIe peaks reached
     latency_us: float = 10.0  # one point-to-point message between stages
+    # (field, where its value came from: a flag, a calibration file) for values not defaulted
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def flop_rate(self) -> float:
@@ -94,16 +104,19 @@ class Work:
     flops: float = 0.0
     hbm: float = 0.0  # bytes
     pcie: float = 0.0  # bytes
+    dequant: float = 0.0  # HBM bytes of NF4 dequantization: kernels of their own, not overlapped
 
     def seconds(self, hw: Hardware) -> tuple[float, str]:
-        """The roofline: the slowest resource, and its name."""
+        """The roofline: the slowest resource, and its name; plus the dequantization (it
+        runs before the matmuls it feeds, so it adds), named when it is the largest part."""
         times = {
             "compute": self.flops / hw.flop_rate,
             "HBM": self.hbm / hw.hbm_rate,
             "PCIe": self.pcie / hw.pcie_rate,
         }
         bound = max(times, key=times.__getitem__)
-        return times[bound], bound
+        dequant = self.dequant / hw.hbm_rate
+        return times[bound] + dequant, "dequant" if dequant > times[bound] else bound
 
 
 @dataclass(frozen=True)
@@ -213,6 +226,22 @@ class StepModel:
         size += self.head * self.last(stage) + self.lora_params(stage) * FP32 / self.cb
         return size * self.cb
 
+    def quantized(self, stage: int) -> float:
+        """The stage's weights stored in 4 bits (``model.quantization=nf4``)."""
+        if self.work.quantization is None:
+            return 0.0
+        return sum(layer.quantizable for layer in self.layers(stage))
+
+    def dequant(self, stage: int, passes: float, rows: float) -> float:
+        """HBM bytes ``passes`` passes of ``rows`` rows move dequantizing the stage's 4-bit
+        weights: each reads the NF4 codes and scales and writes the compute-dtype copy (that
+        the matmul then reads, as ``weight_bytes`` counts); none when the fused kernel takes
+        the rows (``NF4_FUSED_ROWS``)."""
+        quantized = self.quantized(stage)
+        if not quantized or rows <= NF4_FUSED_ROWS:
+            return 0.0
+        return passes * (nf4_bytes(quantized) + quantized * self.cb)
+
     def lora_params(self, stage: int) -> float:
         if not self.work.lora_rank:
             return 0.0
@@ -301,7 +330,7 @@ class StepModel:
             # half of it on average): a lower bound (the kernels tile it)
             hbm = chunks * self.weight_bytes(s) + self.state_bytes(s, n, False) * (1 + chunks / 2)
             pcie = self.state_bytes(s, n, True) * (1 + chunks / 2)
-            works.append(Work(flops, hbm, pcie))
+            works.append(Work(flops, hbm, pcie, self.dequant(s, chunks, chunk)))
         seconds, bound = self.pipelined(works, chunks, chunk * self.spec.hidden * self.cb)
         link = (self.stages - 1) * n * self.spec.hidden * self.cb
         note = (
@@ -319,7 +348,11 @@ class StepModel:
         for s in range(self.stages):
             forward = self.forward(s, new, n, head=True).total * group / new
             hbm, host = self.decode_reads(s, context)
-            seconds, bound = Work(forward, hbm + self.weight_bytes(s, group), host).seconds(hw)
+            weights = self.weight_bytes(s, group)
+            if group <= NF4_FUSED_ROWS:  # the fused 4-bit kernel reads the codes, not a copy
+                weights -= self.quantized(s) * self.cb - nf4_bytes(self.quantized(s))
+            decode = Work(forward, hbm + weights, host, self.dequant(s, 1, group))
+            seconds, bound = decode.seconds(hw)
             step, flops, pcie = step + seconds, flops + forward * new, pcie + host * new
             bounds.add(bound)
         size = group * self.spec.hidden * self.cb
@@ -347,7 +380,8 @@ class StepModel:
             passes = 3 if work.activation_checkpointing else 2
             hbm = passes * self.weight_bytes(s) + 2 * self.state_bytes(s, n, False)
             pcie = 2 * self.state_bytes(s, n, True)
-            works.append(Work(flops * group, hbm * group, pcie * group))
+            dequant = self.dequant(s, passes * group, tokens)
+            works.append(Work(flops * group, hbm * group, pcie * group, dequant))
         size = tokens * self.spec.hidden * self.cb
         seconds, bound = self.pipelined(works, group, 2 * size)
         link = 2 * (self.stages - 1) * group * size
@@ -376,7 +410,7 @@ class StepModel:
             hbm = passes * chunks * self.weight_bytes(s)
             hbm += chunks * (self.state_bytes(s, n, False) + self.grad_bytes(s, n, False))
             pcie = chunks * (self.state_bytes(s, n, True) + self.grad_bytes(s, n, True))
-            works.append(Work(flops, hbm, pcie))
+            works.append(Work(flops, hbm, pcie, self.dequant(s, passes * chunks, chunk)))
         size = chunk * self.spec.hidden * self.cb
         seconds, bound = self.pipelined(works, chunks, 2 * size)
         link = 2 * (self.stages - 1) * n * self.spec.hidden * self.cb
