@@ -62,7 +62,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from longstraw_core.fake import known_bool, known_list
+from longstraw_core.fake import is_fake, known_bool, known_list
 from longstraw_core.guard import NonFiniteError
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
@@ -244,7 +244,8 @@ class _Group:
         """Draw the step's noise for every branch (sampling only)."""
         if self.temperature != 0:
             noise = torch.empty(self.size, vocab, dtype=self.logps.dtype, device=self.eos.device)
-            self.noise = noise.exponential_(1, generator=self.generator)
+            # A dry run's fake tensors have no values to draw (nor a generator to draw them).
+            self.noise = noise if is_fake(noise) else noise.exponential_(1, generator=self.generator)
 
     def sample(self, rows: range, step: int, logits: torch.Tensor) -> torch.Tensor:
         """Sample step ``step`` of branches ``rows`` from their logits ``[len(rows), vocab]``:
