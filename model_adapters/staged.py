@@ -50,6 +50,7 @@ import torch
 from longstraw_core.exact import Produced, StateGrad, exact_state
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import (
+    MAX_OPEN_SENDS,
     Compute,
     Key,
     Message,
@@ -68,9 +69,6 @@ if TYPE_CHECKING:
 
 # loss_of(branch index, log-probs, entropy) -> the loss to backpropagate (last stage only)
 BranchLoss = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# Sends of a forward-only pass kept in flight before a stage waits for the oldest: bounds the
-# memory of sent hidden states (a long prefill would otherwise keep every chunk's).
-MAX_OPEN_SENDS = 8
 
 
 @dataclass

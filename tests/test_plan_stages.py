@@ -14,6 +14,7 @@ import pytest
 from longstraw_core.config import load_config
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.pipeline import StageLayoutError
+from longstraw_core.pipeline.simulate import replay_pieces
 from longstraw_core.plan import (
     Hardware,
     ModelSpec,
@@ -304,17 +305,33 @@ def test_prefill_pipelines_over_stages(qwen: ModelSpec) -> None:
     assert times[8] / times[1] == pytest.approx((chunks + 7) / chunks / 8, rel=0.02)
 
 
-def test_the_pipelining_formulas(qwen: ModelSpec) -> None:
-    """Replay: (G + S - 1) x one branch on a stage; the sweep like the prefill; rollout
-    passes the stages in turn, so stages do not shorten it."""
+def test_the_time_follows_the_schedules(qwen: ModelSpec) -> None:
+    """Each phase's seconds are its schedule's, played under NCCL's rules with each compute at
+    its stage's roofline: replay is 1F1B over all G P pieces, ``(G P + S - 1)`` pieces' time
+    on a stage (compute-bound at 2.1M positions, so a piece costs its share of the branch);
+    the sweep 1F1B over the chunks; prefill the chunks forward; rollout's micro-groups keep
+    the stages busy together, but one micro-group (G=1) passes them in turn. One piece per
+    branch (the old 1F1B over branches) idles more."""
     one = estimate_time(qwen, _work(QWEN_21, 8, "exact", stages=1, gpus=1))
     eight = estimate_time(qwen, _work(QWEN_21, 8, "exact"))
-    replay = one.phase("replay").seconds * (8 + 8 - 1) / (8 * 8)
-    assert eight.phase("replay").seconds == pytest.approx(replay, rel=0.05)
+    pieces = replay_pieces(8, 8)
+    assert pieces == 5
+    replay = one.phase("replay").seconds * (8 * pieces + 8 - 1) / (8 * 8 * pieces)
+    # each piece also reads its stage's weights and prefix state, and the stages are not
+    # exactly alike (the head on the last): within 8% of the balanced compute-bound figure
+    assert replay < eight.phase("replay").seconds < 1.08 * replay
+    whole = dataclasses.replace(_work(QWEN_21, 8, "exact"), replay_pieces=1)
+    assert estimate_time(qwen, whole).phase("replay").seconds > 1.3 * eight.phase("replay").seconds
     sweep = one.phase("sweep").seconds * (257 + 7) / 257 / 8
     assert eight.phase("sweep").seconds == pytest.approx(sweep, rel=0.05)
-    assert eight.phase("rollout").seconds == pytest.approx(one.phase("rollout").seconds, rel=0.01)
-    assert eight.phase("rollout").seconds > one.phase("rollout").seconds  # + the hops
+    assert eight.phase("rollout").seconds < 0.7 * one.phase("rollout").seconds
+    alone = [
+        estimate_time(qwen, _work(QWEN_21, 1, "exact", stages=stages, gpus=stages))
+        for stages in (1, 8)
+    ]
+    rollouts = [estimate.phase("rollout").seconds for estimate in alone]
+    assert rollouts[1] == pytest.approx(rollouts[0], rel=0.01)
+    assert rollouts[1] > rollouts[0]  # + the hops
     assert eight.phase("prefill").link_bytes == 7 * 2_099_999 * 5120 * 2
 
 
@@ -322,7 +339,10 @@ def test_the_time_model_follows_its_inputs(qwen: ModelSpec) -> None:
     work = _work(QWEN_21, 8, "detached")
     base = estimate_time(qwen, work)
     faster = estimate_time(qwen, work, Hardware(tflops=296.0))
-    assert faster.phase("prefill").seconds == pytest.approx(base.phase("prefill").seconds / 2)
+    # twice the FLOPs: half the seconds but for the hops between stages
+    assert faster.phase("prefill").seconds == pytest.approx(
+        base.phase("prefill").seconds / 2, rel=1e-4
+    )
     offloaded = dataclasses.replace(
         work, stages=1, gpus=1, offload=OffloadPolicy.parse({"attention": "cpu"})
     )

@@ -55,6 +55,9 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 Key = Hashable
+# Sends of a forward-only pass kept in flight before a stage waits for the oldest: bounds the
+# memory of sent hidden states (a long prefill would otherwise keep every chunk's).
+MAX_OPEN_SENDS = 8
 
 
 @dataclass(frozen=True)

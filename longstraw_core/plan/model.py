@@ -270,6 +270,7 @@ class Workload:
     keep_attention_outputs: bool = False  # GRPOConfig.keep_attention_outputs (exact mode)
     stages: int = 1  # distributed.pipeline_stages: gpus = stages x data-parallel replicas
     stage_starts: tuple[int, ...] | None = None  # distributed.stage_starts (None: balanced)
+    replay_pieces: int | None = None  # distributed.replay_pieces (None: the schedule's choice)
     quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
 
     @property

@@ -199,6 +199,7 @@ def workload_from_config(
         activation_checkpointing=_activation_checkpointing(cfg),
         stages=stages or int(getattr(cfg.distributed, "pipeline_stages", None) or 1),
         stage_starts=_stage_starts(cfg, stage_starts),
+        replay_pieces=getattr(cfg.distributed, "replay_pieces", None),
         quantization=getattr(cfg.model, "quantization", None),
     )
 

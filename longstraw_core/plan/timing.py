@@ -8,29 +8,49 @@ Per stage and phase the work is a roofline: the largest of its FLOPs over ``flop
 its HBM bytes over ``hbm x bandwidth_efficiency``, and its host traffic (offloaded state)
 over ``pcie x bandwidth_efficiency``; a 4-bit (QLoRA) base adds its dequantization, a
 memory-bound kernel of its own before each matmul (``Work.dequant``), to that. The stages then
-combine as each phase's schedule does:
+combine as each phase's schedule does: its programs (``longstraw_core.pipeline.schedule``,
+what the ranks run) are played under NCCL's rules (``pipeline.simulate``) with each compute
+costing its stage's roofline and each message a hop, so the pipeline's bubbles are those of
+the real op order:
 
-- prefill, exact sweep: ``K`` prompt chunks through ``S`` stages, ``(K + S - 1) / K`` x the
-  slowest stage's total (chunks of equal cost on average);
-- rollout: every generated token passes the stages one after another (the sum of the stages'
-  times, plus ``S`` hops: ``S - 1`` forward, the sampled token back to the first stage);
-- replay: ``G`` branches through a 1F1B pipeline, ``(G + S - 1)`` x the slowest stage's
-  forward + backward of one branch (a bubble of ``S - 1``);
+- prefill: ``K`` prompt chunks forward through ``S`` stages (``forward_orders``);
+- rollout: ``min(G, S)`` micro-groups around the ring of stages (``ring_program``): each
+  micro-group's decode step reads the stage's weights and the prefix state once;
+- replay: ``G`` branches of ``P`` pieces (``replay_orders``): each piece reads the weights
+  and the prefix state once, its FLOPs are its share of the branch's;
+- exact sweep: ``K`` chunks, last first, 1F1B (``replay_orders`` with one piece each);
 - optimizer: AdamW over the slowest stage's trainable parameters (memory-bound), and the
   gradients' all-reduce over ``D`` replicas.
 
-Hidden states crossing stages are counted per phase (bytes, and bytes over the link's
-bandwidth); they overlap compute (sent asynchronously) except for the pipeline's fill, ``S - 1``
-hops of one microbatch, which the phase's time includes. Pure: ``estimate_time`` reads a spec,
-a workload and a ``Hardware`` only.
+Passes longer than ``SIMULATED`` microbatches or decode steps are simulated at that length
+and extended by the steady state's period.
+
+Hidden states crossing stages are counted per phase (bytes); in the simulation each message
+takes a hop (latency plus its bytes over the link), which the schedule overlaps with compute
+where its op order lets it. Pure: ``estimate_time`` reads a spec, a workload and a
+``Hardware`` only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from longstraw_core.pipeline.layout import StageLayout
+from longstraw_core.pipeline.schedule import (
+    MAX_OPEN_SENDS,
+    Compute,
+    Message,
+    Ring,
+    Step,
+    forward_orders,
+    micro_groups,
+    programs,
+    replay_orders,
+    ring_program,
+)
+from longstraw_core.pipeline.simulate import replay_pieces, simulate
 from longstraw_core.plan.flops import (
     Flops,
     active_params,
@@ -46,6 +66,10 @@ from longstraw_core.quantization import nf4_bytes
 # flash-attn's backward: five matmuls (scores recomputed, dP, dV, dQ, dK) to the forward's two.
 ATTENTION_BACKWARD = 2.5
 ADAM_ACCESSES = 7  # AdamW reads parameter, gradient and both moments and writes three back
+# Microbatches (or decode steps) a pass is simulated with at most: a longer one is extended
+# by its steady state's period (``StepModel.scheduled``).
+SIMULATED = 48
+INT64 = 8
 # bitsandbytes (>= 0.50, CUDA) multiplies by a 4-bit weight in its fused kernel, reading the
 # codes alone, up to this many rows (``_GEMM_4BIT_CUSTOM_FLOOR_M``; up to 1536 on some GPUs
 # and shapes: not counted); with more rows, and in every backward, it dequantizes the weight
@@ -277,12 +301,15 @@ class StepModel:
             if self.work.offloads(layer.record) == offloaded
         )
 
-    def decode_reads(self, stage: int, context: float) -> tuple[float, float]:
-        """(HBM, PCIe) bytes one decode step of the G branches reads of the prefix state:
-        all K/V (the branches share it: their queries are rows of one batch), the DSA
-        indexer's keys and the selected latents, each branch's recurrent state (read and
-        written) and its own cache."""
-        group, hbm, pcie = self.work.group, 0.0, 0.0
+    def decode_reads(
+        self, stage: int, context: float, group: int | None = None
+    ) -> tuple[float, float]:
+        """(HBM, PCIe) bytes one decode step of ``group`` branches (default: G) reads of the
+        prefix state: all K/V (the branches share it: their queries are rows of one batch),
+        the DSA indexer's keys and the selected latents, each branch's recurrent state (read
+        and written) and its own cache."""
+        group = self.work.group if group is None else group
+        hbm, pcie = 0.0, 0.0
         mean_new = self.work.response_tokens / 2
         for layer in self.layers(stage):
             d = layer.dims
@@ -303,122 +330,182 @@ class StepModel:
             hbm += group * (cache + 2 * layer.state_fixed * (not layer.state_per_token))
         return hbm, pcie
 
-    # --- the phases ---------------------------------------------------------------------------
+    # --- the schedules ------------------------------------------------------------------------
 
     def chunks(self) -> int:
         return max(math.ceil(self.work.stored / self.work.chunk_size), 1)
 
-    def pipelined(self, works: list[Work], microbatches: int, size: float) -> tuple[float, str]:
-        """``microbatches`` through the stages, each stage doing ``works[s]`` in all: the
-        slowest stage's share per microbatch (or the link's, if slower), ``M + S - 1`` times,
-        plus the fill's ``S - 1`` hops."""
-        times = [work.seconds(self.hw) for work in works]
-        slowest, bound = max(times)
-        step = slowest / microbatches
-        if self.stages > 1 and self.hw.hop(size) > step:
-            step, bound = self.hw.hop(size), "link"
-        fill = (self.stages - 1) * self.hw.hop(size) if self.stages > 1 else 0.0
-        return (microbatches + self.stages - 1) * step + fill, bound
+    def pieces(self) -> int:
+        """Pieces per replayed branch: the config's, else the schedule's choice."""
+        configured = getattr(self.work, "replay_pieces", None)
+        if configured:
+            return configured
+        return replay_pieces(self.stages, self.work.group)
+
+    def scheduled(
+        self,
+        build: Callable[[int], list[list[Step]]],
+        count: int,
+        cost: Callable[[Compute], float],
+        size: Callable[[Message], float],
+    ) -> float:
+        """Seconds of the stages' programs ``build(count)`` (``count`` microbatches or decode
+        steps) played under NCCL's rules (``simulate``) with ``cost`` per compute and a hop
+        of ``size`` bytes per message. A long pass is played at ``SIMULATED`` and half that,
+        and extended by its steady state's period (a pipeline's steps cost alike once full)."""
+
+        def play(n: int) -> float:
+            return simulate(build(n), cost, lambda m: self.hw.hop(size(m))).makespan
+
+        if count <= SIMULATED:
+            return play(count)
+        shorter, longer = play(SIMULATED // 2), play(SIMULATED)
+        return longer + (count - SIMULATED) * (longer - shorter) / (SIMULATED - SIMULATED // 2)
+
+    def bound(self, works: list[Work], hop: float) -> str:
+        """What bounds a pass: the slowest stage's resource, or the link when a hop between
+        stages takes longer than any stage's share."""
+        seconds, bound = max(work.seconds(self.hw) for work in works)
+        return "link" if self.stages > 1 and hop > seconds else bound
+
+    # --- the phases ---------------------------------------------------------------------------
 
     def prefill(self) -> PhaseTime:
         work, n, chunks = self.work, self.work.stored, self.chunks()
         chunk = min(work.chunk_size, n)
         works = []
         for s in range(self.stages):
-            flops = self.forward(s, n, 0, head=False).total
+            flops = self.forward(s, n, 0, head=False).total / chunks
             # weights once per chunk; the state written once and read once per chunk (about
             # half of it on average): a lower bound (the kernels tile it)
-            hbm = chunks * self.weight_bytes(s) + self.state_bytes(s, n, False) * (1 + chunks / 2)
-            pcie = self.state_bytes(s, n, True) * (1 + chunks / 2)
-            works.append(Work(flops, hbm, pcie, self.dequant(s, chunks, chunk)))
-        seconds, bound = self.pipelined(works, chunks, chunk * self.spec.hidden * self.cb)
+            hbm = self.weight_bytes(s) + self.state_bytes(s, n, False) * (1 / chunks + 1 / 2)
+            pcie = self.state_bytes(s, n, True) * (1 / chunks + 1 / 2)
+            works.append(Work(flops, hbm, pcie, self.dequant(s, 1, chunk)))
+        size = chunk * self.spec.hidden * self.cb
+        seconds = self.scheduled(
+            lambda k: programs(forward_orders(self.stages, k), max_open_sends=MAX_OPEN_SENDS),
+            chunks,
+            lambda c: works[c.stage].seconds(self.hw)[0],
+            lambda _: size,
+        )
         link = (self.stages - 1) * n * self.spec.hidden * self.cb
         note = (
             f"{chunks} chunks of {chunk}, no autograd; each stage writes its own layers' "
             "state; stage s -> s+1: each chunk's hidden states (chunk x hidden)"
         )
-        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
-        return PhaseTime("prefill", seconds, bound, flops, link, pcie, note)
+        flops = sum(w.flops for w in works) * chunks
+        pcie = sum(w.pcie for w in works) * chunks
+        return PhaseTime("prefill", seconds, self.bound(works, self.hw.hop(size)), flops, link,
+                         pcie, note)  # fmt: skip
 
     def rollout(self) -> PhaseTime:
         work, hw = self.work, self.hw
         group, new, n = work.group, work.response_tokens, work.stored
         context = n + new / 2  # the mean decode step
-        step, bounds, flops, pcie = 0.0, set(), 0.0, 0.0
+        rows = micro_groups(group, self.stages)
+        size = group / len(rows)  # branches a micro-group decodes (on average)
+        ticks = []
         for s in range(self.stages):
-            forward = self.forward(s, new, n, head=True).total * group / new
-            hbm, host = self.decode_reads(s, context)
-            weights = self.weight_bytes(s, group)
-            if group <= NF4_FUSED_ROWS:  # the fused 4-bit kernel reads the codes, not a copy
+            forward = self.forward(s, new, n, head=True).total * size / new
+            hbm, host = self.decode_reads(s, context, math.ceil(size))
+            weights = self.weight_bytes(s, math.ceil(size))
+            if size <= NF4_FUSED_ROWS:  # the fused 4-bit kernel reads the codes, not a copy
                 weights -= self.quantized(s) * self.cb - nf4_bytes(self.quantized(s))
-            decode = Work(forward, hbm + weights, host, self.dequant(s, 1, group))
-            seconds, bound = decode.seconds(hw)
-            step, flops, pcie = step + seconds, flops + forward * new, pcie + host * new
-            bounds.add(bound)
-        size = group * self.spec.hidden * self.cb
-        if self.stages > 1:
-            step += self.stages * hw.hop(size)
-        note = (
-            f"{new} steps of G={group} tokens, each through the stages in turn; stage s -> s+1: "
-            "G x hidden per step; the last stage samples and sends the G tokens to stage 0"
+            ticks.append(Work(forward, hbm + weights, host, self.dequant(s, 1, size)))
+        hidden = size * self.spec.hidden * self.cb
+        seconds = self.scheduled(
+            lambda steps: ring_program(Ring(self.stages, len(rows), steps)),
+            new,
+            lambda c: ticks[c.stage].seconds(hw)[0],
+            lambda m: hidden if m.key[0] == "H" else size * INT64,
         )
-        link = new * (self.stages - 1) * size if self.stages > 1 else 0.0
-        bound = "/".join(sorted(bounds))
-        return PhaseTime("rollout", new * step, bound, flops, link, pcie, note)
+        note = (
+            f"{new} steps of G={group}: {len(rows)} micro-group(s) of {group / len(rows):g} "
+            "around the ring of stages (stage s on one while s-1 is on the next); stage "
+            "s -> s+1: a micro-group's hidden states, the last stage's tokens back to stage 0"
+        )
+        link = new * (self.stages - 1) * group * self.spec.hidden * self.cb
+        flops = sum(t.flops for t in ticks) * len(rows) * new
+        pcie = sum(t.pcie for t in ticks) * len(rows) * new
+        bound = self.bound(ticks, hw.hop(hidden))
+        return PhaseTime("rollout", seconds, bound, flops, link, pcie, note)
 
     def replay(self) -> PhaseTime:
         work, n, tokens = self.work, self.work.stored, self.work.response_tokens
-        group = work.group
-        works = []
+        group, pieces = work.group, self.pieces()
+        piece = tokens / pieces
+        forwards, backwards = [], []
         for s in range(self.stages):
+            # each piece attends over the prefix and its branch's earlier pieces: the whole
+            # branch's FLOPs over P pieces, but every piece reads the weights and the prefix
             forward = self.forward(s, tokens, n, head=True)
-            flops = forward.total + self.backward(forward)
+            backward = self.backward(forward)
             if work.activation_checkpointing:
-                flops += forward.total  # each layer recomputed in its backward
+                backward += forward.total  # each layer recomputed in its backward
             elif self.last(s):
-                flops += head_flops(self.spec, tokens).total  # the head is always recomputed
-            passes = 3 if work.activation_checkpointing else 2
-            hbm = passes * self.weight_bytes(s) + 2 * self.state_bytes(s, n, False)
-            pcie = 2 * self.state_bytes(s, n, True)
-            dequant = self.dequant(s, passes * group, tokens)
-            works.append(Work(flops * group, hbm * group, pcie * group, dequant))
-        size = tokens * self.spec.hidden * self.cb
-        seconds, bound = self.pipelined(works, group, 2 * size)
-        link = 2 * (self.stages - 1) * group * size
-        note = (
-            f"G={group} branches of {tokens} tokens as microbatches, 1F1B; stage s -> s+1: a "
-            "branch's hidden states, s+1 -> s: their gradients; the loss on the last stage"
+                backward += head_flops(self.spec, tokens).total  # the head is recomputed
+            passes = 2 if work.activation_checkpointing else 1  # the backward's weight reads
+            state, host = self.state_bytes(s, n, False), self.state_bytes(s, n, True)
+            weights = self.weight_bytes(s)
+            forwards.append(Work(forward.total / pieces, weights + state, host,
+                                 self.dequant(s, 1, piece)))  # fmt: skip
+            backwards.append(Work(backward / pieces, passes * weights + state, host,
+                                  self.dequant(s, passes, piece)))  # fmt: skip
+        size = piece * self.spec.hidden * self.cb
+        seconds = self.scheduled(
+            lambda g: programs(replay_orders(self.stages, [pieces] * g)),
+            group,
+            lambda c: (forwards if c.kind == "F" else backwards)[c.stage].seconds(self.hw)[0],
+            lambda _: size,
         )
-        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
+        link = 2 * (self.stages - 1) * group * tokens * self.spec.hidden * self.cb
+        note = (
+            f"G={group} branches of {tokens} tokens in {pieces} piece(s) each: forwards in "
+            "order, a branch's backwards last piece first; stage s -> s+1: a piece's hidden "
+            "states, s+1 -> s: their gradients; the loss on the last stage"
+        )
+        total = group * pieces
+        flops = sum(f.flops + b.flops for f, b in zip(forwards, backwards, strict=True)) * total
+        pcie = sum(f.pcie + b.pcie for f, b in zip(forwards, backwards, strict=True)) * total
+        bound = self.bound([*forwards, *backwards], self.hw.hop(size))
         return PhaseTime("replay", seconds, bound, flops, link, pcie, note)
 
     def sweep(self) -> PhaseTime:
         work, n, chunks = self.work, self.work.stored, self.chunks()
         chunk = min(work.chunk_size, n)
-        works = []
+        forwards, backwards = [], []
         for s in range(self.stages):
             forward = self.forward(s, n, 0, head=False)
             recompute = forward
             if work.keep_attention_outputs:
                 recompute = self.without_attention(s, n, 0)
-            flops = recompute.total + self.backward(forward)
+            backward = self.backward(forward)
             if work.activation_checkpointing:
-                flops += recompute.total
-            passes = 3 if work.activation_checkpointing else 2
+                backward += recompute.total
+            passes = 2 if work.activation_checkpointing else 1
             # per chunk: the prefix's state read in forward and backward and its dS read and
             # written (half the prompt on average, twice each)
-            hbm = passes * chunks * self.weight_bytes(s)
-            hbm += chunks * (self.state_bytes(s, n, False) + self.grad_bytes(s, n, False))
-            pcie = chunks * (self.state_bytes(s, n, True) + self.grad_bytes(s, n, True))
-            works.append(Work(flops, hbm, pcie, self.dequant(s, passes * chunks, chunk)))
+            state = self.state_bytes(s, n, False) + self.grad_bytes(s, n, False)
+            host = self.state_bytes(s, n, True) + self.grad_bytes(s, n, True)
+            forwards.append(Work(recompute.total / chunks, self.weight_bytes(s) + state / 2,
+                                 host / 2, self.dequant(s, 1, chunk)))  # fmt: skip
+            backwards.append(Work(backward / chunks, passes * self.weight_bytes(s) + state / 2,
+                                  host / 2, self.dequant(s, passes, chunk)))  # fmt: skip
         size = chunk * self.spec.hidden * self.cb
-        seconds, bound = self.pipelined(works, chunks, 2 * size)
+        seconds = self.scheduled(
+            lambda k: programs(replay_orders(self.stages, [1] * k)),
+            chunks,
+            lambda c: (forwards if c.kind == "F" else backwards)[c.stage].seconds(self.hw)[0],
+            lambda _: size,
+        )
         link = 2 * (self.stages - 1) * n * self.spec.hidden * self.cb
         note = (
             f"{chunks} chunks in reverse, recomputed with autograd and backpropagated, 1F1B; "
             "stage s -> s+1: a chunk's hidden states, s+1 -> s: their gradients; dS stays local"
         )
-        flops, pcie = sum(w.flops for w in works), sum(w.pcie for w in works)
+        flops = sum(f.flops + b.flops for f, b in zip(forwards, backwards, strict=True)) * chunks
+        pcie = sum(f.pcie + b.pcie for f, b in zip(forwards, backwards, strict=True)) * chunks
+        bound = self.bound([*forwards, *backwards], self.hw.hop(size))
         return PhaseTime("sweep", seconds, bound, flops, link, pcie, note)
 
     def optimizer(self) -> PhaseTime:
