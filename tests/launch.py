@@ -8,6 +8,7 @@ gloo (``nccl_rules``), so a test hangs, and fails with a report, where NCCL woul
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,16 @@ def torchrun(
         os.killpg(process.pid, signal.SIGKILL)
         log, _ = process.communicate()
         raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
-    return process.returncode, log
+    return process.returncode, with_report_last(log)
+
+
+def with_report_last(log: str) -> str:
+    """``log`` with the NCCL-rules harness's hang report, if any, repeated at its end: the
+    ranks' tracebacks and torchrun's summary come after it, and tests show a log's tail."""
+    report = re.search(r"^=+ NCCL rules: .*?end of the NCCL rules report =+$", log, re.S | re.M)
+    if report is None:
+        return log
+    return f"{log}\n[the NCCL rules report, repeated from above]\n{report.group(0)}\n"
 
 
 def torchrun_ok(

@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterator
@@ -36,6 +37,9 @@ GRACE_SHARE = 0.5
 # With no proof that every rank is blocked (a rank may be computing, or stuck where the
 # harness cannot see), a wait is reported anyway after this many timeouts.
 HARD_LIMIT_TIMEOUTS = 3
+
+# Entries of a queue a report shows (from the head): the hang is at the heads.
+SHOWN_ENTRIES = 4
 
 Key = tuple[str, int, int, int]  # (group name, source rank, destination rank, sequence number)
 Meta = tuple[str, tuple[int, ...]]  # (dtype, shape)
@@ -147,7 +151,8 @@ class RankStreams:
         self._ops: dict[Key, Op] = {}  # issued, not done
         self._ready: dict[Key, Meta] = {}  # peers' ops at their heads, not yet met here
         self._open: Counter[str] = Counter()  # uncompleted ops per group
-        self._blocked: dict[int, tuple[str, float]] = {}  # thread id -> (what, since)
+        # thread id -> (what it waits in, since, whether inside gloo rather than a harness wait)
+        self._blocked: dict[int, tuple[str, float, bool]] = {}
         self._last_progress = time.monotonic()
         self._gone: set[int] = set()
         self._aborted: NcclRulesError | None = None
@@ -258,7 +263,11 @@ class RankStreams:
                         self._raise_if_aborted()
                         self._cond.wait(1.0)
             thread = threading.get_ident()
-            self._blocked[thread] = (f"{name} on group {group_name} (in gloo)", time.monotonic())
+            self._blocked[thread] = (
+                f"{name} on group {group_name} (in gloo)",
+                time.monotonic(),
+                True,
+            )
         try:
             yield
         finally:
@@ -268,7 +277,7 @@ class RankStreams:
     @contextmanager
     def _blocking(self, what: str) -> Iterator[None]:
         thread = threading.get_ident()
-        self._blocked[thread] = (what, time.monotonic())
+        self._blocked[thread] = (what, time.monotonic(), False)
         try:
             yield
         finally:
@@ -351,6 +360,12 @@ class RankStreams:
                 self._finish(op, error)
 
     def _on_message(self, peer: int, message: tuple) -> None:
+        try:
+            self._take(peer, message)
+        except Exception:  # a harness bug must show, not silently stop the listener
+            traceback.print_exc()
+
+    def _take(self, peer: int, message: tuple) -> None:
         with self._cond:
             if message[0] == "ready":
                 _, key, meta = message
@@ -384,9 +399,9 @@ class RankStreams:
             return
         self._aborted = error
         self._cond.notify_all()
-        main = threading.main_thread().ident
-        waiting_here = main in self._blocked and "(in gloo)" not in self._blocked[main][0]
-        timer = threading.Timer(1.0 if not waiting_here else EXIT_GRACE, _exit_failed)
+        main = self._blocked.get(threading.main_thread().ident)
+        waiting_here = main is not None and not main[2]
+        timer = threading.Timer(EXIT_GRACE if waiting_here else 1.0, _exit_failed)
         timer.daemon = True
         timer.start()
 
@@ -397,9 +412,10 @@ class RankStreams:
         next_check = 0.0
         while not self._stop.wait(interval):
             with self._cond:
-                if self._aborted is not None or not self._blocked:
+                main = self._blocked.get(threading.main_thread().ident)
+                if self._aborted is not None or main is None:
                     continue
-                what, since = min(self._blocked.values(), key=lambda item: item[1])
+                what, since, _ = main
             waited = time.monotonic() - since
             if waited < self.timeout or time.monotonic() < next_check:
                 continue
@@ -436,10 +452,17 @@ class RankStreams:
             dumps = {self.rank: mine, **self._answers.pop(request, {})}
             gone = set(self._gone)
         grace = self.timeout * GRACE_SHARE
+        # A rank that did not answer (its listener starved of the GIL, say) may be running.
         running = [
             r
-            for r, d in dumps.items()
-            if d["blocked"] is None or d["blocked_for"] < grace or d["idle"] < grace
+            for r in range(self.world_size)
+            if r not in gone
+            and (
+                r not in dumps
+                or dumps[r]["blocked"] is None
+                or dumps[r]["blocked_for"] < grace
+                or dumps[r]["idle"] < grace
+            )
         ]
         if running and waited < self.timeout * HARD_LIMIT_TIMEOUTS:
             return None
@@ -453,8 +476,12 @@ class RankStreams:
             pending = self._queues[peer]
             if not pending:
                 continue
-            lines.append(f"  with rank {peer}: {len(pending)} entries in its queue")
+            entries = f"{len(pending)} {'entry' if len(pending) == 1 else 'entries'}"
+            lines.append(f"  with rank {peer}: {entries} in this rank's queue")
             for index, entry in enumerate(pending):
+                if index == SHOWN_ENTRIES:
+                    lines.append(f"    ... and {len(pending) - index} more entries behind these")
+                    break
                 place = "head" if index == 0 else f"#{index + 1}"
                 others = [p for p in entry.peers if p != peer]
                 batch = f" (a batch also with ranks {others})" if others else ""
@@ -490,7 +517,8 @@ def _report(
     gone: set[int],
     running: list[int],
 ) -> str:
-    """The hang report: the verdict, then every rank's state and pending ops."""
+    """The hang report: the verdict, then every rank's state and pending ops. Its first and
+    last lines are how ``launch.with_report_last`` finds it in a torchrun log."""
     if not running:
         headline = "NCCL rules: a hang (every rank is blocked; on NCCL this run would never end)"
     else:
