@@ -187,7 +187,7 @@ class _Work(dist.Work):
         if timeout is not None and timeout != timedelta(0):
             seconds = timeout.total_seconds()
         ops = ", ".join(op.describe() for op in self._entry.ops)
-        self._streams.wait(self._entry, f"{self._entry.label} wait() for: {ops}", seconds)
+        self._streams.wait(self._entry, f"{self._entry.label} ({ops})", seconds)
         return True
 
     def is_completed(self) -> bool:
@@ -207,6 +207,28 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return c10d._group_or_default_group(group)
 
 
+def _issue(
+    label: str,
+    kind: str,
+    tensor: torch.Tensor,
+    rank: int | None,
+    group: dist.ProcessGroup | None,
+    group_rank: int | None,
+) -> _Work:
+    """One emulated op (``rank`` global or ``group_rank`` in ``group``), as ``label``."""
+    streams = _streams
+    assert streams is not None
+    c10d._check_single_tensor(tensor, "tensor")
+    if kind == "recv" and rank is None and group_rank is None:
+        raise NcclRulesError(
+            "NCCL rules: a receive from any source (src=None) does not exist on NCCL; "
+            "pass the sender's rank"
+        )
+    resolved = _group(group)
+    peer = c10d._canonicalize_group_rank(resolved, rank, group_rank, return_global=True)
+    return _Work(streams, streams.issue(label, [(kind, peer, resolved.group_name, tensor)]))
+
+
 def _isend(
     tensor: torch.Tensor,
     dst: int | None = None,
@@ -214,14 +236,9 @@ def _isend(
     tag: int = 0,
     group_dst: int | None = None,
 ) -> dist.Work | None:
-    streams = _streams
-    if streams is None or c10d._rank_not_in_group(group):
+    if _streams is None or c10d._rank_not_in_group(group):
         return _original["isend"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
-    c10d._check_single_tensor(tensor, "tensor")
-    resolved = _group(group)
-    peer = c10d._canonicalize_group_rank(resolved, dst, group_dst, return_global=True)
-    entry = streams.issue("isend", [("send", peer, resolved.group_name, tensor)])
-    return _Work(streams, entry)
+    return _issue("isend", "send", tensor, dst, group, group_dst)
 
 
 def _irecv(
@@ -231,19 +248,9 @@ def _irecv(
     tag: int = 0,
     group_src: int | None = None,
 ) -> dist.Work | None:
-    streams = _streams
-    if streams is None or c10d._rank_not_in_group(group):
+    if _streams is None or c10d._rank_not_in_group(group):
         return _original["irecv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
-    c10d._check_single_tensor(tensor, "tensor")
-    if src is None and group_src is None:
-        raise NcclRulesError(
-            "NCCL rules: a receive from any source (src=None) does not exist on NCCL; "
-            "pass the sender's rank"
-        )
-    resolved = _group(group)
-    peer = c10d._canonicalize_group_rank(resolved, src, group_src, return_global=True)
-    entry = streams.issue("irecv", [("recv", peer, resolved.group_name, tensor)])
-    return _Work(streams, entry)
+    return _issue("irecv", "recv", tensor, src, group, group_src)
 
 
 def _send(
@@ -253,11 +260,9 @@ def _send(
     tag: int = 0,
     group_dst: int | None = None,
 ) -> None:
-    if _streams is None:
+    if _streams is None or c10d._rank_not_in_group(group):
         return _original["send"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
-    work = _isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
-    if work is not None:
-        work.wait()
+    _issue("send", "send", tensor, dst, group, group_dst).wait()
 
 
 def _recv(
@@ -267,14 +272,10 @@ def _recv(
     tag: int = 0,
     group_src: int | None = None,
 ) -> int:
-    if _streams is None:
+    if _streams is None or c10d._rank_not_in_group(group):
         return _original["recv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
-    work = _irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-    if work is None:
-        return -1
-    work.wait()
-    resolved = _group(group)
-    return c10d._canonicalize_group_rank(resolved, src, group_src, return_global=True)
+    _issue("recv", "recv", tensor, src, group, group_src).wait()
+    return c10d._canonicalize_group_rank(_group(group), src, group_src, return_global=True)
 
 
 def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:

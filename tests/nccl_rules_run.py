@@ -3,10 +3,11 @@ would, with NCCL's point-to-point rules enforced (``nccl_rules``) unless
 ``LONGSTRAW_NCCL_RULES=0``.
 
 SCRIPT runs as ``__main__`` (``runpy.run_path``) with ``sys.argv`` = ``[SCRIPT, *ARGS]``,
-``sys.path[0]`` its directory and ``__file__`` its path, as Python sets them (both made
-absolute, as Python 3.11 makes ``__file__``), so recipes, test workers and the test files
-that run themselves under torchrun work unchanged. ``tests/launch.py`` puts every torchrun
-of the tests under it.
+``sys.path[0]`` its directory and ``__file__`` its path, as Python sets them (SCRIPT made
+absolute: Python makes ``__file__`` and ``sys.path[0]`` absolute, and ``run_path`` puts its
+path in ``sys.argv[0]``), so recipes, test workers and the test files that run themselves
+under torchrun work unchanged. ``tests/launch.py`` puts every torchrun of the tests under
+it.
 """
 
 from __future__ import annotations

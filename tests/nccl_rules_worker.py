@@ -1,9 +1,9 @@
 """One rank of ``test_nccl_rules``, run under ``nccl_rules_run.py`` by torchrun.
 
-``python nccl_rules_worker.py CASE OUT``: ``complete`` runs every pattern NCCL completes
-(3 ranks) and writes each rank's findings to ``OUT/rank-R.json``; ``facing_sends`` and
-``send_then_collective`` issue a pattern NCCL hangs on (2 ranks), which the harness must
-report.
+``complete OUT`` runs every pattern NCCL completes (3 ranks) and writes each rank's findings
+to ``OUT/rank-R.json``; ``facing_sends SECONDS`` (run without the runner: it installs the
+harness itself, after ``init_process_group``) and ``send_then_collective`` issue a pattern
+NCCL hangs on (2 ranks), which the harness must report.
 """
 
 from __future__ import annotations
@@ -212,10 +212,15 @@ def send_then_collective() -> None:
 
 
 def main() -> None:
-    case = sys.argv[1]
+    case, *rest = sys.argv[1:]
     dist.init_process_group("gloo")
+    if case == "facing_sends":
+        # Launched without the runner: the harness installed right after the group exists,
+        # with its bound given here (the other cases install before, through the runner).
+        assert not nccl_rules.installed()
+        nccl_rules.install(float(rest[0]))
     if case == "complete":
-        complete(Path(sys.argv[2]))
+        complete(Path(rest[0]))
     elif case == "facing_sends":
         facing_sends()
     elif case == "send_then_collective":
