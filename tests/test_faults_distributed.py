@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -63,14 +62,13 @@ def _children(pid: int) -> list[int]:
 
 def test_sigterm_on_one_rank_stops_both_after_the_same_step(straight, tmp_path):
     out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(RECIPE), *ARGS, f"train.output_dir={out}", "train.save_every=0",
-    ]  # fmt: skip
+    env = run_env(OMP_NUM_THREADS="1")
+    command = launch.torchrun_command(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=0", ranks=2, env=env
+    )
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=run_env(OMP_NUM_THREADS="1"),
-        start_new_session=True,
+        env=env, start_new_session=True,
     )  # fmt: skip
     lines = []
     try:

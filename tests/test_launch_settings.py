@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 import yaml
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -189,7 +190,9 @@ def _accelerate_launch(tmp_path: Path, settings: dict, *overrides: str):
     path.write_text(yaml.safe_dump(BASE | settings))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
-    command += [str(ROOT / "recipes" / "grpo_qwen36.py"), *overrides]
+    # Under the NCCL-rules harness, as every launch of the tests (accelerate starts the
+    # "script", here the harness's runner, with the recipe as its first argument).
+    command += [*launch.under_nccl_rules(ROOT / "recipes" / "grpo_qwen36.py"), *overrides]
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
