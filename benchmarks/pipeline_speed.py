@@ -10,8 +10,8 @@ the same phases between barriers:
 
 - ``prefill``: the prompt in chunks through the stages (stage s on chunk k while stage
   s - 1 is on chunk k + 1);
-- ``step``: prefill, a rollout of G branches, the detached replay (``grpo_step``, 1F1B over
-  the branches) and the optimizer step.
+- ``step``: prefill, a rollout of G branches, the detached replay (``grpo_step``, its
+  branches in pieces through the stages) and the optimizer step.
 
 Writes ``pipeline_speed.json`` and ``pipeline_speed.png`` under ``--output``
 (``benchmarks/results/``) and prints each S's seconds and speed-up over S=1. On a machine

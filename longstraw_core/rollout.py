@@ -19,10 +19,17 @@ plus each branch's own rows. The per-layer code is the adapters' own ``run_layer
 Sampling follows transformers' ``generate`` with transformers' own processors, in its order:
 ``repetition_penalty`` (``RepetitionPenaltyLogitsProcessor``: every token of the prompt and
 of the branch so far counts, as in ``generate`` and vLLM), then, when sampling, the
-temperature, top-k, top-p (nucleus) and min-p warpers; a token is drawn with
-``torch.multinomial`` from a ``torch.Generator`` seeded by ``seed`` (the same seed gives the
-same responses). ``temperature=0`` decodes greedily: the argmax after the repetition penalty,
-as ``generate(do_sample=False)``.
+temperature, top-k, top-p (nucleus) and min-p warpers; a token is drawn as
+``torch.multinomial(probs, 1)`` draws it (its fast path: ``argmax(probs / q)``, ``q ~ Exp(1)``),
+with the step's ``q`` drawn for the whole group at once from a ``torch.Generator`` seeded by
+``seed``: the same seed gives the same responses, the ones ``generate`` gives, and on pipeline
+stages, where the group is sampled in micro-groups, the same as one process. ``temperature=0``
+decodes greedily: the argmax after the repetition penalty, as ``generate(do_sample=False)``.
+
+On pipeline stages the group's micro-groups go around the ring of stages
+(``_decode_on_stages``, ``pipeline.schedule.ring_program``): every stage decodes one while
+the next decodes another; the last stage samples and sends each micro-group's tokens to the
+first; one collective per decode step decides whether every branch has ended.
 
 Behaviour log-probs (``out.logps``) are ``log_softmax(logits / temperature)`` at the sampled
 token, before any processor, as TRL computes the policy's log-probs; they equal

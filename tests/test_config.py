@@ -234,6 +234,7 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
             ["distributed.mixed_precision=bf16", "model.quantization=nf4", "lora.enabled=true"],
             "distributed.mixed_precision",
         ),
+        (["distributed.replay_pieces=0"], "distributed.replay_pieces"),
         (["model.dtype=fp8"], "model.dtype"),
         (["model.tiny=gpt2"], "model.tiny"),
         (["model.tiny_overrides.vocab_size=128"], "model.tiny_overrides.vocab_size"),

@@ -1,8 +1,13 @@
 """Pipeline stages: one prompt's layers, weights and prefix state spread over S ranks.
 
 - ``layout``: which layers each stage owns (contiguous, balanced blocks);
-- ``transport``: hidden states and their gradients between neighbouring stages;
-- ``schedule``: the 1F1B schedule of the passes with autograd, and the forward-only one;
+- ``schedule``: each pass as every stage's program of computes and fused exchanges, in one
+  order per pair of stages (prefill forward, rollout's ring of micro-groups, replay's
+  pieces, the sweep's 1F1B);
+- ``simulate``: programs played under NCCL's point-to-point rules (liveness, idle share,
+  the planner's time);
+- ``runner``: a stage's program run with real transfers;
+- ``transport``: the exchanges (``batch_isend_irecv``, shapes from the plan, no tags);
 - ``stage``: an adapter cut down to its stage (``stage_model``);
 - ``mesh``: the world as stages x replicas (``pipeline_mesh``, ``stage_adapter``);
 - ``gradients``: averaging over replicas, clipping by the whole model's norm;

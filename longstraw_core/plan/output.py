@@ -208,10 +208,10 @@ def time_assumptions(estimate: TimeEstimate) -> list[str]:
         f"one stage group of {estimate.layout.stages} GPU(s) training one prompt "
         f"({work.replicas} replica(s) run theirs side by side); stages "
         f"{estimate.layout.describe()}",
-        "per stage a roofline (the slowest of FLOPs, HBM bytes, PCIe bytes); prefill and "
-        "sweep (K + S - 1)/K x the slowest stage, replay (G + S - 1) x one branch on the "
-        "slowest stage (1F1B), rollout the stages in turn for each token; transfers overlap "
-        "compute but for the pipeline's fill",
+        "per stage a roofline (the slowest of FLOPs, HBM bytes, PCIe bytes); each phase's "
+        "schedule played under NCCL's rules with those costs and a hop per message "
+        "(pipeline.simulate): prefill's chunks forward, rollout's micro-groups around the "
+        "ring of stages, replay's pieces and the sweep's chunks (1F1B), bubbles included",
         "FLOPs from shapes: 2 x active parameters per token, causal attention 4 x heads x "
         "head_dim per query-key pair, MLA absorbed over its top-k, the DSA indexer over every "
         f"earlier key; backward: input gradients (weight gradients too: "

@@ -88,9 +88,9 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
 
 def worst_stages(run: DryRun) -> list[int]:
     """The first stage of each kind (the same layers, the same ends: embeddings, head):
-    the kind's worst. A pipeline's earlier stages run more 1F1B warm-up forwards (stage ``s``
-    of ``S`` holds up to ``S - s`` microbatch graphs), so among stages of one kind the first
-    holds the most; the planner counts the same (``waiting_branches``, ``waiting_chunks``)."""
+    the kind's worst. A pipeline's earlier stages keep more graphs in flight (the sweep's
+    1F1B up to ``S - s`` chunks on stage ``s``, replay up to ``graphs_in_flight`` pieces), so
+    among stages of one kind the first holds the most; the planner counts the same."""
     _, _, spec, _, layout = _prepare(run)
     first: dict[str, int] = {}
     for stage in range(layout.stages):
