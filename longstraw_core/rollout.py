@@ -252,7 +252,9 @@ class _Group:
         if self.temperature != 0:
             noise = torch.empty(self.size, vocab, dtype=self.logps.dtype, device=self.eos.device)
             # A dry run's fake tensors have no values to draw (nor a generator to draw them).
-            self.noise = noise if is_fake(noise) else noise.exponential_(1, generator=self.generator)
+            self.noise = (
+                noise if is_fake(noise) else noise.exponential_(1, generator=self.generator)
+            )
 
     def sample(self, rows: range, step: int, logits: torch.Tensor) -> torch.Tensor:
         """Sample step ``step`` of branches ``rows`` from their logits ``[len(rows), vocab]``:
