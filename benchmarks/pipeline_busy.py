@@ -4,9 +4,8 @@
     make pipeline-busy                            # the same, results under docs/benchmarks/
 
 Each S runs under torchrun on S CPU ranks (gloo), one torch thread per rank, the same model
-(a dense qwen3 of 8 layers, float32, random weights) and the same 8K-token prompt, which
-makes a decode step's work grow with the branches it decodes (their attention over the
-prompt), as a long prompt's does on a GPU. Every rank times, between barriers:
+(``MODEL``: Qwen3.6's layers, 8 of them, float32, random weights) and the same prompt.
+Every rank times, between barriers:
 
 - ``rollout``: ``G`` branches of ``--new-tokens`` tokens (no end of sequence): on stages,
   ``min(G, S)`` micro-groups go around the ring of stages, each stage busy with one;
@@ -31,10 +30,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# Qwen3.6's architecture (three Gated DeltaNet layers to one of full attention) at toy width,
+# with wide DeltaNet heads (16 key, 64 value heads of 128 x 128): every branch carries its own
+# recurrent state (4 MiB a layer here; Qwen3.6-27B's 48 DeltaNet layers hold about 150 MiB a
+# branch), which each decode step reads and writes, so a step's work grows with the branches
+# it decodes: the regime of the planner's rollout at 2.1M positions, where those states bound
+# it. What does not grow with the branches (weights, the shared prefix, Python) is read once per
+# micro-group: with ``F`` of it and ``V`` that does, S=2 can gain at most
+# ``(F + V) / (F + V / 2)``.
 MODEL = {
-    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
-    "vocab_size": 1024, "max_position_embeddings": 65536,
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "vocab_size": 1024, "max_position_embeddings": 65536,
 }  # fmt: skip
 
 
@@ -51,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = tiny_model("qwen3", seed=0, **MODEL).train()
+    model = tiny_model("qwen3_5_text", seed=0, **MODEL).train()
     adapter = ls.adapt(model)
     if world > 1:
         RunTopology.from_config(DistributedSection(pipeline_stages=world), world, rank).place(
@@ -117,7 +125,7 @@ def schedules(stages: int, group: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--group", type=int, default=8, help="G: branches per group")
     parser.add_argument("--new-tokens", type=int, default=64)
