@@ -339,13 +339,14 @@ def _replay_on_stages(
     state_grad: StateGrad | None,
     policy_logps: list[torch.Tensor | None],
 ) -> tuple[float, float, list[dict[str, Any]], int]:
-    """The replay loop on pipeline stages: every contributing branch is a microbatch of the
-    stages' 1F1B schedule (``ModelAdapter.replay_branches``), its loss computed and
+    """The replay loop on pipeline stages: every contributing branch is replayed in pieces
+    through the stages' schedule (``ModelAdapter.replay_branches``), its loss computed and
     backpropagated on the last stage; replicas sharded together pad with idle branches
     (``in_step``). Returns the group's loss, the entropy sum and the branches' stats, which
     the last stage sends to every stage, and the number of idle branches; the last stage
-    also fills ``policy_logps``."""
-    totals, stats = [0.0, 0.0], []
+    also fills ``policy_logps``. The values stay on the device until the replay ends: reading
+    one back per branch would stall the last stage's queue between branches."""
+    losses, entropies, stats = [], [], []
     items = list(adapter.in_step(contributing))
 
     def loss_of(m: int, logps: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
@@ -354,15 +355,20 @@ def _replay_on_stages(
             logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
         )
         policy_logps[index] = logps.detach()
-        totals[0] += known_float(loss)
-        totals[1] += known_float(entropy.sum())
-        stats.append({key: value.detach().cpu() for key, value in branch_stats.items()})
+        losses.append(loss.detach())
+        entropies.append(entropy.sum())
+        stats.append({key: value.detach() for key, value in branch_stats.items()})
         return loss * loss_scale
 
     branches = [None if index is None else responses[index] for index in items]
     pieces = adapter.stage.pieces_for(len(branches))
     adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature, pieces)
-    loss, entropy, stats = adapter.stage.link.objects_from_last((totals[0], totals[1], stats))
+    totals = (
+        sum(known_float(loss) for loss in losses),
+        sum(known_float(entropy) for entropy in entropies),
+        [{key: value.cpu() for key, value in branch.items()} for branch in stats],
+    )
+    loss, entropy, stats = adapter.stage.link.objects_from_last(totals)
     return loss, entropy, stats, len(items) - len(contributing)
 
 

@@ -55,9 +55,9 @@ from longstraw_core.pipeline.schedule import (
     Key,
     Message,
     forward_orders,
-    programs,
     replay_orders,
     split_pieces,
+    stage_program,
 )
 from longstraw_core.pipeline.transport import MessageSpec, Payload, TensorSpec
 from longstraw_core.state import PieceCache
@@ -146,7 +146,7 @@ class StagedPasses:
         max_open_sends: int | None = None,
     ) -> None:
         """Run this stage's program of ``orders``."""
-        program = programs(orders, max_open_sends=max_open_sends)[self.stage.index]
+        program = stage_program(orders, self.stage.index, max_open_sends=max_open_sends)
         run_program(self.stage.link, program, compute, spec)
 
     # --- prefill, score, decode ---------------------------------------------------------
@@ -340,19 +340,22 @@ class StagedPasses:
 
             self._produced = produced  # what call_layer hands to a sharded layer
             try:
-                output, carried = self._call_model(work)
+                result = self._call_model(work)
             finally:
                 self._produced = None
             if not self.stage.is_last:
-                return (output, carried), (leaf[0], output, produced)
+                hidden, carried = result
+                return (hidden, carried), (leaf[0], hidden, produced)
+            logps, entropy = result
             if not piece.idle:
-                run.logps.append(output)
-                run.entropy.append(carried)
+                run.logps.append(logps)
+                run.entropy.append(entropy)
             if piece.index == pieces - 1 and responses[piece.branch] is not None:
                 run.seeds = _branch_seeds(loss_of, piece.branch, run)
-            return None, (leaf[0], output, produced)
+            return None, (leaf[0], logps, produced)
 
         def backward(m: int, context: Any, gradient: Payload | None) -> Payload | None:
+            # output: the piece's hidden states (its log-probs on the last stage)
             leaf, output, produced = context
             piece = plan[m]
             if gradient is not None:
@@ -494,7 +497,7 @@ def _branch_seeds(loss_of: BranchLoss, index: int, run: _BranchRun) -> list[torc
     loss may couple a branch's tokens (sequence-level terms), so it is taken once over all of
     them, on leaves, and each piece's backward is seeded with its share."""
     leaves = [logps.detach().requires_grad_(logps.requires_grad) for logps in run.logps]
-    entropy = torch.cat([e for e in run.entropy]) if run.entropy else None
+    entropy = torch.cat(run.entropy) if run.entropy else None
     loss = loss_of(index, torch.cat(leaves), entropy)
     if loss.requires_grad:
         loss.backward()

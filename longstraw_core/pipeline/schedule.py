@@ -15,9 +15,9 @@ simulator plays (``longstraw_core.pipeline.simulate``):
   while stage ``s + 1`` sends backward ``k`` and receives forward ``k + 1``; unbatched, the
   two sends face each other and neither stream moves. PyTorch's ``Schedule1F1B`` fuses the
   same pairs "for deadlock avoidance".
-- ``Wait``: wait for the exchange just issued (the whole batch: NCCL completes a group as
-  one); it precedes every compute that receives. ``WaitOldest`` bounds the sends still in
-  flight (a long prefill would otherwise keep every chunk's hidden states alive).
+- ``Wait``: wait for exchanges (each as a whole: NCCL completes a group as one): those holding
+  what the next compute receives, or the oldest of the sends still in flight, which bounds
+  them (a long prefill would otherwise keep every chunk's hidden states alive).
 - ``Collective``: a collective every stage joins (rollout's one per generated token).
 - ``Compute``: run ``F`` or ``B`` of a microbatch.
 - ``Drain``: wait for every exchange still open, at the end of the pass.
@@ -53,6 +53,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 Key = Hashable
 # Sends of a forward-only pass kept in flight before a stage waits for the oldest: bounds the
@@ -60,9 +61,9 @@ Key = Hashable
 MAX_OPEN_SENDS = 8
 
 
-@dataclass(frozen=True)
-class Message:
-    """A message ``key`` from stage ``src`` to stage ``dst``."""
+class Message(NamedTuple):
+    """A message ``key`` from stage ``src`` to stage ``dst`` (a tuple: hashed in C, as a
+    rollout's program holds hundreds of thousands)."""
 
     key: Key
     src: int
@@ -144,66 +145,88 @@ def programs(
     already), then a ``Wait``: waiting for the sends ordered before a needed receive costs
     nothing more (the peer sends after receiving them). The sends that come next in a pair's
     order and are ready go in a second exchange that is not waited for, so no stage waits for
-    a peer to take a message it will only need later. With ``max_open_sends``, a
-    ``WaitOldest`` keeps at most that many such exchanges open.
+    a peer to take a message it will only need later. With ``max_open_sends``, a ``Wait``
+    for the oldest keeps at most that many such exchanges open.
     ``collectives[(stage, i)]``: collectives that stage joins right after issuing the
     exchanges that follow its ``i``-th compute (before waiting for them).
     """
-    collectives = collectives or {}
-    finish = _dataflow_finish(orders, costs or UnitCosts())
-    pair_order = _pair_orders(orders, finish)
-    result = []
-    for stage, order in enumerate(orders):
-        builder = _ProgramBuilder(stage, pair_order, max_open_sends)
-        for index, compute in enumerate(order):
-            if compute.stage != stage:
-                raise ScheduleError(f"stage {stage}'s order holds a compute of {compute.stage}")
-            waits = builder.issue_for(compute.recv)
-            for name in collectives.get((stage, index - 1), ()):
-                builder.steps.append(Collective(name))
-            if waits:
-                builder.steps.append(Wait(waits))
-            builder.steps.append(compute)
-            builder.produced(compute.send)
-        builder.issue_for(())
-        for name in collectives.get((stage, len(order) - 1), ()):
-            builder.steps.append(Collective(name))
-        builder.steps.append(Drain())
-        if builder.unsent():
-            raise ScheduleError(f"stage {stage} never sends {builder.unsent()}")
-        result.append(builder.steps)
+    pair_order = _pair_orders(orders, _dataflow_finish(orders, costs or UnitCosts()))
+    result = [
+        _build(stage, order, pair_order, max_open_sends, collectives or {})
+        for stage, order in enumerate(orders)
+    ]
     check_message_order(result)
     return result
 
 
+def stage_program(
+    orders: Sequence[Sequence[Compute]],
+    stage: int,
+    max_open_sends: int | None = None,
+    collectives: dict[tuple[int, int], Sequence[Key]] | None = None,
+    costs: UnitCosts | None = None,
+) -> list[Step]:
+    """Stage ``stage``'s program alone (what its rank runs): ``programs(...)[stage]``, without
+    building the others' (their pair orders still come from every stage's order)."""
+    pair_order = _pair_orders(orders, _dataflow_finish(orders, costs or UnitCosts()))
+    return _build(stage, orders[stage], pair_order, max_open_sends, collectives or {})
+
+
+def _build(
+    stage: int,
+    order: Sequence[Compute],
+    pair_order: dict[tuple[int, int], list[Message]],
+    max_open_sends: int | None,
+    collectives: dict[tuple[int, int], Sequence[Key]],
+) -> list[Step]:
+    builder = _ProgramBuilder(stage, pair_order, max_open_sends)
+    for index, compute in enumerate(order):
+        if compute.stage != stage:
+            raise ScheduleError(f"stage {stage}'s order holds a compute of {compute.stage}")
+        waits = builder.issue_for(compute.recv)
+        for name in collectives.get((stage, index - 1), ()):
+            builder.steps.append(Collective(name))
+        if waits:
+            builder.steps.append(Wait(waits))
+        builder.steps.append(compute)
+        builder.produced(compute.send)
+    builder.issue_for(())
+    for name in collectives.get((stage, len(order) - 1), ()):
+        builder.steps.append(Collective(name))
+    builder.steps.append(Drain())
+    if builder.unsent():
+        raise ScheduleError(f"stage {stage} never sends {builder.unsent()}")
+    return builder.steps
+
+
 def _dataflow_finish(orders: Sequence[Sequence[Compute]], costs: UnitCosts) -> dict[Message, float]:
     """When each message's producer finishes, running ``orders`` as soon as messages arrive
-    (no transfer rules): what orders each pair's messages."""
+    (no transfer rules): what orders each pair's messages. A stage that waits for a message
+    is woken when it is produced (linear in the number of computes)."""
     produced: dict[Message, float] = {}
     position = [0] * len(orders)
     clock = [0.0] * len(orders)
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        moved = False
-        for stage, order in enumerate(orders):
-            while position[stage] < len(order):
-                compute = order[position[stage]]
-                if any(message not in produced for message in compute.recv):
-                    break
-                start = max([clock[stage], *(produced[m] for m in compute.recv)])
-                clock[stage] = start + (costs.forward if compute.kind == "F" else costs.backward)
-                for message in compute.send:
-                    produced[message] = clock[stage]
-                position[stage] += 1
-                remaining -= 1
-                moved = True
-        if not moved:
-            waiting = {
-                stage: order[position[stage]]
-                for stage, order in enumerate(orders)
-                if position[stage] < len(order)
-            }
-            raise ScheduleError(f"the orders wait on each other: {waiting}")
+    waiting: dict[Message, int] = {}  # a message not yet produced -> the stage waiting for it
+    ready = list(range(len(orders)))
+    while ready:
+        stage = ready.pop()
+        order = orders[stage]
+        while position[stage] < len(order):
+            compute = order[position[stage]]
+            missing = next((m for m in compute.recv if m not in produced), None)
+            if missing is not None:
+                waiting[missing] = stage
+                break
+            start = max([clock[stage], *(produced[m] for m in compute.recv)])
+            clock[stage] = start + (costs.forward if compute.kind == "F" else costs.backward)
+            for message in compute.send:
+                produced[message] = clock[stage]
+                if message in waiting:
+                    ready.append(waiting.pop(message))
+            position[stage] += 1
+    stuck = {s: order[position[s]] for s, order in enumerate(orders) if position[s] < len(order)}
+    if stuck:
+        raise ScheduleError(f"the orders wait on each other: {stuck}")
     return produced
 
 
@@ -243,6 +266,14 @@ class _ProgramBuilder:
             for (a, b), messages in pair_order.items()
             if stage in (a, b)
         }
+        self.place = {m: i for stream in self.streams.values() for i, m in enumerate(stream)}
+        # next_send[peer][i]: the first position >= i of a message this stage sends
+        self.next_send: dict[int, list[int]] = {}
+        for peer, stream in self.streams.items():
+            following = [len(stream)] * (len(stream) + 1)
+            for i in range(len(stream) - 1, -1, -1):
+                following[i] = i if stream[i].src == stage else following[i + 1]
+            self.next_send[peer] = following
         self.cursor = dict.fromkeys(self.streams, 0)
         self.ready: set[Message] = set()
         self.posted: dict[Message, int] = {}  # a receive issued already -> its exchange
@@ -294,7 +325,7 @@ class _ProgramBuilder:
         """Issue what the next compute needs and what can go early; the exchanges to wait
         for before it runs."""
         for peer, stream in self.streams.items():
-            wanted = [stream.index(m) for m in needed if m.src == peer and m not in self.posted]
+            wanted = [self.place[m] for m in needed if m.src == peer and m not in self.posted]
             ops: list[Message] = []
             while self.cursor[peer] <= max(wanted, default=-1):
                 message = stream[self.cursor[peer]]
@@ -308,15 +339,10 @@ class _ProgramBuilder:
                 ops.append(message)
                 self.cursor[peer] += 1
             # Early: receives posted ahead only to let ready sends behind them go now.
-            ahead = self.cursor[peer]
-            last_send = None
-            while ahead < len(stream):
-                message = stream[ahead]
-                if message.src == self.stage:
-                    if message not in self.ready:
-                        break
-                    last_send = ahead
-                ahead += 1
+            following, last_send = self.next_send[peer], None
+            send = following[self.cursor[peer]]
+            while send < len(stream) and stream[send] in self.ready:
+                last_send, send = send, following[send + 1]
             if last_send is not None:
                 early = stream[self.cursor[peer] : last_send + 1]
                 self.ready.difference_update(early)
@@ -594,19 +620,23 @@ def ring_orders(ring: Ring) -> list[list[Compute]]:
     return orders
 
 
-def ring_program(ring: Ring) -> list[list[Step]]:
-    """``ring_orders`` as programs, with each step's stop collective in its place."""
+def ring_program(ring: Ring, stage: int | None = None) -> list[list[Step]]:
+    """``ring_orders`` as programs, with each step's stop collective in its place (with
+    ``stage``: that stage's alone, in a list of one)."""
     orders = ring_orders(ring)
     stages, groups = ring.stages, ring.groups
     collectives: dict[tuple[int, int], list[Key]] = {}
-    for t in ring.collective_steps():
-        if ring.steps is not None and t > ring.steps - 2:
-            break
-        tick = t * stages + groups + stages - 2
-        for s, order in enumerate(orders):
-            # the stage's last compute at a tick <= ``tick``
-            done = [i for i, c in enumerate(order) if _tick(c, stages, s) <= tick]
-            collectives.setdefault((s, done[-1] if done else -1), []).append(("stop", t))
+    for s, order in enumerate(orders):
+        index = -1  # the stage's last compute at a tick <= the collective's (ticks increase)
+        for t in ring.collective_steps():
+            if ring.steps is not None and t > ring.steps - 2:
+                break
+            tick = t * stages + groups + stages - 2
+            while index + 1 < len(order) and _tick(order[index + 1], stages, s) <= tick:
+                index += 1
+            collectives.setdefault((s, index), []).append(("stop", t))
+    if stage is not None:
+        return [stage_program(orders, stage, collectives=collectives)]
     return programs(orders, collectives=collectives)
 
 
@@ -615,13 +645,13 @@ def ring_steps(ring: Ring, stage: int) -> Iterator[Step]:
     decides the number of steps: the steps run so far are the same in the new plan (they
     come before the first step that differs), so the run goes on where it was."""
     planned = ring.steps
-    program = ring_program(ring)[stage]
+    program = ring_program(ring, stage)[0]
     index = 0
     while index < len(program):
         yield program[index]
         index += 1
         if ring.steps != planned:
-            replanned = ring_program(ring)[stage]
+            replanned = ring_program(ring, stage)[0]
             if replanned[:index] != program[:index]:
                 raise ScheduleError("the ring's plan changed before its decision point")
             program, planned = replanned, ring.steps
