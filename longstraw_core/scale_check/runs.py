@@ -88,9 +88,10 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
 
 def worst_stages(run: DryRun) -> list[int]:
     """The first stage of each kind (the same layers, the same ends: embeddings, head):
-    the kind's worst. A pipeline's earlier stages run more 1F1B warm-up forwards (stage ``s``
-    of ``S`` holds up to ``S - s`` microbatch graphs), so among stages of one kind the first
-    holds the most; the planner counts the same (``waiting_branches``, ``waiting_chunks``)."""
+    the kind's worst. A pipeline's earlier stages run more forwards ahead (stage ``s`` of
+    ``S`` holds up to ``P + min(P, 3)(S - 1 - s)`` replay pieces, ``S - s`` sweep chunks),
+    so among stages of one kind the first holds the most; the planner counts the same
+    (``pieces.most_held``, ``waiting_chunks``)."""
     _, _, spec, _, layout = _prepare(run)
     first: dict[str, int] = {}
     for stage in range(layout.stages):
