@@ -197,22 +197,27 @@ def test_each_stage_holds_its_share_of_the_state(qwen: ModelSpec, stages: int) -
 
 def test_stages_keep_replay_pieces_and_sweep_chunks_in_flight(qwen: ModelSpec) -> None:
     """Replay on S=8 stages, G=8: branches of 5 pieces (``simulate.replay_pieces``), stage s
-    holding up to 5 + 3 (7 - s) piece graphs; the exact sweep is 1F1B over prompt chunks
-    (S - s in flight)."""
+    holding up to 5 + 3 (7 - s) piece graphs; a step replaying fewer branches cuts them in
+    more pieces (one branch: 32), which the last stages hold whole. The exact sweep is 1F1B
+    over prompt chunks (S - s in flight)."""
     plan = compute_plan(qwen, _work(QWEN_21, 8, "exact"))
     first, last = plan.stage_plans[0], plan.stage_plans[-1]
     pieces = "in-flight replay piece graphs"
-    assert "25 more of G x P = 8 x 5" in first.line(pieces).note
-    assert "4 more of G x P = 8 x 5" in last.line(pieces).note
+    assert "25 more pieces of 8 branch(es) x P=5" in first.line(pieces).note
+    assert "31 more pieces of 1 branch(es) x P=32" in last.line(pieces).note
+    assert "the worst count of the G=8 branches" in last.line(pieces).note
     assert "410 of a branch's 2048 tokens (P=5)" in first.line("one replay piece (transient)").note
     assert first.line("replay piece leaves").device > 0
+    every = compute_plan(qwen, _work(QWEN_21, 8, "exact", replay_branches=8)).stage_plans[-1]
+    assert "4 more pieces of 8 branch(es) x P=5" in every.line(pieces).note
+    assert every.phases["replay"] < last.phases["replay"]
     assert last.line("in-flight sweep chunk graphs (1F1B)").device == 0
     assert first.line("in-flight sweep chunk graphs (1F1B)").device > 0
     small = compute_plan(qwen, _work(QWEN_21, 2, "detached"))  # G=2: 20 pieces, all held
-    assert "39 more of G x P = 2 x 20" in small.stage_plans[0].line(pieces).note
+    assert "39 more pieces of 2 branch(es) x P=20" in small.stage_plans[0].line(pieces).note
     # one piece a branch (distributed.replay_pieces=1) is 1F1B over the branches
     whole = compute_plan(qwen, _work(QWEN_21, 8, "exact", replay_pieces=1))
-    assert "7 more of G x P = 8 x 1" in whole.stage_plans[0].line(pieces).note
+    assert "7 more pieces of 8 branch(es) x P=1" in whole.stage_plans[0].line(pieces).note
     assert whole.stage_plans[-1].line(pieces).device == 0
     assert whole.stage_plans[0].phases["replay"] > first.phases["replay"]
     # only the last stage has the LM head: its logits in rollout and in the branch graph
@@ -252,7 +257,7 @@ def test_replay_pieces_come_from_the_config_or_the_schedule(capsys) -> None:
     assert work.replay_pieces is None and pieces_of(work) == replay_pieces(2, work.group)
     assert pieces_of(dataclasses.replace(work, stages=1, gpus=1, replay_pieces=3)) == 1
     assert main([*_QWEN_ARGS, "--group", "8", "--stages", "8", "--replay-pieces", "1"]) == 0
-    assert "7 more of G x P = 8 x 1" in capsys.readouterr().out
+    assert "7 more pieces of 8 branch(es) x P=1" in capsys.readouterr().out
 
 
 def test_a_stage_slice_that_ends_before_the_model_runs_its_last_layer_whole(
@@ -286,9 +291,10 @@ def test_qwen36_lora_at_2_1m_fits_8_x_96gb_on_8_stages_without_offload(
 ) -> None:
     plan = compute_plan(qwen, _work(QWEN_21, group, gradient))
     assert plan.work.offload is None and plan.cpu_bytes == 0
-    # G=2 detached: branches of 20 pieces, too short for the head's chunks; the last stage
-    # holds a whole branch's pieces, each with its [T / 20, vocab] float32 log-probs
-    assert plan.fits and plan.stage == (7 if (group, gradient) == (2, "detached") else 0)
+    # detached: the last stage is the worst, for a step that replays one branch, in 32
+    # pieces, too short for the head's chunks: it holds them all, each with its float32
+    # log-probs [64, vocab]
+    assert plan.fits and plan.stage == (7 if gradient == "detached" else 0)
     assert plan.peak < (30 if gradient == "detached" else 75) * GIB
     today = compute_plan(qwen, _work(QWEN_21, group, gradient, stages=1))
     assert not today.fits  # one stage needs the K/V offloaded

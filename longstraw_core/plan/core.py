@@ -127,6 +127,8 @@ def _check_workload(work: Workload) -> None:
             raise ValueError(f"{name}={getattr(work, name)}: must be at least 1")
     if work.replay_pieces is not None and work.replay_pieces < 1:
         raise ValueError(f"replay_pieces={work.replay_pieces}: must be at least 1 (None: auto)")
+    if work.replay_branches is not None and not 1 <= work.replay_branches <= work.group:
+        raise ValueError(f"replay_branches={work.replay_branches}: between 1 and the group")
     if work.gradient not in ("detached", "exact"):
         raise ValueError(f"gradient={work.gradient!r}: 'detached' or 'exact'")
     if work.device not in ("cuda", "cpu"):
@@ -409,8 +411,10 @@ class MemoryParts(InFlight):
 
     def pipeline_lines(self) -> list[Line]:
         work, replay = self.work, self.replay
-        note = f"{replay.held - 1} more of G x P = {work.group} x {replay.pieces} wait for their "
-        note += "backward (stage s holds up to P + min(P, 3)(S - 1 - s))"
+        note = f"{replay.held - 1} more pieces of {replay.branches} branch(es) x P={replay.pieces} "
+        note += "wait for their backward (stage s holds up to P + min(P, 3)(S - 1 - s))"
+        if replay.branches < work.group:
+            note += f"; the worst count of the G={work.group} branches replayed"
         lines = [Line("in-flight replay piece graphs", replay.waiting, note=note)]
         note = "K/V, latent, DeltaNet states later pieces read, and their gradients"
         lines.append(Line("replay piece leaves", replay.written, note=note))

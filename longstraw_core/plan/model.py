@@ -273,6 +273,9 @@ class Workload:
     # distributed.replay_pieces: pieces a replayed branch is cut into on S > 1 stages (None:
     # the schedule's choice, ``simulate.replay_pieces``)
     replay_pieces: int | None = None
+    # branches a step replays (those with a non-zero advantage or weight; None: plan for
+    # the worst count from 1 to group: fewer branches get more pieces)
+    replay_branches: int | None = None
     quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
 
     @property

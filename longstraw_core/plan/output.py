@@ -63,7 +63,8 @@ def _stage_note(work: Workload) -> str:
         f"{work.stages * work.replicas} GPUs: a rank holds its stage's layers (weights, "
         "prefix state, dS, checkpoints, activations), the embeddings on stage 0, the final "
         "norm and LM head on the last; stage s holds up to P + min(P, 3)(S - 1 - s) replay "
-        f"pieces (P={pieces_of(work)} a branch) and S - s prompt chunks (exact sweep); {fsdp}"
+        f"pieces (P={pieces_of(work)} for G={work.group}) and S - s prompt chunks (exact sweep); "
+        f"{fsdp}"
     )
 
 

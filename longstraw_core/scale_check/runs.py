@@ -82,7 +82,9 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
     spec = ModelSpec.from_config(config, run.name, _dtype(cfg.model.dtype))
     work = workload_from_config(cfg, device="cuda", model_type=config.model_type)
     layout = layout_for(spec, work)
-    work = dataclasses.replace(work, stage_starts=tuple(layout.boundaries[:-1]))
+    # the dry run's rewards give every branch an advantage: all G replay
+    starts = tuple(layout.boundaries[:-1])
+    work = dataclasses.replace(work, stage_starts=starts, replay_branches=work.group)
     return cfg, config, spec, work, layout
 
 
