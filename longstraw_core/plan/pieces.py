@@ -48,12 +48,12 @@ def replayed_counts(work: Workload) -> list[int]:
     """How many branches a step may replay, to plan for each: ``Workload.replay_branches``;
     else every count from 1 to ``G``: a branch with zero advantage and weight is skipped, and
     fewer branches get more, shorter pieces (``Stage.pieces_for``), so the last stage may
-    hold more with fewer. With ``P`` configured, ``G`` holds the most."""
+    hold more with fewer. Of the counts cut into as many pieces, the largest holds the most
+    (with ``P`` configured: ``G``)."""
     if work.replay_branches is not None:
         return [work.replay_branches]
-    if work.replay_pieces is not None or work.stages <= 1:
-        return [work.group]
-    return list(range(1, work.group + 1))
+    largest = {pieces_of(work, count): count for count in range(1, work.group + 1)}
+    return sorted(largest.values())
 
 
 def most_held(stages: int, stage: int, pieces: int, branches: int) -> int:
