@@ -416,7 +416,8 @@ class MemoryParts(InFlight):
         if replay.branches < work.group:
             note += f"; the worst count of the G={work.group} branches replayed"
         lines = [Line("in-flight replay piece graphs", replay.waiting, note=note)]
-        note = "K/V, latent, DeltaNet states later pieces read, and their gradients"
+        note = "K/V, latent, DeltaNet states (with the conv input their window views) "
+        note += "later pieces read, and their gradients"
         lines.append(Line("replay piece leaves", replay.written, note=note))
         if self.exact:
             chunks = self.in_flight(self.sweep_chunks())
