@@ -1,7 +1,8 @@
 """The planner on pipeline stages: layouts, per-stage memory, the paper verdicts, time, CLI.
 
 One prompt over S stages: each rank holds its stage's layers (weights, prefix state, dS),
-the embeddings on stage 0, the head on the last, and what a 1F1B schedule keeps in flight.
+the embeddings on stage 0, the head on the last, and what the schedules keep in flight
+(replay's pieces, the exact sweep's prompt chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from longstraw_core.config import load_config
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.pipeline import StageLayoutError
+from longstraw_core.pipeline.schedule import replay_orders
 from longstraw_core.pipeline.simulate import replay_pieces
 from longstraw_core.plan import (
     Hardware,
@@ -31,6 +33,7 @@ from longstraw_core.plan import (
 from longstraw_core.plan.advice import fixes_for, largest_chunk
 from longstraw_core.plan.cli import main
 from longstraw_core.plan.core import PHASES
+from longstraw_core.plan.pieces import most_held, pieces_of
 from longstraw_core.plan.sources import PRESET_LORA_TARGETS
 from longstraw_core.plan.stages import full_attention_counts, layer_costs, stage_spec
 from longstraw_core.plan.units import GIB
@@ -192,15 +195,31 @@ def test_each_stage_holds_its_share_of_the_state(qwen: ModelSpec, stages: int) -
     assert plan.stage == max(plan.stage_plans, key=lambda s: s.peak).stage
 
 
-def test_1f1b_keeps_s_minus_s_microbatches_in_flight(qwen: ModelSpec) -> None:
+def test_stages_keep_replay_pieces_and_sweep_chunks_in_flight(qwen: ModelSpec) -> None:
+    """Replay on S=8 stages, G=8: branches of 5 pieces (``simulate.replay_pieces``), stage s
+    holding up to 5 + 3 (7 - s) piece graphs; a step replaying fewer branches cuts them in
+    more pieces (one branch: 32), which the last stages hold whole. The exact sweep is 1F1B
+    over prompt chunks (S - s in flight)."""
     plan = compute_plan(qwen, _work(QWEN_21, 8, "exact"))
     first, last = plan.stage_plans[0], plan.stage_plans[-1]
-    assert "7 of G=8 more" in first.line("in-flight branch graphs (1F1B)").note
-    assert last.line("in-flight branch graphs (1F1B)").device == 0
+    pieces = "in-flight replay piece graphs"
+    assert "25 more pieces of 8 branch(es) x P=5" in first.line(pieces).note
+    assert "31 more pieces of 1 branch(es) x P=32" in last.line(pieces).note
+    assert "the worst count of the G=8 branches" in last.line(pieces).note
+    assert "410 of a branch's 2048 tokens (P=5)" in first.line("one replay piece (transient)").note
+    assert first.line("replay piece leaves").device > 0
+    every = compute_plan(qwen, _work(QWEN_21, 8, "exact", replay_branches=8)).stage_plans[-1]
+    assert "4 more pieces of 8 branch(es) x P=5" in every.line(pieces).note
+    assert every.phases["replay"] < last.phases["replay"]
     assert last.line("in-flight sweep chunk graphs (1F1B)").device == 0
     assert first.line("in-flight sweep chunk graphs (1F1B)").device > 0
-    small = compute_plan(qwen, _work(QWEN_21, 2, "detached"))  # G=2: at most 2 in flight
-    assert "1 of G=2 more" in small.stage_plans[0].line("in-flight branch graphs (1F1B)").note
+    small = compute_plan(qwen, _work(QWEN_21, 2, "detached"))  # G=2: 20 pieces, all held
+    assert "39 more pieces of 2 branch(es) x P=20" in small.stage_plans[0].line(pieces).note
+    # one piece a branch (distributed.replay_pieces=1) is 1F1B over the branches
+    whole = compute_plan(qwen, _work(QWEN_21, 8, "exact", replay_pieces=1))
+    assert "7 more pieces of 8 branch(es) x P=1" in whole.stage_plans[0].line(pieces).note
+    assert whole.stage_plans[-1].line(pieces).device == 0
+    assert whole.stage_plans[0].phases["replay"] > first.phases["replay"]
     # only the last stage has the LM head: its logits in rollout and in the branch graph
     rollout = [p.line("rollout caches + step (transient)").device for p in plan.stage_plans]
     assert rollout[-1] - rollout[1] == 3 * 8 * qwen.vocab * 4  # [G, vocab] fp32 logits
@@ -210,6 +229,35 @@ def test_1f1b_keeps_s_minus_s_microbatches_in_flight(qwen: ModelSpec) -> None:
     assert [int(note.split("to/from ")[1][0]) for note in notes] == [1, 2, 2, 2, 2, 2, 2, 1]
     buffers = [p.line("stage hidden-state buffers").device for p in plan.stage_plans]
     assert buffers[1] == 2 * (8 - 1 + 1) * 8192 * qwen.hidden * 2  # sweep: 7 + 1 chunks
+
+
+def test_most_held_is_what_the_replay_orders_hold() -> None:
+    """The planner's count of replay piece graphs on a stage (``pieces.most_held``) is the
+    most the schedule's orders hold, walked for every stage of many shapes and the paper's
+    (8 stages: 5 pieces for G=8, 20 for G=2)."""
+    shapes = [(s, g, p) for s in range(1, 6) for g in range(1, 5) for p in range(1, 6)]
+    for stages, branches, pieces in [*shapes, (8, 8, 5), (8, 2, 20)]:
+        for stage, order in enumerate(replay_orders(stages, [pieces] * branches)):
+            held = most = 0
+            for compute in order:
+                held += 1 if compute.kind == "F" else -1
+                most = max(most, held)
+            assert most == most_held(stages, stage, pieces, branches), (stages, branches, stage)
+
+
+def test_replay_pieces_come_from_the_config_or_the_schedule(capsys) -> None:
+    """``distributed.replay_pieces`` (and ``--replay-pieces``) set P; unset, the planner
+    takes the schedule's choice, as ``Stage.pieces_for`` does; one stage replays whole."""
+    config = ROOT / "configs/qwen36/tiny_grpo_cpu.yaml"
+    stages = ["distributed.pipeline_stages=2", "memory.gpus=2"]
+    cfg = load_config(config, [*stages, "distributed.replay_pieces=3"], check_paths=False)
+    _, work = plan_for_config(cfg)
+    assert work.replay_pieces == 3 and pieces_of(work) == 3
+    _, work = plan_for_config(load_config(config, stages, check_paths=False))
+    assert work.replay_pieces is None and pieces_of(work) == replay_pieces(2, work.group)
+    assert pieces_of(dataclasses.replace(work, stages=1, gpus=1, replay_pieces=3)) == 1
+    assert main([*_QWEN_ARGS, "--group", "8", "--stages", "8", "--replay-pieces", "1"]) == 0
+    assert "7 more pieces of 8 branch(es) x P=1" in capsys.readouterr().out
 
 
 def test_a_stage_slice_that_ends_before_the_model_runs_its_last_layer_whole(
@@ -243,7 +291,10 @@ def test_qwen36_lora_at_2_1m_fits_8_x_96gb_on_8_stages_without_offload(
 ) -> None:
     plan = compute_plan(qwen, _work(QWEN_21, group, gradient))
     assert plan.work.offload is None and plan.cpu_bytes == 0
-    assert plan.fits and plan.stage == 0
+    # detached G=2: the last stage is the worst, for a step that replays one branch, in 32
+    # pieces too short for the head's chunks: it holds them all, each with its float32
+    # log-probs [64, vocab] (G=8: as much, and stage 0's 26 pieces of 410 tokens 2 MB more)
+    assert plan.fits and plan.stage == (7 if (group, gradient) == (2, "detached") else 0)
     assert plan.peak < (30 if gradient == "detached" else 75) * GIB
     today = compute_plan(qwen, _work(QWEN_21, group, gradient, stages=1))
     assert not today.fits  # one stage needs the K/V offloaded
@@ -251,14 +302,15 @@ def test_qwen36_lora_at_2_1m_fits_8_x_96gb_on_8_stages_without_offload(
 
 def test_qwen36_lora_at_4_46m_on_8_x_96gb_which_mode_fits(qwen: ModelSpec) -> None:
     """Detached with activation checkpointing fits (any chunk up to 65536); without
-    checkpointing it does not; exact does not in any mode (dS alone is 64 GiB a stage),
-    but does on 16 stages."""
+    checkpointing it fits only in replay pieces (5 a branch: stage 0 holds 26 pieces of 410
+    tokens; one piece a branch, 1F1B, holds 8 whole branches); exact does not in any mode
+    (dS alone is 64 GiB a stage), but does on 16 stages."""
     detached = _work(QWEN_446, 8, "detached")
     assert compute_plan(qwen, detached).fits
     assert largest_chunk(qwen, detached) == 65536
-    assert not compute_plan(
-        qwen, dataclasses.replace(detached, activation_checkpointing=False)
-    ).fits
+    plain = dataclasses.replace(detached, activation_checkpointing=False)
+    assert compute_plan(qwen, plain).fits
+    assert not compute_plan(qwen, dataclasses.replace(plain, replay_pieces=1)).fits
     for checkpointing in (True, False):
         for keep in (False, True):
             work = _work(

@@ -428,8 +428,10 @@ def _staged_assumptions() -> list[str]:
         "Stage s of S holds its layers' weights (LoRA: their adapters, gradients and AdamW "
         "moments), prefix state, dS and recurrent checkpoints, the embeddings (stage 0) or the "
         "final norm and LM head (last stage); its activations for its layers only",
-        "1F1B: stage s keeps up to S - s branch graphs in flight in replay and up to S - s "
-        "prompt-chunk graphs in the exact sweep (of its own layers), plus the hidden states "
+        "Replay cuts each branch into P pieces (S=8, G=8: 5; GLM-5.2's 32 stages: 22) and stage "
+        "s holds up to P + min(P, 3)(S - 1 - s) piece graphs (at most G x P), with the keys, "
+        "values, latents and DeltaNet states the pieces hand on and their gradients; the exact "
+        "sweep is 1F1B over prompt chunks (up to S - s chunk graphs); plus the hidden states "
         "tokens x hidden received and sent per microbatch in flight and the gradients of the "
         "one in its backward",
         "S stages x D replicas = GPUs; with D = 1 (these tables) nothing is sharded: FSDP "

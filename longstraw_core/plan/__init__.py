@@ -42,18 +42,21 @@ scratch), as ``longstraw_core.loading`` reads a checkpoint; never the whole mode
 
 Pipeline stages (``Workload.stages``, ``--stages``): each rank of a stage group holds only
 its stage's layers (weights, prefix state, dS, checkpoints), the embeddings on stage 0, the
-head on the last, and what a 1F1B schedule keeps in flight; the plan is the worst stage's,
-every stage's in ``MemoryPlan.per_stage``. ``stage_layout`` picks the boundaries (the runtime
-calls it too), ``estimate_time`` the seconds per phase on a stated GPU.
+head on the last, and what the schedules keep in flight (replay's branches cut into
+``Workload.replay_pieces`` pieces, ``pieces``; the exact sweep's chunks, 1F1B); the plan is
+the worst stage's, every stage's in ``MemoryPlan.per_stage``. ``stage_layout`` picks the
+boundaries (the runtime calls it too), ``estimate_time`` the seconds per phase on a stated
+GPU.
 
 Modules, each importing only those before it: ``units`` (byte sizes, number formats),
 ``model`` (presets, the model's layer specs, the workload), ``kernels`` (the attention
 kernels' scratch from their block budgets), ``activations`` (transients from tensor
-shapes), ``flops`` (forward FLOPs from shapes), ``stages`` (stage layouts, a stage's slice
-of the model, what is in flight), ``core`` (the pure plan: lines and phase peaks),
-``timing`` (seconds per phase), ``calibration`` (the time estimate's GPU figures from
-flags, defaults or ``make gpu-check``'s measurements), ``sources`` (specs and workloads from presets, checkpoints
-and run configs), ``advice`` (fixes, ``plan_memory`` with advice, ``check_fits``),
+shapes), ``flops`` (forward FLOPs from shapes), ``pieces`` (replay in pieces on a stage),
+``stages`` (stage layouts, a stage's slice of the model, what is in flight), ``core`` (the
+pure plan: lines and phase peaks), ``timing`` (seconds per phase), ``calibration`` (the time
+estimate's GPU figures from flags, defaults or ``make gpu-check``'s measurements),
+``sources`` (specs and workloads from presets, checkpoints and run configs), ``advice``
+(fixes, ``plan_memory`` with advice, ``check_fits``),
 ``output`` (tables), ``cli``. The paper-scale tables are docs tooling,
 ``docs/tools/paper_tables.py``.
 """

@@ -215,6 +215,22 @@ class Activations:
             layers = sum(self.layer(layer, tokens, prefix) for layer in self.spec.layers)
         return layers + self.head_graph(tokens) + self.rotary(tokens)
 
+    def branch_peak(self, tokens: int) -> int:
+        """One replayed branch (or piece) of ``tokens`` tokens in its backward: its graph, then
+        the head's logits or a layer's backward (checkpointed: one layer recomputed at a
+        time while the others' inputs are kept)."""
+        prefix = self.work.stored
+        if self.work.activation_checkpointing:
+            return self.checkpointed_branch_peak(tokens)
+        working = max(
+            max(
+                self.backward_working(layer, tokens, prefix),
+                self.kernel_forward_scratch(layer, tokens, prefix),
+            )
+            for layer in self.spec.layers
+        )
+        return self.branch_graph(tokens) + max(self.head_working(tokens), working)
+
     def head_graph(self, tokens: int) -> int:
         return self.head(tokens) if self.spec.has_head else 0  # earlier stages: no head
 

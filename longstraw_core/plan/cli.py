@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
         help="each stage's first layer, e.g. 0,8,16 (default: distributed.stage_starts, or "
         "the balanced layout)",
     )
+    stages.add_argument(
+        "--replay-pieces",
+        type=int,
+        help="pieces each replayed branch is cut into on S > 1 stages (default: "
+        "distributed.replay_pieces, or the schedule's choice: S=8, G=8: 5)",
+    )
     timing = parser.add_argument_group(
         "time estimate (printed with --time, and always with S > 1); a flag given wins over "
         "--calibration, which wins over the defaults (an H20)"
@@ -191,6 +197,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
     changes: dict[str, Any] = {}
     if args.stage_starts:
         changes["stage_starts"] = _stage_starts(args)
+    if args.replay_pieces is not None:
+        changes["replay_pieces"] = args.replay_pieces
     if args.response_tokens:
         changes["response_tokens"] = args.response_tokens
     if args.chunk_size:

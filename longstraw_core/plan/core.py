@@ -2,8 +2,8 @@
 
 Pure: a plan from a model spec and a workload, nothing else (no advice, no printing);
 ``advice`` builds on it. With pipeline stages (``Workload.stages > 1``) every stage gets its
-own plan (its layers' weights and state, its share of the root, the microbatches in flight
-on it under a 1F1B schedule) and the plan is the worst stage's.
+own plan (its layers' weights and state, its share of the root, the replay pieces and sweep
+chunks in flight on it) and the plan is the worst stage's.
 """
 
 from __future__ import annotations
@@ -125,6 +125,10 @@ def _check_workload(work: Workload) -> None:
     for name in ("group", "response_tokens", "chunk_size", "gpus", "stages"):
         if getattr(work, name) < 1:
             raise ValueError(f"{name}={getattr(work, name)}: must be at least 1")
+    if work.replay_pieces is not None and work.replay_pieces < 1:
+        raise ValueError(f"replay_pieces={work.replay_pieces}: must be at least 1 (None: auto)")
+    if work.replay_branches is not None and not 1 <= work.replay_branches <= work.group:
+        raise ValueError(f"replay_branches={work.replay_branches}: between 1 and the group")
     if work.gradient not in ("detached", "exact"):
         raise ValueError(f"gradient={work.gradient!r}: 'detached' or 'exact'")
     if work.device not in ("cuda", "cpu"):
@@ -334,19 +338,11 @@ class MemoryParts(InFlight):
         return tokens * self.cb * self.spec.hidden + working
 
     def branch_transient(self) -> int:
-        """One replayed branch: its graph, then the head's logits or a layer's backward."""
-        tokens, prefix = self.work.response_tokens, self.work.stored
-        if self.work.activation_checkpointing:
-            return self.act.checkpointed_branch_peak(tokens)
-        graph = self.act.branch_graph(tokens)
-        working = max(
-            max(
-                self.act.backward_working(layer, tokens, prefix),
-                self.act.kernel_forward_scratch(layer, tokens, prefix),
-            )
-            for layer in self.spec.layers
-        )
-        return graph + max(self.act.head_working(tokens), working)
+        """One replayed branch: its graph, then the head's logits or a layer's backward. On
+        stages: the piece in its backward (``pieces.piece_memory``)."""
+        if self.work.stages > 1:
+            return self.replay.piece
+        return self.act.branch_peak(self.work.response_tokens)
 
     def sweep_transient(self) -> int:
         """Exact mode's recompute of the last chunk (the longest prefix) with autograd: its
@@ -414,11 +410,15 @@ class MemoryParts(InFlight):
     # --- pipeline stages ------------------------------------------------------------------
 
     def pipeline_lines(self) -> list[Line]:
-        work = self.work
-        branches = self.in_flight(work.group)
-        note = f"{branches - 1} of G={work.group} more wait for their backward (S - s = "
-        note += f"{work.stages - self.stage})"
-        lines = [Line("in-flight branch graphs (1F1B)", self.waiting_branches(), note=note)]
+        work, replay = self.work, self.replay
+        note = f"{replay.held - 1} more pieces of {replay.branches} branch(es) x P={replay.pieces} "
+        note += "wait for their backward (stage s holds up to P + min(P, 3)(S - 1 - s))"
+        if replay.branches < work.group:
+            note += f"; the worst count of the G={work.group} branches replayed"
+        lines = [Line("in-flight replay piece graphs", replay.waiting, note=note)]
+        note = "K/V, latent, DeltaNet states (with the conv input their window views) "
+        note += "later pieces read, and their gradients"
+        lines.append(Line("replay piece leaves", replay.written, note=note))
         if self.exact:
             chunks = self.in_flight(self.sweep_chunks())
             note = f"{chunks - 1} more prompt chunks of {self.sweep_chunks()} wait for backward"
@@ -486,7 +486,7 @@ class MemoryParts(InFlight):
             lines.append(Line("NF4 dequantized weight (transient)", self.dequantized(), note=note))
         lines += [
             Line("prefill chunk (transient)", self.prefill_transient(), note="no autograd"),
-            Line("one branch graph (transient)", self.branch_transient(), note=self._branch_note()),
+            Line(self._branch_name(), self.branch_transient(), note=self._branch_note()),
         ]
         if self.exact:
             note = "layers checkpointed" if work.activation_checkpointing else ""
@@ -543,7 +543,7 @@ class MemoryParts(InFlight):
         if work.stages > 1:
             buffers = self.stage_buffers()
             phases = {name: value + buffers[name] for name, value in phases.items()}
-            phases["replay"] += self.waiting_branches()
+            phases["replay"] += self.replay.waiting + self.replay.written
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
         # Loading (longstraw_core.loading): the rank's own share, allocated and read in place
@@ -580,11 +580,21 @@ class MemoryParts(InFlight):
             note += f", sharded /{work.shards}"
         return note
 
+    def _branch_name(self) -> str:
+        if self.work.stages > 1:
+            return "one replay piece (transient)"
+        return "one branch graph (transient)"
+
     def _branch_note(self) -> str:
         tokens = self.work.response_tokens
-        rows = self.act.head_rows(tokens)
-        if rows < tokens:
-            note = f"{tokens} tokens, logits [{rows}, {self.spec.vocab}] fp32 per chunk"
-        else:
-            note = f"{tokens} tokens, logits [T, {self.spec.vocab}] fp32"
+        note = f"{tokens} tokens"
+        if self.work.stages > 1:
+            tokens, pieces = self.replay.tokens, self.replay.pieces
+            note = f"{tokens} of a branch's {self.work.response_tokens} tokens (P={pieces})"
+        if self.spec.has_head:
+            rows, vocab = self.act.head_rows(tokens), self.spec.vocab
+            if rows < tokens:
+                note += f", logits [{rows}, {vocab}] fp32 per chunk"
+            else:
+                note += f", logits [T, {vocab}] fp32"
         return note + (", layers checkpointed" if self.work.activation_checkpointing else "")

@@ -270,7 +270,12 @@ class Workload:
     keep_attention_outputs: bool = False  # GRPOConfig.keep_attention_outputs (exact mode)
     stages: int = 1  # distributed.pipeline_stages: gpus = stages x data-parallel replicas
     stage_starts: tuple[int, ...] | None = None  # distributed.stage_starts (None: balanced)
-    replay_pieces: int | None = None  # distributed.replay_pieces (None: the schedule's choice)
+    # distributed.replay_pieces: pieces a replayed branch is cut into on S > 1 stages (None:
+    # the schedule's choice, ``simulate.replay_pieces``)
+    replay_pieces: int | None = None
+    # branches a step replays (those with a non-zero advantage or weight; None: plan for
+    # the worst count from 1 to group: fewer branches get more pieces)
+    replay_branches: int | None = None
     quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
 
     @property

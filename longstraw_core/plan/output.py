@@ -8,6 +8,7 @@ from longstraw_core.plan.advice import offload_keys
 from longstraw_core.plan.calibration import describe_sources
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import LOAD, Workload
+from longstraw_core.plan.pieces import pieces_of
 from longstraw_core.plan.stages import full_attention_counts
 from longstraw_core.plan.timing import NF4_FUSED_ROWS, TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
@@ -61,8 +62,9 @@ def _stage_note(work: Workload) -> str:
         f"{work.stages} pipeline stages x {work.replicas} data-parallel replica(s) = "
         f"{work.stages * work.replicas} GPUs: a rank holds its stage's layers (weights, "
         "prefix state, dS, checkpoints, activations), the embeddings on stage 0, the final "
-        "norm and LM head on the last; 1F1B keeps up to S - s branches (replay) and prompt "
-        f"chunks (exact sweep) in flight on stage s; {fsdp}"
+        "norm and LM head on the last; stage s holds up to P + min(P, 3)(S - 1 - s) replay "
+        f"pieces (P={pieces_of(work)} for G={work.group}) and S - s prompt chunks (exact sweep); "
+        f"{fsdp}"
     )
 
 

@@ -150,6 +150,7 @@ def workload_from_config(
     model_type: str | None = None,
     stages: int | None = None,
     stage_starts: tuple[int, ...] | None = None,
+    replay_pieces: int | None = None,
 ) -> Workload:
     """The step a ``RunConfig`` runs, with the CLI's overrides (``None``: from the config).
 
@@ -158,7 +159,8 @@ def workload_from_config(
     is known, the CPU's otherwise (``device`` overrides). Without ``gpus`` or
     ``memory.gpus``, a launched run counts its ranks (``WORLD_SIZE``). Pipeline stages:
     ``stages`` or ``distributed.pipeline_stages`` (1 when the key is absent), boundaries
-    ``stage_starts`` or ``distributed.stage_starts`` (None: balanced).
+    ``stage_starts`` or ``distributed.stage_starts`` (None: balanced), pieces a replayed
+    branch ``replay_pieces`` or ``distributed.replay_pieces`` (None: the schedule's choice).
     """
     from longstraw_core.config import lora_targets
     from longstraw_core.memory import parse_bytes
@@ -199,7 +201,7 @@ def workload_from_config(
         activation_checkpointing=_activation_checkpointing(cfg),
         stages=stages or int(getattr(cfg.distributed, "pipeline_stages", None) or 1),
         stage_starts=_stage_starts(cfg, stage_starts),
-        replay_pieces=getattr(cfg.distributed, "replay_pieces", None),
+        replay_pieces=replay_pieces or getattr(cfg.distributed, "replay_pieces", None),
         quantization=getattr(cfg.model, "quantization", None),
     )
 

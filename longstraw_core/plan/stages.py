@@ -19,6 +19,7 @@ evenly over the stages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ from longstraw_core.pipeline.layout import (
 from longstraw_core.plan.activations import Activations
 from longstraw_core.plan.flops import pair_flops, token_flops
 from longstraw_core.plan.model import PHASES, ModelSpec, Workload
+from longstraw_core.plan.pieces import PieceMemory, piece_memory
 
 
 def layer_costs(spec: ModelSpec, gradient: str = "detached") -> list[tuple[float, ...]]:
@@ -131,10 +133,11 @@ def full_attention_counts(spec: ModelSpec, layout: StageLayout) -> list[int]:
 
 
 class InFlight:
-    """What a 1F1B schedule keeps in flight on stage ``stage`` (``core.MemoryParts`` mixes
-    it in): up to ``S - s`` microbatches (branches in replay, prompt chunks in exact mode's
-    sweep), each with its graph of this stage's layers and its hidden states to and from the
-    neighbour stages. One stage: one microbatch, no neighbours."""
+    """What the schedules keep in flight on stage ``stage`` (``core.MemoryParts`` mixes it
+    in): replay's pieces (``pieces.piece_memory``: up to ``graphs_in_flight`` piece graphs)
+    and exact mode's sweep, 1F1B over prompt chunks (up to ``S - s``), each with its graph
+    of this stage's layers and its hidden states to and from the neighbour stages. One
+    stage: one microbatch, no neighbours."""
 
     spec: ModelSpec
     work: Workload
@@ -142,6 +145,11 @@ class InFlight:
     act: Activations
     exact: bool
     cb: int
+
+    @functools.cached_property
+    def replay(self) -> PieceMemory:
+        """Replay in pieces on this stage at its fullest (S > 1)."""
+        return piece_memory(self.act, self.work, self.stage)
 
     def in_flight(self, microbatches: int) -> int:
         """Microbatches in flight on this stage under 1F1B: up to ``S - s`` (one stage: 1)."""
@@ -154,11 +162,6 @@ class InFlight:
     def sweep_chunks(self) -> int:
         return math.ceil(self.work.stored / self.work.chunk_size)
 
-    def waiting_branches(self) -> int:
-        """Replay: the graphs of the branches in flight besides the one in its backward."""
-        waiting = self.in_flight(self.work.group) - 1
-        return waiting * self.act.branch_graph(self.work.response_tokens) if waiting else 0
-
     def waiting_chunks(self) -> int:
         """Exact sweep: the graphs of the prompt chunks in flight besides the one in its
         backward (each of this stage's layers only)."""
@@ -170,19 +173,18 @@ class InFlight:
 
     def stage_buffers(self) -> dict[str, int]:
         """Hidden states ``[tokens, hidden]`` between stages, per phase: one from (or to)
-        each neighbour per microbatch in flight, and in a backward the gradient received
-        and the one sent (0 with one stage)."""
+        each neighbour per microbatch in flight (replay: per piece held), and in a backward
+        the gradient received and the one sent (0 with one stage)."""
         work, links = self.work, self.links()
         if not links:
             return dict.fromkeys(PHASES, 0)
         chunk = min(work.chunk_size, work.stored)
         per = self.cb * self.spec.hidden * links
-        branches = self.in_flight(work.group) + 1
         chunks = self.in_flight(self.sweep_chunks()) + 1 if self.exact else 0
         return {
             "prefill": per * chunk,
             "rollout": per * work.group,
-            "replay": per * branches * work.response_tokens,
+            "replay": per * (self.replay.held + 1) * self.replay.tokens,
             "sweep": per * chunks * chunk,
             "optimizer": 0,
         }

@@ -50,7 +50,7 @@ from longstraw_core.pipeline.schedule import (
     replay_orders,
     ring_program,
 )
-from longstraw_core.pipeline.simulate import replay_pieces, simulate
+from longstraw_core.pipeline.simulate import simulate
 from longstraw_core.plan.flops import (
     Flops,
     active_params,
@@ -59,6 +59,7 @@ from longstraw_core.plan.flops import (
     layer_flops,
 )
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.pieces import pieces_of
 from longstraw_core.plan.stages import layout_for, root_split
 from longstraw_core.plan.units import FP32, dtype_bytes
 from longstraw_core.quantization import nf4_bytes
@@ -336,11 +337,8 @@ class StepModel:
         return max(math.ceil(self.work.stored / self.work.chunk_size), 1)
 
     def pieces(self) -> int:
-        """Pieces per replayed branch: the config's, else the schedule's choice."""
-        configured = getattr(self.work, "replay_pieces", None)
-        if configured:
-            return configured
-        return replay_pieces(self.stages, self.work.group)
+        """Pieces per replayed branch when all ``G`` replay (``plan.pieces.pieces_of``)."""
+        return pieces_of(self.work)
 
     def scheduled(
         self,

@@ -82,15 +82,18 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
     spec = ModelSpec.from_config(config, run.name, _dtype(cfg.model.dtype))
     work = workload_from_config(cfg, device="cuda", model_type=config.model_type)
     layout = layout_for(spec, work)
-    work = dataclasses.replace(work, stage_starts=tuple(layout.boundaries[:-1]))
+    # the dry run's rewards give every branch an advantage: all G replay
+    starts = tuple(layout.boundaries[:-1])
+    work = dataclasses.replace(work, stage_starts=starts, replay_branches=work.group)
     return cfg, config, spec, work, layout
 
 
 def worst_stages(run: DryRun) -> list[int]:
     """The first stage of each kind (the same layers, the same ends: embeddings, head):
-    the kind's worst. A pipeline's earlier stages keep more graphs in flight (the sweep's
-    1F1B up to ``S - s`` chunks on stage ``s``, replay up to ``graphs_in_flight`` pieces), so
-    among stages of one kind the first holds the most; the planner counts the same."""
+    the kind's worst. A pipeline's earlier stages run more forwards ahead (stage ``s`` of
+    ``S`` holds up to ``P + min(P, 3)(S - 1 - s)`` replay pieces, ``S - s`` sweep chunks),
+    so among stages of one kind the first holds the most; the planner counts the same
+    (``pieces.most_held``, ``waiting_chunks``)."""
     _, _, spec, _, layout = _prepare(run)
     first: dict[str, int] = {}
     for stage in range(layout.stages):

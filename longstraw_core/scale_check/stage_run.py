@@ -60,7 +60,7 @@ def build_stage(
     adapter = ls.adapt(model)
     adapter.activation_checkpointing = bool(cfg.train.activation_checkpointing)
     link = FakeStageLink(ranks=list(range(layout.stages)), stage=stage, group=None, device=DEVICE)
-    stage_model(adapter, layout, link)
+    stage_model(adapter, layout, link, cfg.distributed.replay_pieces)
     adapter.stage = _on_device(adapter.stage)
     with mode:
         _materialize(model)
