@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark paper-tables gpu-check gpu-wheels scale-check clean
+.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark pipeline-busy paper-tables gpu-check gpu-wheels scale-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ benchmark: $(STAMP)
 pipeline-benchmark: $(STAMP)
 	$(PY) benchmarks/pipeline_speed.py
 	cp benchmarks/results/pipeline_speed.json benchmarks/results/pipeline_speed.png docs/benchmarks/
+
+# Rollout and replay on two stages against one process, as ratios (a few minutes).
+pipeline-busy: $(STAMP)
+	$(PY) benchmarks/pipeline_busy.py
+	cp benchmarks/results/pipeline_busy.json docs/benchmarks/
 
 # The memory planner's tables at paper scale, docs/memory_plans.md, and the pipeline-stage
 # tables in docs/pipeline_plans.md (about two minutes).

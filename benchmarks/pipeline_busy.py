@@ -59,7 +59,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = tiny_model("qwen3_5_text", seed=0, **MODEL).train()
+    model = tiny_model(
+        "qwen3_5_text", seed=0, **MODEL | {"linear_num_value_heads": args.value_heads}
+    ).train()
     adapter = ls.adapt(model)
     if world > 1:
         RunTopology.from_config(DistributedSection(pipeline_stages=world), world, rank).place(
@@ -130,6 +132,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="G: branches per group")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--value-heads", type=int, default=64, help="DeltaNet value heads (per-branch state)"
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--output", type=Path, default=HERE / "results")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -147,7 +152,7 @@ def main() -> None:
             str(stages), __file__, "--worker", "--result", str(result),
             "--prompt-tokens", str(args.prompt_tokens), "--chunk-size", str(args.chunk_size),
             "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-            "--repeats", str(args.repeats),
+            "--repeats", str(args.repeats), "--value-heads", str(args.value_heads),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

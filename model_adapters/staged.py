@@ -475,7 +475,7 @@ class StagedPasses:
             span = span_of(m)
             return self.boundary_spec(1, span) if kind == "F" else self.gradient_spec(1, span)
 
-        self._run(orders, compute, spec)
+        self._run(orders, compute, spec, MAX_OPEN_SENDS)
 
     def new_piece_cache(self: ModelAdapter, reads: PrefixState) -> PieceCache:
         """What a branch replayed in pieces keeps between its pieces, per owned layer."""

@@ -17,6 +17,7 @@ import random
 import pytest
 
 from longstraw_core.pipeline.schedule import (
+    MAX_OPEN_SENDS,
     Collective,
     Compute,
     Exchange,
@@ -76,7 +77,7 @@ def test_one_piece_per_branch_is_1f1b(stages, microbatches):
     """One piece per branch is 1F1B: its bubble, ``(S - 1) / (M + S - 1)``, and at most
     ``S - s`` graphs in flight on stage ``s``."""
     orders = replay_orders(stages, [1] * microbatches)
-    timeline = simulate(programs(orders))
+    timeline = simulate(programs(orders, MAX_OPEN_SENDS))
     assert timeline.idle_share == pytest.approx(_one_f_one_b_bubble(stages, microbatches))
     for stage, order in enumerate(orders):
         held = 0
@@ -119,13 +120,30 @@ def test_replay_in_pieces_is_live_for_any_branch_shapes(stages):
     for _ in range(12):
         pieces = [generator.randint(1, 9) for _ in range(generator.randint(1, 9))]
         orders = replay_orders(stages, pieces)
-        timeline = simulate(programs(orders))
+        timeline = simulate(programs(orders, max_open_sends=MAX_OPEN_SENDS))
         assert len(timeline.computes) == 2 * stages * sum(pieces)
         for stage, order in enumerate(orders):  # a branch's backwards: last piece first
             backwards = [c.microbatch for c in order if c.kind == "B"]
             first = list(itertools.accumulate([0, *pieces]))
             expected = [first[b] + p for b, n in enumerate(pieces) for p in reversed(range(n))]
             assert backwards == expected, stage
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 40), (8, 100), (32, 70)])
+def test_the_sweep_keeps_few_sends_in_flight(stages, chunks):
+    """A sweep over many chunks (257 at 2.1M positions) with the sends in flight bounded:
+    live, 1F1B's bubble, and at most ``MAX_OPEN_SENDS`` sends-only exchanges open."""
+    stage_programs = programs(replay_orders(stages, [1] * chunks), MAX_OPEN_SENDS)
+    timeline = simulate(stage_programs)
+    assert timeline.idle_share == pytest.approx(_one_f_one_b_bubble(stages, chunks))
+    for program in stage_programs:
+        sends_only, waited = set(), set()
+        for step in program:
+            if isinstance(step, Exchange) and not step.recvs:
+                sends_only.add(step.ident)
+            elif isinstance(step, Wait):
+                waited |= set(step.idents)
+            assert len(sends_only - waited) <= MAX_OPEN_SENDS
 
 
 def test_no_branch_to_replay_is_an_empty_program():
@@ -138,7 +156,7 @@ def test_no_branch_to_replay_is_an_empty_program():
 @pytest.mark.parametrize(("stages", "pieces", "limit"), [(32, 8, 0.33), (16, 16, 0.11)])
 def test_replay_at_scale_is_live(stages, pieces, limit):
     """GLM-5.2's 32 stages and more pieces: live, and the bubble of 1F1B over every piece."""
-    timeline = simulate(programs(replay_orders(stages, [pieces] * 8)))
+    timeline = simulate(programs(replay_orders(stages, [pieces] * 8), MAX_OPEN_SENDS))
     assert timeline.idle_share == pytest.approx(_one_f_one_b_bubble(stages, 8 * pieces))
     assert timeline.idle_share <= limit
 

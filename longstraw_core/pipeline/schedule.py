@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 Key = Hashable
-# Sends of a forward-only pass kept in flight before a stage waits for the oldest: bounds the
-# memory of sent hidden states (a long prefill would otherwise keep every chunk's).
+# Exchanges of sends only kept in flight before a stage waits for the oldest: bounds the
+# memory of sent tensors (a long prefill, or a sweep over hundreds of chunks, would otherwise
+# keep every chunk's hidden states or gradients until the pass ends).
 MAX_OPEN_SENDS = 8
 
 
@@ -636,8 +637,8 @@ def ring_program(ring: Ring, stage: int | None = None) -> list[list[Step]]:
                 index += 1
             collectives.setdefault((s, index), []).append(("stop", t))
     if stage is not None:
-        return [stage_program(orders, stage, collectives=collectives)]
-    return programs(orders, collectives=collectives)
+        return [stage_program(orders, stage, MAX_OPEN_SENDS, collectives)]
+    return programs(orders, MAX_OPEN_SENDS, collectives)
 
 
 def ring_steps(ring: Ring, stage: int) -> Iterator[Step]:

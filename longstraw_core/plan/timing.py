@@ -451,7 +451,7 @@ class StepModel:
                                   self.dequant(s, passes, piece)))  # fmt: skip
         size = piece * self.spec.hidden * self.cb
         seconds = self.scheduled(
-            lambda g: programs(replay_orders(self.stages, [pieces] * g)),
+            lambda g: programs(replay_orders(self.stages, [pieces] * g), MAX_OPEN_SENDS),
             group,
             lambda c: (forwards if c.kind == "F" else backwards)[c.stage].seconds(self.hw)[0],
             lambda _: size,
@@ -491,7 +491,7 @@ class StepModel:
                                   host / 2, self.dequant(s, passes, chunk)))  # fmt: skip
         size = chunk * self.spec.hidden * self.cb
         seconds = self.scheduled(
-            lambda k: programs(replay_orders(self.stages, [1] * k)),
+            lambda k: programs(replay_orders(self.stages, [1] * k), MAX_OPEN_SENDS),
             chunks,
             lambda c: (forwards if c.kind == "F" else backwards)[c.stage].seconds(self.hw)[0],
             lambda _: size,
