@@ -127,7 +127,7 @@ class Recipe:
         )
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
-        self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
+        self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path, model_path=cfg.model.path)
         # Before any weight loads: every record checked, a changed model/lora refused.
         self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
         if self.accelerator.is_main_process and self.sample_at.skipped:
