@@ -52,8 +52,12 @@ def record_for_launcher(message: str) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return
+    # torchelastic's own layout (ErrorHandler.record_exception), with the line in place of a
+    # Python traceback: the summary shows ``py_callstack``, and any other layout gets warned
+    # about in the launcher's log.
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
     except OSError:
         pass  # the line was printed; the launcher falls back to its own wording
