@@ -49,7 +49,7 @@ from longstraw_core.checkpoint.files import (
 )
 from longstraw_core.config import ConfigError, RunConfig, config_from_dict
 from longstraw_core.quantization import dequantize_
-from longstraw_core.tokenizer import load_tokenizer
+from longstraw_core.tokenizer import is_builtin, load_tokenizer
 
 
 class ExportError(ValueError):
@@ -87,7 +87,7 @@ def export(
     _check_target(target, resolved, force)
     _verify(resolved)
     cfg = _run_config(resolved, model_path, tokenizer_path)
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer.path, model_path=cfg.model.path)
     model, step = _trained_policy(cfg, resolved)
     dequantized = cfg.model.quantization is not None
     staging = target.parent / f".{target.name}.export-tmp"
@@ -161,7 +161,7 @@ def _run_config(resolved: Path, model_path: str | None, tokenizer_path: str | No
         ("model.path", model.path, "--model-path"),
         ("tokenizer.path", tokenizer.path, "--tokenizer-path"),
     ]:
-        if value is not None and not Path(value).is_dir():
+        if value is not None and not is_builtin(value) and not Path(value).is_dir():
             raise ExportError(
                 f"the run's {key} {value!r} is not a directory here; pass {flag} with where "
                 "it is now"

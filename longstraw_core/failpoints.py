@@ -9,22 +9,32 @@ stages with ``failpoint("checkpoint.after_rename", step)``; a test run sets
 and the process sends itself SIGKILL there, while saving step 2, exactly as a preemption or
 the OOM killer would. Without the variable a failpoint is one dictionary lookup.
 Several points are separated by commas; ``name`` without ``@step`` fires at every step.
+``name@step:enospc`` raises the ``OSError`` a write to a full disk raises instead of killing
+(``ENOSPC``), for the tests of what a full disk leaves behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 ENV = "LONGSTRAW_FAILPOINTS"
+FAULTS = ("kill", "enospc")
 
 
 def failpoint(name: str, step: int | None = None) -> None:
-    """SIGKILL this process if ``LONGSTRAW_FAILPOINTS`` names ``name`` (at ``step``)."""
+    """SIGKILL this process (or raise the fault named) if ``LONGSTRAW_FAILPOINTS`` names
+    ``name`` (at ``step``)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
     for item in spec.split(","):
-        point, _, at = item.strip().partition("@")
+        where, _, fault = item.strip().partition(":")
+        point, _, at = where.partition("@")
         if point == name and (not at or step is None or int(at) == step):
+            if fault == "enospc":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"failpoint {name}")
+            if fault not in ("", "kill"):
+                raise ValueError(f"{ENV}: unknown fault {fault!r} in {item!r}; one of {FAULTS}")
             os.kill(os.getpid(), signal.SIGKILL)

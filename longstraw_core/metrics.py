@@ -91,10 +91,12 @@ EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"  # prompts whose greedy completion
 EVAL_GREEDY_REWARD = "eval/greedy_reward"  # nan-mean weighted reward of the greedy completions
 EVAL_PASS_AT_K = "eval/pass@{}"  # k = eval.num_generations: a correct one among k samples
 
-# The per-step line, in this order: (key, label, format); "bytes" formats with format_bytes.
+# The per-step line, in this order: (key, label, format); "bytes" formats with format_bytes,
+# "decimals" with three decimals or, below 0.01, two significant digits
+# (tracking.format_value); a NaN shows as "-".
 STEP_LINE: tuple[tuple[str, str, str], ...] = (
-    (REWARD, "reward", "{:.3f}"),
-    (REWARD_STD, "±", "{:.3f}"),
+    (REWARD, "reward", "decimals"),
+    (REWARD_STD, "±", "decimals"),
     (LOSS, "loss", "{:.4g}"),
     (KL, "kl", "{:.3g}"),
     (ENTROPY, "entropy", "{:.3f}"),

@@ -6,6 +6,7 @@ Recipes call these so they stay short; each function does one thing the config d
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,15 +66,27 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
         lora_dropout=lora.dropout,
         target_modules=lora_targets(lora, model.config.model_type),
     )
-    with _targets_as_written():
+    with _targets_as_written(), _without_peft_deprecation():
         return get_peft_model(model, config)
 
 
 def load_lora(model: PreTrainedModel, directory: str | Path) -> PeftModel:
     """``PeftModel.from_pretrained`` for adapters this package saved: the modules they were
     trained on get them back (see ``_targets_as_written``)."""
-    with _targets_as_written():
+    with _targets_as_written(), _without_peft_deprecation():
         return PeftModel.from_pretrained(model, directory)
+
+
+@contextlib.contextmanager
+def _without_peft_deprecation() -> Iterator[None]:
+    """peft (to at least 0.21) reads transformers v5's deprecated ``is_gradient_checkpointing``
+    when it wraps a model, a FutureWarning on every LoRA run that no user can act on; only
+    that warning is silenced, only while peft wraps."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
 
 
 @contextlib.contextmanager

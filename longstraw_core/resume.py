@@ -137,7 +137,10 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path | None, list[Change]]:
     """
     if cfg.train.resume_from is None:
         return None, []
-    path = checkpoint.resolve_checkpoint(cfg.train.resume_from, cfg.train.output_dir)
+    try:
+        path = checkpoint.resolve_checkpoint(cfg.train.resume_from, cfg.train.output_dir)
+    except FileNotFoundError as error:
+        raise ConfigError("train.resume_from", str(error)) from None
     if path is None:
         return None, []
     saved = saved_config(path)

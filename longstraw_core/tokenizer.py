@@ -1,10 +1,16 @@
 """Tokenizers: a real one from a local path, or a built-in byte-level one (no downloads here).
 
+A run's ``tokenizer.path`` means: a tokenizer directory; ``"builtin:bytes"``, the built-in
+byte tokenizer; ``null``, the model's own: ``model.path``'s tokenizer (as TRL loads it from
+the model id), or the byte tokenizer for a ``model.tiny`` toy (``tokenizer_source``). Byte ids
+fed to a real checkpoint are not its token ids, so that must be asked for by name.
+
 Also the one place that turns a prompt (plain text or chat messages) into text and token ids,
 so tasks that must hit a token count and the rollout that feeds the model agree exactly.
 
     tok = load_tokenizer(None)                  # built-in: 256 byte tokens + 4 special tokens
     tok = load_tokenizer("/models/Qwen3-8B")    # AutoTokenizer, local files only
+    tok = load_tokenizer(None, model_path="/models/Qwen3-8B")  # the model's own
     ids = encode_prompt(tok, [{"role": "user", "content": "hi"}])
 """
 
@@ -18,6 +24,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BUILTIN_NAME = "builtin:bytes"
+# A directory holds a tokenizer AutoTokenizer can load when it has one of these (transformers'
+# own file names: the tokenizer's settings, or a fast tokenizer's whole definition).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ENDOFTEXT, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 BUILTIN_SPECIAL_TOKENS = (ENDOFTEXT, PAD, IM_START, IM_END)  # ids 256, 257, 258, 259
 
@@ -72,19 +81,60 @@ def builtin_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_tokenizer(path_or_name: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
-    """``None`` or ``"builtin:bytes"``: the built-in tokenizer; otherwise a local directory.
+def is_builtin(path_or_name: str | os.PathLike | None) -> bool:
+    """Whether ``tokenizer.path`` names the built-in byte tokenizer explicitly."""
+    return path_or_name is not None and os.fspath(path_or_name) == BUILTIN_NAME
+
+
+def tokenizer_source(
+    path_or_name: str | os.PathLike | None, model_path: str | os.PathLike | None = None
+) -> str | None:
+    """The directory a run's tokenizer loads from, or None for the built-in one.
+
+    ``path_or_name`` is ``tokenizer.path``: a directory, ``"builtin:bytes"``, or None for the
+    model's own (``model_path``'s tokenizer; the built-in one when there is no ``model_path``,
+    i.e. a random-init toy, which is built for the byte tokenizer's 260 ids).
+    """
+    if path_or_name is not None:
+        return None if is_builtin(path_or_name) else os.fspath(path_or_name)
+    return None if model_path is None else os.fspath(model_path)
+
+
+def has_tokenizer_files(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a tokenizer (``TOKENIZER_FILES``), without loading it."""
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
+
+def model_without_tokenizer(model_path: str | os.PathLike) -> str:
+    """Why a model directory without a tokenizer is refused, and the two ways on."""
+    return (
+        f"{os.fspath(model_path)!r} (model.path) holds no tokenizer (none of "
+        f"{', '.join(TOKENIZER_FILES)}); set tokenizer.path to the model's tokenizer directory, "
+        f"or tokenizer.path={BUILTIN_NAME} for the built-in byte tokenizer (whose ids are not "
+        "the model's)"
+    )
+
+
+def load_tokenizer(
+    path_or_name: str | os.PathLike | None = None,
+    *,
+    model_path: str | os.PathLike | None = None,
+) -> PreTrainedTokenizerBase:
+    """The tokenizer ``tokenizer_source(path_or_name, model_path)`` names: the built-in one
+    (``None``, ``"builtin:bytes"``), or a local directory loaded with ``AutoTokenizer``.
 
     Only local files are read (nothing can be downloaded here); a failure names the path.
     """
-    if path_or_name is None or str(path_or_name) == BUILTIN_NAME:
+    path = tokenizer_source(path_or_name, model_path)
+    if path is None:
         return builtin_tokenizer()
-    path = os.fspath(path_or_name)
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"tokenizer path {path!r} is not a directory; pass a local tokenizer directory "
-            f"(downloads are not possible) or None / {BUILTIN_NAME!r} for the built-in tokenizer"
+            f"(downloads are not possible) or {BUILTIN_NAME!r} for the built-in tokenizer"
         )
+    if path_or_name is None and not has_tokenizer_files(path):
+        raise ValueError(model_without_tokenizer(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this path"

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 # Shown in the per-step line when present, in this order: (key, label, format).
 SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = names.STEP_LINE
 MAX_CELL_CHARS = 4000  # a million-token prompt must not become a million-character W&B cell
+ABSENT = "-"  # how a NaN metric (nothing measured that step) is shown on the console
 
 
 def log_with(tracking: TrackingSection) -> list[str] | None:
@@ -90,6 +91,7 @@ class RunLogger:
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.wandb = wandb and mode != "disabled"
+        self.mode = mode
         self.total_steps = total_steps
         self.log_every = log_every
         self.completions_every = completions_every
@@ -125,8 +127,17 @@ class RunLogger:
                 "W&B tracking is on but the Accelerator was built without it; build it with "
                 "Accelerator(log_with=log_with(cfg.tracking))"
             )
+        import wandb  # only when W&B is on (accelerate imports it then too)
+
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        init = {"mode": mode, "name": run_name, "dir": str(self.output_dir)}
+        # quiet: no W&B history and summary block at the end, above our own summary table
+        # (finish prints the one line of it that matters offline: how to upload the run).
+        init = {
+            "mode": mode,
+            "name": run_name,
+            "dir": str(self.output_dir),
+            "settings": wandb.Settings(quiet=True),
+        }
         if run_id is not None:
             init |= {"id": run_id, "resume": "allow"}
         self.accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
@@ -215,9 +226,12 @@ class RunLogger:
         ranks can still wait for rank 0 to finish writing the run.
         """
         if self.wandb:
+            offline_dir = self.run_dir if self.mode == "offline" else None
             for tracker in self.accelerator.trackers:
                 tracker.finish()
             self.accelerator.trackers = []  # finished: end_training must not finish them again
+            if offline_dir is not None:
+                print(f"wandb: to upload this offline run: wandb sync {offline_dir}")
         if print_summary and self.is_main and self.history:
             Console().print(self.summary_table())
 
@@ -228,8 +242,7 @@ class RunLogger:
         line = Text(f"step {step}{total}", style="bold")
         for key, label, fmt in SUMMARY_KEYS:
             for name, part in _matching(key, flat):
-                value = flat[name]
-                shown = format_bytes(value) if fmt == "bytes" else fmt.format(value)
+                shown = format_value(flat[name], fmt)
                 line.append("  " if label != "±" else " ")
                 line.append(f"{label.format(part)} " if label != "±" else label, style="dim")
                 line.append(shown, style="cyan")
@@ -239,8 +252,11 @@ class RunLogger:
         """First, last, min, max and mean of every metric over the logged steps."""
         steps = [s for s, _ in self.history]
         table = Table(title=f"Run summary: steps {steps[0]}..{steps[-1]} ({len(steps)} logged)")
-        for column in ("metric", "first", "last", "min", "max", "mean"):
-            table.add_column(column, justify="left" if column == "metric" else "right")
+        # A narrow terminal folds a long name onto a second line rather than cutting it to
+        # a prefix that looks like its neighbours' (completions/mean_length, .../min_length).
+        table.add_column("metric", justify="left", overflow="fold")
+        for column in ("first", "last", "min", "max", "mean"):
+            table.add_column(column, justify="right", no_wrap=True)
         keys: list[str] = []
         for _, flat in self.history:
             keys += [k for k in flat if k not in keys]
@@ -354,7 +370,30 @@ def _cell(value: Any) -> Any:
     return clip_text(str(value))
 
 
+def format_value(value: float, fmt: str) -> str:
+    """A step-line value: ``"bytes"`` as a size, ``"decimals"`` as ``decimals_or_significant``,
+    else a format string; NaN (nothing to measure this step, e.g. the entropy of a step with
+    no replayed branch) as ``-``."""
+    if math.isnan(value):
+        return ABSENT
+    if fmt == "bytes":
+        return format_bytes(value)
+    if fmt == "decimals":
+        return decimals_or_significant(value)
+    return fmt.format(value)
+
+
+def decimals_or_significant(value: float, decimals: int = 3) -> str:
+    """``value`` to ``decimals`` places, or to two significant digits where those places
+    would show less (a reward std of 5e-4 is ``0.0005``, not ``0.000``)."""
+    if value == 0 or not math.isfinite(value) or abs(value) >= 10.0 ** (1 - decimals):
+        return f"{value:.{decimals}f}"
+    return f"{value:.2g}"
+
+
 def _number(value: float) -> str:
+    if math.isnan(value):
+        return ABSENT
     if not math.isfinite(value):
         return str(value)
     if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):

@@ -69,12 +69,14 @@ from longstraw_core import (
     data,
     distributed,
     evaluation,
+    exits,
     generation,
     guard,
     launch_settings,
     loading,
     mixed_precision,
     models,
+    output_dir,
     plan,
     resume,
     tokenizer,
@@ -125,7 +127,7 @@ class Recipe:
         )
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
-        self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path)
+        self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path, model_path=cfg.model.path)
         # Before any weight loads: every record checked, a changed model/lora refused.
         self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
         if self.accelerator.is_main_process and self.sample_at.skipped:
@@ -134,6 +136,7 @@ class Recipe:
         self.evaluation = evaluation.Evaluation.from_config(
             cfg, self.tokenizer, self.topology, progress=self.bars
         )
+        output_dir.claim(cfg.train)  # writable, locked, no other run's checkpoints (one line)
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         # Only this rank's share: its stage's layers, read straight from the checkpoint.
         self.adapter = loading.load_policy(cfg, self.topology, self.accelerator.device)
@@ -514,33 +517,33 @@ def main(argv: list[str] | None = None) -> None:
         # onto the run config or refused here, never silently ignored.
         cfg = launch_settings.honour(cfg)
     except (config.ConfigError, FileNotFoundError) as error:
-        sys.exit(f"config error: {error}")
+        exits.fail(f"config error: {error}")
     try:  # before any weight is loaded: refuse a step the GPUs cannot hold
         plan.check_fits(cfg)
     except plan.MemoryPlanError as error:
         table = f"python -m longstraw_core.plan --config {args.config} prints the full table"
-        sys.exit(f"memory plan: {error}\n({table})")
+        exits.fail(f"memory plan: {error}\n({table})")
     recipe = Recipe(cfg)
     try:
         recipe.setup()
     except config.ConfigError as error:
-        sys.exit(f"config error: {error}")
+        exits.fail(f"config error: {error}")
     except data.DataError as error:
-        sys.exit(f"data error: {error}")
+        exits.fail(f"data error: {error}")
     except checkpoint.CheckpointError as error:
-        sys.exit(f"checkpoint error: {error}")
+        exits.fail(f"checkpoint error: {error}")
     stopped, failure, together = None, None, False
     try:
         stopped = recipe.train()
         together = True
-    except guard.TrainingDiverged as error:  # the ranks agree on every skip: all raise it
+    except (guard.TrainingDiverged, checkpoint.CheckpointError) as error:  # raised on all ranks
         failure, together = f"training stopped: {error}", True
     except RewardError as error:  # this rank's reward function alone
         failure = f"training stopped: {error}"
     finally:
         recipe.cleanup(together=together)
     if failure:
-        sys.exit(failure)
+        exits.fail(failure, local=not together)
     if stopped:  # SIGTERM/SIGINT: the step finished and was saved
         exit_after_stop(
             stopped,

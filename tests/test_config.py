@@ -187,7 +187,8 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
     text = {"max_position_embeddings": 8192, "vocab_size": 1024}
     config = {"model_type": "qwen3_5", "text_config": text}  # nested, as multimodal Qwen3.6 has it
     (model_dir / "config.json").write_text(json.dumps(config))
-    from_path = ["model.tiny=null", "model.tiny_overrides={}", f"model.path={model_dir}"]
+    from_path = ["model.tiny=null", "model.tiny_overrides={}", f"model.path={model_dir}",
+                 "tokenizer.path=builtin:bytes"]  # fmt: skip
     ok = load_config(TINY, [*from_path, "data.prompt_tokens=4096", "lora.enabled=true"])
     assert lora_targets(ok.lora, "qwen3_5") == DEFAULT_LORA_TARGETS["qwen3_5"]
     error = _error(TINY, *from_path)

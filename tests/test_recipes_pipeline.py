@@ -180,6 +180,7 @@ def test_qlora_on_stages_trains_like_one_process(base, tmp_path):
             "model.tiny=null",
             "model.tiny_overrides={}",
             f"model.path={tmp_path / 'base'}",
+            "tokenizer.path=builtin:bytes",  # the toy's ids; its directory holds no tokenizer
         ]
     staged, one = tmp_path / "staged", tmp_path / "one"
     run("grpo_qwen36.py", config_path, staged, *overrides, "distributed.pipeline_stages=2",

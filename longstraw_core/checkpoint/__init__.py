@@ -74,6 +74,7 @@ Import from here; the modules hold one job each:
   gathered from and broadcast into FSDP2 shards.
 - ``rng``: the random generator states, one file per rank.
 - ``ranks``: rank 0 acts, the others wait, rank 0's error raised on every rank.
+- ``space``: the bytes a save needs, checked before writing; a full disk as one line.
 - ``errors``: ``CheckpointError`` and the wording of its messages.
 """
 

@@ -20,12 +20,13 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 INCOMPLETE = "incomplete"  # where incomplete checkpoints are set aside
-STEP_DIR = re.compile(r"step-(\d+)")
+STEP_PREFIX = "step-"
+STEP_DIR = re.compile(rf"{STEP_PREFIX}(\d+)")
 _HASH_BLOCK = 4 << 20  # bytes read at a time when hashing: big files never sit in memory whole
 
 
 def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
+    return f"{STEP_PREFIX}{step:06d}"
 
 
 def trainer_state_json(step: int, data_position: int, extra: dict[str, Any]) -> str:

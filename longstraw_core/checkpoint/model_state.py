@@ -4,6 +4,8 @@ A sharded model's state goes through ``sharded`` instead, a staged one's through
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch
 from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
 from transformers import PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from longstraw_core.checkpoint.checks import check_optimizer_state
 from longstraw_core.checkpoint.errors import CheckpointError, listed
@@ -35,15 +38,29 @@ def save_state(
     # all a LoRA run changes; the base model is reloaded from its own checkpoint. With
     # ``model_state`` (gathered from a sharded model) it writes those tensors instead of
     # reading the model's own, which are shards.
-    if model_state is None:
-        model.save_pretrained(directory / "model")
-    elif isinstance(model, PeftModel) and is_staged(model):  # gathered from the stages
-        save_staged_adapters(directory / "model", model, model_state)
-    else:
-        model.save_pretrained(directory / "model", state_dict=model_state)
+    with _no_progress_bars():
+        if model_state is None:
+            model.save_pretrained(directory / "model")
+        elif isinstance(model, PeftModel) and is_staged(model):  # gathered from the stages
+            save_staged_adapters(directory / "model", model, model_state)
+        else:
+            model.save_pretrained(directory / "model", state_dict=model_state)
     torch.save(optimizer_state, directory / "optimizer.pt")
     if scheduler is not None:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' "Writing model shards" bar: a save's own line says it is done,
+    and a bar per checkpoint, between the step lines, is noise."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def load_state(

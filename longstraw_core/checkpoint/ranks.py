@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from longstraw_core.checkpoint.errors import CheckpointError
 from longstraw_core.distributed import world_timeout
 
 T = TypeVar("T")
@@ -43,19 +44,23 @@ def gather(value: Any) -> list[Any]:
 def agree(error: BaseException | None) -> None:
     """Raise rank 0's ``error`` on every rank (a collective when distributed).
 
-    Rank 0 raises it as it is; the other ranks raise a ``RuntimeError`` that quotes it, so
-    that no rank goes on to a collective that rank 0 will never join.
+    Rank 0 raises it as it is; the other ranks raise a ``RuntimeError`` that quotes it (a
+    ``CheckpointError``, whose message is written for the user, as the same one), so that no
+    rank goes on to a collective that rank 0 will never join.
     """
     if not _distributed():
         if error is not None:
             raise error
         return
-    message = [None if error is None else f"{type(error).__name__}: {error}"]
+    message = [None if error is None else (type(error).__name__, str(error))]
     dist.broadcast_object_list(message, src=0, group=coordination_group())
     if error is not None:
         raise error
     if message[0] is not None:
-        raise RuntimeError(f"checkpoint failed on rank 0: {message[0]}")
+        kind, text = message[0]
+        if kind == CheckpointError.__name__:
+            raise CheckpointError(text)
+        raise RuntimeError(f"checkpoint failed on rank 0: {kind}: {text}")
 
 
 def on_rank0(action: Callable[[], T]) -> T:

@@ -15,6 +15,7 @@ from longstraw_core.checkpoint.files import (
     LATEST,
     MANIFEST,
     STEP_DIR,
+    STEP_PREFIX,
     TRAINER_STATE,
     check_sizes,
     checkpoint_name,
@@ -110,15 +111,24 @@ def prune(root: Path, keep_last: int, written: Path) -> None:
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """The ``step-NNNNNN`` directories directly in ``root``, by step."""
+    """The ``step-NNNNNN`` entries directly in ``root``, by step: directories, and anything
+    else with such a name (a symlink loop, a file), which ``_problem`` finds incomplete and
+    the next save sets aside rather than failing on the name."""
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         match = STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir():
+        if match:
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def step_entries(root: Path) -> list[Path]:
+    """What earlier saves left in ``root``: every ``step-*`` entry, complete or not, and any
+    ``.tmp-step-*`` one (a save that never finished)."""
+    entries = [path for _, path in _step_dirs(root)]
+    return entries + (sorted(root.glob(f".tmp-{STEP_PREFIX}*")) if root.is_dir() else [])
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:
@@ -144,6 +154,10 @@ def _newest(root: Path) -> Path | None:
 
 def _problem(directory: Path) -> str | None:
     """Why ``directory`` is not a complete checkpoint (the cheap check: sizes), or None."""
+    if not directory.is_dir():
+        if directory.is_symlink():
+            return f"{directory}: a symlink that leads to no directory (a loop, or a lost target)"
+        return f"{directory}: not a directory"
     try:
         check_sizes(directory, read_manifest(directory))
     except CheckpointError as error:
@@ -164,7 +178,8 @@ def set_aside_incomplete(root: Path) -> None:
         if problem is not None:
             warn(f"set aside {_set_aside(path, root / INCOMPLETE)}: {problem}")
     for path in sorted(root.glob(".tmp-*")):
-        if path.is_dir():
+        # A save's own name taken by anything (a symlink loop included) would stop the save.
+        if path.is_dir() or path.name.startswith(f".tmp-{STEP_PREFIX}"):
             where = _set_aside(path, root / INCOMPLETE)
             warn(f"set aside {where}: a save that did not finish left it behind")
 

@@ -1,6 +1,7 @@
-"""``save_checkpoint``: every rank gathers, rank 0 writes into ``.tmp-step-N``, the manifest
-last, renames the directory into place, then updates ``latest`` and prunes. The failpoints
-mark each stage for the fault-injection tests."""
+"""``save_checkpoint``: every rank gathers, rank 0 checks the disk has room and writes into
+``.tmp-step-N``, the manifest last, renames the directory into place, then updates ``latest``
+and prunes. A full disk is a one-line ``CheckpointError`` (``space``). The failpoints mark
+each stage for the fault-injection tests."""
 
 from __future__ import annotations
 
@@ -25,9 +26,21 @@ from longstraw_core.checkpoint.files import (
 )
 from longstraw_core.checkpoint.model_state import save_state
 from longstraw_core.checkpoint.ranks import gather, on_rank0
-from longstraw_core.checkpoint.resolution import prune, refuse_existing, set_aside_incomplete
+from longstraw_core.checkpoint.resolution import (
+    complete_checkpoints,
+    prune,
+    refuse_existing,
+    set_aside_incomplete,
+)
 from longstraw_core.checkpoint.rng import rng_file, rng_state
 from longstraw_core.checkpoint.sharded import gather_state
+from longstraw_core.checkpoint.space import (
+    bytes_needed,
+    check_room,
+    disk_full,
+    free_bytes,
+    no_space,
+)
 from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
 from longstraw_core.failpoints import failpoint
 
@@ -50,7 +63,8 @@ def save_checkpoint(
     ``keep_last``: afterwards delete the complete checkpoints beyond the newest K (None or 0:
     keep all). Returns the checkpoint directory. Raises ``FileExistsError`` if that step or a
     later one is a complete checkpoint already (see ``prepare_resume``); an incomplete one is
-    set aside. Distributed: every rank calls it (a sharded model is gathered; package
+    set aside. Raises ``CheckpointError`` when the disk has no room for it (checked before
+    writing; a disk that fills during the write too), the previous checkpoint intact. Distributed: every rank calls it (a sharded model is gathered; package
     docstring) and rank 0 writes; an error on rank 0 is raised on every rank.
     """
     if keep_last is not None and keep_last < 0:
@@ -90,6 +104,10 @@ def _write_checkpoint(
     failpoint("checkpoint.start", step)
     root.mkdir(parents=True, exist_ok=True)
     set_aside_incomplete(root)  # includes an incomplete ``final`` and a stale ``.tmp-*``
+    earlier = complete_checkpoints(root)
+    previous = f"{earlier[-1].name} is intact" if earlier else "no earlier checkpoint here"
+    needed = bytes_needed(model, model_state, optimizer_state)
+    check_room(root, final.name, needed, previous)  # before the first byte is written
     tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
     try:
@@ -103,8 +121,11 @@ def _write_checkpoint(
         failpoint("checkpoint.manifest_written", step)
         fsync_dir(tmp)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as error:
+        full = isinstance(error, Exception) and disk_full(error, root)  # before freeing tmp
         shutil.rmtree(tmp, ignore_errors=True)  # this save's own files, never found ones
+        if full:
+            raise no_space(root, final.name, needed, free_bytes(root), previous) from error
         raise
     failpoint("checkpoint.renamed", step)
     fsync_dir(root)

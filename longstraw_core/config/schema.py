@@ -60,7 +60,10 @@ class LoraSection:
 
 @dataclass
 class TokenizerSection:
-    path: str | None = None  # null: the built-in byte-level tokenizer (ChatML template)
+    # A tokenizer directory; "builtin:bytes": the built-in byte-level tokenizer (ChatML
+    # template); null: the model's own, i.e. model.path's tokenizer (refused when model.path
+    # has none), or the byte tokenizer for a model.tiny toy.
+    path: str | None = None
 
 
 @dataclass

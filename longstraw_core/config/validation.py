@@ -6,8 +6,9 @@ fails in the time it takes to import torch. Every failure is a ``ConfigError`` n
 key path and what is allowed. ``grpo_config`` and ``offload_policy`` build the run's
 ``GRPOConfig`` and ``OffloadPolicy``.
 
-``check_paths=False`` skips the filesystem: existence of ``model.path``, ``tokenizer.path``,
-``data.path`` and an explicit ``train.resume_from``, and reading ``model.path/config.json``
+``check_paths=False`` skips the filesystem: existence of ``model.path``, ``tokenizer.path``
+(or, when it is null, a tokenizer in ``model.path``), ``data.path`` and an explicit
+``train.resume_from``, and reading ``model.path/config.json``
 (so the position limit of a real checkpoint is not checked either). The shipped 8- and
 32-GPU configs point at placeholder paths (``/models/...``) that a user edits; with path
 checks on they fail with ``model.path: ... does not exist``, as they should.
@@ -57,6 +58,12 @@ from longstraw_core.rewards import (
 )
 from longstraw_core.tasks import TASKS
 from longstraw_core.tiny_models import TINY_CONFIGS
+from longstraw_core.tokenizer import (
+    has_tokenizer_files,
+    is_builtin,
+    model_without_tokenizer,
+    tokenizer_source,
+)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
@@ -116,7 +123,7 @@ def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
         )
     if check_paths:
         _check_exists("model.path", model.path, directory=True)
-        _check_exists("tokenizer.path", cfg.tokenizer.path, directory=True)
+        _check_tokenizer(cfg.tokenizer.path, model.path)
         _check_exists("data.path", cfg.data.path, directory=False)
     if model.tiny is not None:
         _check_choice("model.tiny", model.tiny, sorted(TINY_CONFIGS))
@@ -127,6 +134,16 @@ def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
         )
     _check_choice("model.dtype", model.dtype, DTYPES)
     _check_choice("model.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+
+
+def _check_tokenizer(path: str | None, model_path: str | None) -> None:
+    """``tokenizer.path``: a directory, ``builtin:bytes``, or null for the model's own, which
+    ``model.path`` must then hold (byte ids would silently not be the model's token ids)."""
+    if is_builtin(path):
+        return
+    _check_exists("tokenizer.path", path, directory=True)
+    if path is None and model_path is not None and not has_tokenizer_files(model_path):
+        raise ConfigError("tokenizer.path", model_without_tokenizer(model_path))
 
 
 def _check_exists(key: str, path: str | None, *, directory: bool) -> None:
@@ -199,7 +216,7 @@ def _check_quantization(cfg: RunConfig) -> None:
 
 def _check_data(cfg: RunConfig, facts: ModelFacts) -> None:
     _check_data_section(cfg.data, "data")
-    builtin = cfg.tokenizer.path is None
+    builtin = tokenizer_source(cfg.tokenizer.path, cfg.model.path) is None
     if builtin and facts.vocab_size is not None and facts.vocab_size < BUILTIN_TOKENIZER_SIZE:
         raise ConfigError(
             "model.tiny_overrides.vocab_size" if cfg.model.tiny else "tokenizer.path",

@@ -1,0 +1,63 @@
+"""Ending a run on an error a person must fix: one line, printed once, and recorded where the
+launcher reports it.
+
+Under ``torchrun`` or ``accelerate launch`` every rank reads the same config and data, so
+every rank meets the same error; printed by each, the line repeats once per process among
+the launcher's own report. ``fail`` prints it on rank 0 only and writes it, on every rank,
+into the error file torchelastic gives each process (``TORCHELASTIC_ERROR_FILE``): the
+launcher's failure summary then quotes that line as each rank's error (its "Root Cause")
+instead of a link to its documentation. The launcher still prints its own summary: that is
+its output, not the run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import NoReturn
+
+import torch.distributed as dist
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun's agent for each rank it starts
+
+
+def launch_rank() -> int:
+    """This process's rank: the process group's, or the launcher's ``RANK`` before there is
+    one (config errors come before the group is made); 0 for a plain ``python`` run."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def fail(message: str, code: int = 1, *, local: bool = False) -> NoReturn:
+    """Print ``message`` on rank 0, record it for the launcher, exit with ``code``.
+
+    ``local``: the error is this rank's alone (the others did not meet it), so this rank
+    prints it whatever its rank.
+    """
+    if local or launch_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    record_for_launcher(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_available() and dist.is_initialized():
+        os._exit(code)  # skip gloo's teardown, which can abort (distributed.exit_ranks)
+    sys.exit(code)
+
+
+def record_for_launcher(message: str) -> None:
+    """Write ``message`` as this rank's error in torchelastic's error file (if launched so)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    # torchelastic's own layout (ErrorHandler.record_exception), with the line in place of a
+    # Python traceback: the summary shows ``py_callstack``, and any other layout gets warned
+    # about in the launcher's log.
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
+    except OSError:
+        pass  # the line was printed; the launcher falls back to its own wording
