@@ -153,6 +153,7 @@ class Recipe:
             [r.name for r in cfg.rewards],
             [r.weight for r in cfg.rewards],
             raise_errors=cfg.train.raise_reward_errors,
+            timeouts=[r.timeout_seconds for r in cfg.rewards],
         )
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)

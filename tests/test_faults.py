@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,32 @@ def test_reward_failing_on_every_call_stops_the_run_non_zero(tmp_path):
     assert raised.returncode == 1 and "Traceback" not in raised.stderr
     assert "training stopped: reward function 'always_fails' failed" in raised.stderr
     assert "the reward server is down" in raised.stderr
+
+
+def test_a_reward_past_its_timeout_fails_those_calls_and_the_run_goes_on(tmp_path):
+    rewards = (
+        "rewards=[{name: 'varied_reward:even_characters'}, "
+        "{name: 'varied_reward:sleeps', timeout_seconds: 1}]"
+    )
+    started = time.monotonic()
+    result = _run(
+        tmp_path / "run", rewards, "train.save_every=1", env=run_env(LONGSTRAW_TEST_SLEEP="3600")
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 500  # never the hour the reward sleeps
+    log = result.stdout + result.stderr
+    assert "reward function 'sleeps' failed" in log
+    assert "took longer than its timeout of 1 s" in log  # the first call
+    assert "still running" in log  # later calls, while the first one sleeps on
+    assert (tmp_path / "run" / f"step-{STEPS:06d}").is_dir()
+
+
+def test_a_reward_raising_system_exit_stops_the_run_with_one_line_naming_it(tmp_path):
+    result = _run(tmp_path / "run", "rewards=[{name: 'varied_reward:exits_the_run'}]")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "exits_the_run" in line]
+    assert line.startswith("training stopped: reward function 'exits_the_run' raised SystemExit")
 
 
 def test_corrupt_checkpoint_is_named_on_resume(tmp_path):

@@ -10,7 +10,10 @@ call every reward function.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -36,3 +39,17 @@ def even_characters_drawing(completions: list[Any], **kwargs: Any) -> list[float
 
 def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:
     raise ConnectionError("the reward server is down")
+
+
+def sleeps(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters`` after sleeping ``LONGSTRAW_TEST_SLEEP`` seconds (default 0): a slow
+    step, or a hung judge. ``LONGSTRAW_TEST_SLEEP_RANKS`` (e.g. "1"): only on those ranks."""
+    ranks = os.environ.get("LONGSTRAW_TEST_SLEEP_RANKS")
+    if ranks is None or os.environ.get("RANK", "0") in ranks.split(","):
+        time.sleep(float(os.environ.get("LONGSTRAW_TEST_SLEEP", "0")))
+    return even_characters(completions)
+
+
+def exits_the_run(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward that calls ``sys.exit()`` (a user's script habit)."""
+    sys.exit()

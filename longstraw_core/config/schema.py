@@ -185,6 +185,9 @@ GRPOSection = _grpo_section()
 class RewardSpec:
     name: str = MISSING  # a built-in name or a dotted path 'package.module:function'
     weight: float = 1.0
+    # A call (one group's completions) longer than this counts as failed (NaN), so a hung
+    # judge cannot stall the run; null: no limit (called in the main thread, as TRL does).
+    timeout_seconds: float | None = 600.0  # rewards.DEFAULT_TIMEOUT_SECONDS
 
 
 @dataclass
