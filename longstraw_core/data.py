@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from longstraw_core.data_files import DEFAULT_SPLIT, DataError, OpenedData, open_data
+from longstraw_core.data_files import (
+    DEFAULT_SPLIT,
+    DataError,
+    OpenedData,
+    open_data,
+)
+from longstraw_core.data_files import fingerprint as file_fingerprint
 from longstraw_core.data_order import DataOrder
 from longstraw_core.tasks import Sample, sample_at
 from longstraw_core.tokenizer import encode_prompt
@@ -67,6 +73,14 @@ def load_samples(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> list
     no shuffling: for looking at data; a run reads it through ``sample_source``)."""
     data = open_data(path, split, progress=False)
     return [record_to_sample(row, data.where(i)) for i, row in data]
+
+
+def fingerprint(data: DataSection) -> dict[str, Any] | None:
+    """``data.path``'s size and sha256 (``data_files.fingerprint``), which a checkpoint
+    records and every rank compares; None for a generated task (its settings say it all)."""
+    if data.task is not None or data.path is None:
+        return None
+    return file_fingerprint(data.path)
 
 
 def first_sample(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> Sample:

@@ -347,6 +347,8 @@ def fingerprint(path: str | Path) -> dict[str, Any]:
     every rank compares, so that other data at the same path is noticed. Reads every byte
     once per process (about a second a gigabyte; far less than the scan that tokenizes it)."""
     root = Path(path).expanduser()
+    if not root.exists():  # the scan names it
+        return {"path": str(path), "bytes": None, "sha256": None}
     if root.is_file():
         return {"path": str(path), "bytes": root.stat().st_size, "sha256": _file_sha256(root)}
     files = sorted(p for p in root.rglob("*") if p.is_file())

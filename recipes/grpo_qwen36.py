@@ -77,6 +77,7 @@ from longstraw_core import (
     models,
     plan,
     resume,
+    same_run,
     tokenizer,
     tracking,
 )
@@ -120,6 +121,7 @@ class Recipe:
         distributed.require_sharding(
             self.world_size, cfg.distributed.fsdp, cfg.distributed.pipeline_stages
         )
+        same_run.require_same_run(cfg)  # every rank's config and data equal rank 0's
         self.topology = RunTopology.from_config(
             cfg.distributed, self.world_size, self.rank, gradient=cfg.grpo.gradient
         )
@@ -159,6 +161,7 @@ class Recipe:
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
+        self.checkpoints = checkpoint.StepCheckpoints.from_config(cfg.train)  # + at a signal
         self.step, self.data_position, resumed = 0, 0, None
         if self.resume_path is not None:
             resumed = self._resume()
@@ -215,7 +218,7 @@ class Recipe:
         checkpoint and return the signal."""
         cfg = self.cfg
         per_step = cfg.train.prompts_per_step
-        with GracefulStop() as stop:
+        with GracefulStop(on_signal=self.checkpoints.write_kept) as stop:
             while self.step < cfg.train.steps:
                 # Replica r of n takes samples data_position + r * per_step + k, as TRL
                 # slices a generation batch across processes.
@@ -234,12 +237,12 @@ class Recipe:
                     self.logger.log(self.step, metrics)
                 self.data_position += self.topology.replicas * per_step
                 stopping = stop.requested()
-                if stopping or (
+                due = stopping or (
                     cfg.train.save_every
                     and (self.step % cfg.train.save_every == 0 or self.step == cfg.train.steps)
-                ):
-                    with self.progress.phase("checkpoint"):
-                        self.save_checkpoint()
+                )
+                with self.progress.phase("checkpoint"):
+                    self.save_checkpoint(write=bool(due))
                 if stopping:
                     return stopping
         return None
@@ -464,34 +467,23 @@ class Recipe:
         self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
         return {names.SKIPPED: 1.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
 
-    def save_checkpoint(self) -> None:
-        """Every rank calls it (a sharded model is gathered); rank 0 writes."""
+    def save_checkpoint(self, write: bool = True) -> None:
+        """Every rank calls it after each rollout's steps (a sharded model is gathered): rank
+        0 writes it when ``write``; with ``train.save_on_signal`` it is also kept in host
+        memory, for a stop signal to write at once (``checkpoint.kept``)."""
         extra = {
             "logger": self.logger.state_dict(),
             "wandb_run_id": self.logger.run_id,
             "schedule_steps": self.cfg.train.steps,  # the length the LR schedule was built for
             "config": config.to_dict(self.cfg),  # what a resume compares its settings with
             "guard": self.guard.state_dict(),
+            "data": data.fingerprint(self.cfg.data),  # a resume refuses other data
         }
-        bad = guard.first_non_finite(
-            [*self.model.named_parameters(), *guard.optimizer_tensors(self.optimizer)]
-        )
-        if distributed.any_rank(bad is not None):  # never save a diverged run
-            raise guard.TrainingDiverged(
-                f"not saving step {self.step}: {bad or 'a tensor on another rank'} holds "
-                "inf/NaN; resume from the last checkpoint with a lower optim.lr"
-            )
-        path = checkpoint.save_checkpoint(
-            self.cfg.train.output_dir,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            data_position=self.data_position,
-            extra=extra,
-            keep_last=self.cfg.train.keep_last,
-        )
-        if self.accelerator.is_main_process:
+        path = self.checkpoints.step_done(  # never a diverged state: TrainingDiverged
+            self.step, self.model, self.optimizer, self.scheduler,
+            data_position=self.data_position, extra=extra, write=write,
+        )  # fmt: skip
+        if path is not None and self.accelerator.is_main_process:
             self.progress.write(f"saved {path}")
 
     def cleanup(self, *, together: bool = False) -> None:

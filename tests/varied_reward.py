@@ -42,11 +42,17 @@ def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def sleeps(completions: list[Any], **kwargs: Any) -> list[float]:
-    """``even_characters`` after sleeping ``LONGSTRAW_TEST_SLEEP`` seconds (default 0): a slow
-    step, or a hung judge. ``LONGSTRAW_TEST_SLEEP_RANKS`` (e.g. "1"): only on those ranks."""
+    """``even_characters`` after sleeping ``LONGSTRAW_TEST_SLEEP`` seconds (default 0), once
+    ``LONGSTRAW_TEST_SLEEP_AFTER`` steps are done (default 0): a slow step, or a hung judge.
+    ``LONGSTRAW_TEST_SLEEP_RANKS`` (e.g. "1"): only on those ranks. Prints ``reward sleeps``
+    (flushed) as it starts to sleep."""
     ranks = os.environ.get("LONGSTRAW_TEST_SLEEP_RANKS")
-    if ranks is None or os.environ.get("RANK", "0") in ranks.split(","):
-        time.sleep(float(os.environ.get("LONGSTRAW_TEST_SLEEP", "0")))
+    after = int(os.environ.get("LONGSTRAW_TEST_SLEEP_AFTER", "0"))
+    seconds = float(os.environ.get("LONGSTRAW_TEST_SLEEP", "0"))
+    mine = ranks is None or os.environ.get("RANK", "0") in ranks.split(",")
+    if seconds and mine and kwargs["trainer_state"].global_step >= after:
+        print(f"reward sleeps on rank {os.environ.get('RANK', '0')}", flush=True)
+        time.sleep(seconds)
     return even_characters(completions)
 
 

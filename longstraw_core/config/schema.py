@@ -222,6 +222,12 @@ class TrainSection:
     keep_last: int = 0  # keep the newest N complete checkpoints; 0: keep every one
     max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (guard.py)
     raise_reward_errors: bool = False  # a failing reward function stops the run (else NaN)
+    # Keep the last finished step's checkpoint in rank 0's host memory (one gather per step)
+    # so that a stop signal writes it at once: launchers kill the ranks 5-30 s after their
+    # SIGTERM, long before a step ends. Costs a host copy of the trainable state and its
+    # AdamW state (LoRA: small; a full fine-tune: 12 bytes a parameter); false: a signal
+    # waits for the step's end (checkpoint.kept).
+    save_on_signal: bool = True
 
 
 @dataclass
