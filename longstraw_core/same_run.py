@@ -29,9 +29,11 @@ def run_record(cfg: RunConfig) -> dict[str, Any]:
     """What must be equal on every rank: each setting (flattened, resolved) and the bytes of
     each data file the run reads (``<section>.path (bytes)`` entries)."""
     record = flatten(to_dict(cfg))
-    sections = {"data": cfg.data, "eval.data": eval_data(cfg) if cfg.eval.every else None}
+    sections = {"data": cfg.data}
+    if cfg.eval.every and eval_data(cfg).path != cfg.data.path:
+        sections["eval.data"] = eval_data(cfg)
     for key, section in sections.items():
-        mark = data.fingerprint(section) if section is not None else None
+        mark = data.fingerprint(section)
         if mark is not None:
             record[f"{key}.path (bytes)"] = f"{mark['bytes']} bytes, sha256 {mark['sha256']}"
     return record

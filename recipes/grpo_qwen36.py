@@ -31,8 +31,8 @@ Evaluation (``eval.every`` > 0): after the optimizer step, greedy accuracy and p
 ``eval.data`` under the same reward functions, logged as ``eval/...`` (TRL's ``eval_`` names
 where TRL has the metric; ``longstraw_core.evaluation``); it leaves the training untouched.
 
-Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the rollout's optimizer steps,
-saves a checkpoint and exits 128+signal; a step with a non-finite loss, gradient or logits
+Faults lose nothing: SIGTERM/SIGINT (preemption) saves the last finished step at once,
+then finishes the rollout's steps if the launcher allows, saves and exits 128+signal; a step with a non-finite loss, gradient or logits
 is skipped (the guard stops the run after ``train.max_skipped_steps`` in a row);
 ``train.resume_from=latest`` continues from the newest complete checkpoint, applying changed
 optimizer settings.

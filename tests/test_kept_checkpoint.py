@@ -79,5 +79,5 @@ def test_a_non_finite_state_is_never_kept_nor_saved(tmp_path):
     state = (2, model, optimizer, scheduler)
     assert kept.step_done(*state, data_position=2, extra={}, write=False) is None
     assert kept.write_kept() == tmp_path / "step-000001"  # the last finite step
-    with pytest.raises(TrainingDiverged, match="not saving step 2: .* holds inf/NaN"):
+    with pytest.raises(TrainingDiverged, match=r"not saving step 2: .* holds inf/NaN"):
         kept.step_done(*state, data_position=2, extra={}, write=True)

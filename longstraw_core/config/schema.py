@@ -260,7 +260,9 @@ class DistributedSection:
     # through the stages (more pieces: busier stages, more, shorter kernel calls); null: the
     # fewest that keep the schedule's idle time at 15% (S=8, G=8: 5; G=2: 20).
     replay_pieces: int | None = None
-    # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a checkpoint
+    # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a
+    # checkpoint: 60 minutes, long on purpose (settings that differ between ranks are refused
+    # at start, rewards have their own timeout; a stuck rank ends at a second SIGTERM)
     timeout_minutes: float = 60.0
 
 
