@@ -53,6 +53,7 @@ class GracefulStop:
         self.signals = signals
         self.on_signal = on_signal
         self.received: signal.Signals | None = None
+        self._seen = 0  # signals the watcher took
         self._previous: dict[signal.Signals, object] = {}
         self._previous_fd: int | None = None
         self._wakeup: int | None = None
@@ -88,8 +89,10 @@ class GracefulStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """The Python-level handler: installed so that the signal does not end the process;
-        the watcher thread acts on it (the wakeup fd carries it there)."""
+        """The Python-level handler (installed so that the signal does not end the process):
+        records it when the main thread gets to it; the watcher thread acts on it."""
+        if self.received is None:
+            self.received = signal.Signals(signum)
 
     def _watch(self, fd: int) -> None:
         numbers = {int(sig) for sig in self.signals}
@@ -104,10 +107,12 @@ class GracefulStop:
             os.close(fd)
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        if self.received is not None:
+        self._seen += 1
+        if self._seen > 1:
             _say(f"\nsecond {sig.name}: exiting now, without a checkpoint of this step\n")
             os._exit(128 + int(sig))
-        self.received = sig
+        if self.received is None:
+            self.received = sig
         gone = self._launcher is not None and os.getppid() != self._launcher
         if not gone:
             _say(

@@ -336,7 +336,8 @@ def test_a_data_file_replaced_between_a_run_and_its_resume_is_refused(tmp_path):
     path = tmp_path / "data.jsonl"
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out, data = tmp_path / "run", ["data.task=null", f"data.path={path}", "data.prompt_tokens=64"]
+    out = tmp_path / "run"
+    data = ["data.task=null", f"data.path={path}", "data.prompt_tokens=64", "eval.every=0"]
     _ok(_run(out, *data, "train.steps=1", "train.save_every=1"))
     original = path.read_bytes()
     path.write_text("".join(json.dumps(row) + "\n" for row in reversed(rows)))  # same size
