@@ -8,8 +8,8 @@ such signal ``GracefulStop`` has rank 0 write the last finished step's checkpoin
 (``on_signal``: ``checkpoint.kept.StepCheckpoints.write_kept``, from host memory, no
 collective), then lets the step under way finish: when it does in time, the training loop
 reads the request between steps, writes that step's checkpoint too, finishes W&B and exits
-with ``128 + signal number`` and one line saying how to resume. A second signal exits at once
-(after a checkpoint write in progress; the checkpoints on disk are complete or set aside,
+with ``128 + signal number`` and one line saying how to resume. A second signal exits once
+that write is done, a third at once (the checkpoints on disk are complete or set aside,
 never half-trusted).
 
 The signals are read by a thread (``signal.set_wakeup_fd``), not by a Python signal handler:
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -42,7 +44,8 @@ _PR_SET_PDEATHSIG = 1
 
 class GracefulStop:
     """A context that records the first stop signal (and has ``on_signal`` write the last
-    finished step's checkpoint) and exits at once on the second."""
+    finished step's checkpoint) and exits on the second (once that write is done; a third
+    exits at once)."""
 
     def __init__(
         self,
@@ -54,8 +57,13 @@ class GracefulStop:
         self.on_signal = on_signal
         self.received: signal.Signals | None = None
         self._seen = 0  # signals the watcher took
+        self._lock = threading.Lock()  # the watcher takes a signal, the writer ends, atomically
+        self._writer: threading.Thread | None = None  # writing the last finished step
+        self._writing = False
+        self._exit_after_write: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
         self._previous_fd: int | None = None
+        self._read: int | None = None
         self._wakeup: int | None = None
         self._launcher: int | None = None
 
@@ -64,12 +72,12 @@ class GracefulStop:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
-        read, self._wakeup = os.pipe()
+        self._read, self._wakeup = os.pipe()
         os.set_blocking(self._wakeup, False)
         self._previous_fd = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
         self._launcher = _follow_launcher()
         watcher = threading.Thread(
-            target=self._watch, args=(read,), name="LongStraw-StopSignals", daemon=True
+            target=self._watch, args=(self._read,), name="LongStraw-StopSignals", daemon=True
         )
         watcher.start()
         return self
@@ -80,13 +88,30 @@ class GracefulStop:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
+        # Whatever ends the block (a collective that fails because another rank stopped at
+        # the same signal, in particular), a signal that came is taken and the checkpoint it
+        # writes finished first.
         if self._wakeup is not None:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                with self._lock:  # the watcher reads and takes a signal holding it
+                    if not self._unread():
+                        break
+                time.sleep(0.01)
+            with self._lock:
+                writer = self._writer
+            if writer is not None:
+                writer.join()
             signal.set_wakeup_fd(self._previous_fd if self._previous_fd is not None else -1)
             os.close(self._wakeup)  # the watcher reads the end of the pipe and returns
-            self._wakeup = None
+            self._wakeup = self._read = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+    def _unread(self) -> bool:
+        """Whether a signal waits in the wakeup pipe for the watcher."""
+        return self._read is not None and bool(select.select([self._read], [], [], 0)[0])
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         """The Python-level handler (installed so that the signal does not end the process):
@@ -97,39 +122,64 @@ class GracefulStop:
     def _watch(self, fd: int) -> None:
         numbers = {int(sig) for sig in self.signals}
         try:
-            while data := os.read(fd, 64):
-                for number in data:
-                    if number in numbers:
-                        self._on_signal(signal.Signals(number))
-        except OSError:
+            while select.select([fd], [], [])[0]:
+                with self._lock:
+                    data = os.read(fd, 64)
+                    if not data:  # the write end closed: the block is over
+                        return
+                    for number in data:
+                        if number in numbers:
+                            self._take(signal.Signals(number))
+        except (OSError, ValueError):
             pass
         finally:
             os.close(fd)
 
-    def _on_signal(self, sig: signal.Signals) -> None:
+    def _take(self, sig: signal.Signals) -> None:
+        """Act on one signal (the watcher, holding the lock)."""
         self._seen += 1
-        if self._seen > 1:
-            _say(f"\nsecond {sig.name}: exiting now, without a checkpoint of this step\n")
-            os._exit(128 + int(sig))
-        if self.received is None:
-            self.received = sig
-        gone = self._launcher is not None and os.getppid() != self._launcher
-        if not gone:
-            _say(
-                f"\n{sig.name}: finishing this step, then a checkpoint and exit (a second "
-                f"{sig.name} exits at once)\n"
+        if self._seen == 1:
+            if self.received is None:
+                self.received = sig
+            gone = self._launcher is not None and os.getppid() != self._launcher
+            if not gone:
+                _say(
+                    f"\n{sig.name}: finishing this step, then a checkpoint and exit (a second "
+                    f"{sig.name} exits at once)\n"
+                )
+            self._writing = True
+            self._writer = threading.Thread(
+                target=self._write, args=(sig, gone), name="LongStraw-SignalSave", daemon=True
             )
-        if self.on_signal is not None:
-            try:
-                path = self.on_signal()
-            except Exception as error:  # a full disk, ...: the step's own save may still work
-                _say(f"{sig.name}: could not write the last finished step: {error}\n")
-            else:
-                if path is not None:
-                    _say(f"{sig.name}: saved {path} (the last finished step)\n")
-        if gone:
-            _say(f"{sig.name}: the launcher is gone; exiting\n")
+            self._writer.start()
+        elif self._seen == 2 and self._writing:
+            self._exit_after_write = sig
+            _say(
+                f"\nsecond {sig.name}: exiting once the last finished step is written (a third "
+                "exits at once)\n"
+            )
+        else:
+            ordinal = "second" if self._seen == 2 else "another"
+            _say(f"\n{ordinal} {sig.name}: exiting now, without a checkpoint of this step\n")
             os._exit(128 + int(sig))
+
+    def _write(self, sig: signal.Signals, launcher_gone: bool) -> None:
+        """The writer thread: the last finished step's checkpoint (``on_signal``); then exit
+        if the launcher is gone or a second signal asked to."""
+        try:
+            path = self.on_signal() if self.on_signal is not None else None
+        except Exception as error:  # a full disk, ...: the step's own save may still work
+            _say(f"{sig.name}: could not write the last finished step: {error}\n")
+        else:
+            if path is not None:
+                _say(f"{sig.name}: saved {path} (the last finished step)\n")
+        with self._lock:
+            self._writing = False
+            second = self._exit_after_write
+        if launcher_gone or second is not None:
+            why = "the launcher is gone" if launcher_gone else f"second {second.name}"
+            _say(f"{sig.name}: {why}; exiting\n")
+            os._exit(128 + int(second or sig))
 
     def requested(self) -> signal.Signals | None:
         """The signal any rank received (a collective when distributed), else None: ranks
