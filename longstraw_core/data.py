@@ -24,8 +24,8 @@ token ids of all prompts are never held together), so a bad row or a prompt long
 again on every resume). Prompts over the limit are an error, or with ``data.on_overlong=skip``
 left out and reported. A prompt too long in bytes to fit whatever its text
 (``overlong_bytes``) is counted as overlong without being tokenized: one 30 MB record
-would otherwise take a minute and gigabytes to measure. The kept rows are read in a seeded shuffled order (``data.shuffle``,
-TRL's ``shuffle_dataset``; ``data_order``)::
+would otherwise take a minute and gigabytes to measure. The kept rows are read in a seeded
+shuffled order (``data.shuffle``, TRL's ``shuffle_dataset``; ``data_order``)::
 
     source = sample_source(cfg.data, tok)      # raises DataError before any weight loads
     source.size, source.longest, source.skipped

@@ -147,8 +147,8 @@ def check_same_data(cfg: RunConfig, checkpoint_dir: Path) -> None:
     if (saved.get("bytes"), saved.get("sha256")) == (now["bytes"], now["sha256"]):
         return
 
-    def described(print_: dict[str, Any]) -> str:
-        return f"{print_.get('bytes')} bytes, sha256 {str(print_.get('sha256'))[:12]}"
+    def described(mark: dict[str, Any]) -> str:
+        return f"{mark.get('bytes')} bytes, sha256 {str(mark.get('sha256'))[:12]}"
 
     raise data.DataError(
         f"{now['path']} is not the data {checkpoint_dir} was trained on ({described(saved)} "

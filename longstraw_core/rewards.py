@@ -475,10 +475,16 @@ class _EventLoopThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def abandon(self) -> None:
-        """Stop the loop when it next gets control (it may never) and stop waiting for it
-        at exit."""
+        """When the loop next gets control (it may never): cancel its tasks, then stop it a
+        second later (their cancellation runs first). Not waited for at exit."""
         atexit.unregister(self.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+
+        def wind_down() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_later(1.0, self.loop.stop)
+
+        self.loop.call_soon_threadsafe(wind_down)
 
     def close(self) -> None:
         if self.loop.is_running():
@@ -762,7 +768,8 @@ class RewardSet:
                 *(_async_outcome(self.funcs[i], kwargs, self.timeouts[i]) for i in pending)
             )
 
-        limit = None if None in timeouts else max(timeouts) + LOOP_GRACE_SECONDS  # type: ignore[type-var]
+        limited = [t for t in timeouts if t is not None]
+        limit = max(limited) + LOOP_GRACE_SECONDS if len(limited) == len(timeouts) else None
         future = asyncio.run_coroutine_threadsafe(gather(), self._loop.loop)
         try:
             values = future.result(limit)

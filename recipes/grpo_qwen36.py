@@ -31,9 +31,10 @@ Evaluation (``eval.every`` > 0): after the optimizer step, greedy accuracy and p
 ``eval.data`` under the same reward functions, logged as ``eval/...`` (TRL's ``eval_`` names
 where TRL has the metric; ``longstraw_core.evaluation``); it leaves the training untouched.
 
-Faults lose nothing: SIGTERM/SIGINT (preemption) saves the last finished step at once,
-then finishes the rollout's steps if the launcher allows, saves and exits 128+signal; a step with a non-finite loss, gradient or logits
-is skipped (the guard stops the run after ``train.max_skipped_steps`` in a row);
+Faults lose nothing: SIGTERM/SIGINT (preemption) saves the last finished step at once, then
+finishes the rollout's steps if the launcher allows, saves and exits 128+signal; a step with
+a non-finite loss, gradient or logits is skipped (the guard stops the run after
+``train.max_skipped_steps`` in a row);
 ``train.resume_from=latest`` continues from the newest complete checkpoint, applying changed
 optimizer settings.
 
@@ -161,7 +162,7 @@ class Recipe:
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
-        self.checkpoints = checkpoint.StepCheckpoints.from_config(cfg.train)  # + at a signal
+        self.checkpoints = checkpoint.StepCheckpoints.from_config(cfg.train)  # + at a stop
         self.step, self.data_position, resumed = 0, 0, None
         if self.resume_path is not None:
             resumed = self._resume()
