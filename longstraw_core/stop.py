@@ -8,9 +8,9 @@ such signal ``GracefulStop`` has rank 0 write the last finished step's checkpoin
 (``on_signal``: ``checkpoint.kept.StepCheckpoints.write_kept``, from host memory, no
 collective), then lets the step under way finish: when it does in time, the training loop
 reads the request between steps, writes that step's checkpoint too, finishes W&B and exits
-with ``128 + signal number`` and one line saying how to resume. A second signal exits once
-that write is done, a third at once (the checkpoints on disk are complete or set aside,
-never half-trusted).
+with ``128 + signal number`` and one line saying how to resume. A second signal exits at
+once, or once that write is done (seconds: a launcher may repeat its SIGTERM, which must not
+cost the checkpoint; SIGKILL still ends a write that hangs).
 
 The signals are read by a thread (``signal.set_wakeup_fd``), not by a Python signal handler:
 a handler runs only when the main thread returns to the interpreter, never while it waits in
@@ -44,8 +44,7 @@ _PR_SET_PDEATHSIG = 1
 
 class GracefulStop:
     """A context that records the first stop signal (and has ``on_signal`` write the last
-    finished step's checkpoint) and exits on the second (once that write is done; a third
-    exits at once)."""
+    finished step's checkpoint) and exits on the next (once that write is done)."""
 
     def __init__(
         self,
@@ -152,15 +151,12 @@ class GracefulStop:
                 target=self._write, args=(sig, gone), name="LongStraw-SignalSave", daemon=True
             )
             self._writer.start()
-        elif self._seen == 2 and self._writing:
-            self._exit_after_write = sig
-            _say(
-                f"\nsecond {sig.name}: exiting once the last finished step is written (a third "
-                "exits at once)\n"
-            )
+        elif self._writing:  # never abandoned: launchers may repeat their SIGTERM
+            if self._exit_after_write is None:
+                self._exit_after_write = sig
+                _say(f"\nsecond {sig.name}: exiting once the last finished step is written\n")
         else:
-            ordinal = "second" if self._seen == 2 else "another"
-            _say(f"\n{ordinal} {sig.name}: exiting now, without a checkpoint of this step\n")
+            _say(f"\nsecond {sig.name}: exiting now, without a checkpoint of this step\n")
             os._exit(128 + int(sig))
 
     def _write(self, sig: signal.Signals, launcher_gone: bool) -> None:
@@ -178,7 +174,7 @@ class GracefulStop:
             second = self._exit_after_write
         if launcher_gone or second is not None:
             why = "the launcher is gone" if launcher_gone else f"second {second.name}"
-            _say(f"{sig.name}: {why}; exiting\n")
+            _say(f"{why}: exiting now\n")
             os._exit(128 + int(second or sig))
 
     def requested(self) -> signal.Signals | None:

@@ -81,3 +81,14 @@ def test_a_non_finite_state_is_never_kept_nor_saved(tmp_path):
     assert kept.write_kept() == tmp_path / "step-000001"  # the last finite step
     with pytest.raises(TrainingDiverged, match=r"not saving step 2: .* holds inf/NaN"):
         kept.step_done(*state, data_position=2, extra={}, write=True)
+
+
+def test_a_signal_before_any_step_is_kept_has_the_next_kept_step_written_at_once(tmp_path):
+    """The signal lands between a step's end and its collection: that step, once collected,
+    is the last finished one, and is written at once rather than after the next step."""
+    model, optimizer, scheduler = _trained(lora=False)
+    kept = StepCheckpoints(tmp_path, keep_last=None, on_signal=True)
+    assert kept.write_kept() is None  # nothing kept yet
+    written = kept.step_done(1, model, optimizer, scheduler, data_position=1, extra={},
+                             write=False)  # fmt: skip
+    assert written == tmp_path / "step-000001" and written.is_dir()

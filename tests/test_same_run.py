@@ -78,7 +78,8 @@ def test_ranks_with_different_settings_stop_at_start_naming_them(tmp_path):
             ("lora.enabled", "True", "False"),
         ]:  # fmt: skip
             assert f"rank 1: {key}={now} (rank 0: {then})" in line, line
-    assert "Traceback" not in log and not re.search(r"^step \d", log, re.M)
+    assert not re.search(r"\[rank\d\]: Traceback", log)  # (torchrun prints its own summary)
+    assert not re.search(r"^step \d", log, re.M)
     assert not out.exists()  # nothing built, nothing written
     assert time.monotonic() - started < 240
 

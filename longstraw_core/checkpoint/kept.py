@@ -114,6 +114,7 @@ class StepCheckpoints:
         self.on_signal = on_signal
         self._kept: Collected | None = None
         self._written: dict[int, Path] = {}
+        self._signalled = False  # write_kept was called: each step kept from now on is written
         self._lock = threading.Lock()
 
     @classmethod
@@ -134,7 +135,8 @@ class StepCheckpoints:
     ) -> Path | None:
         """Every rank, after a rollout's last optimizer step. ``write``: save this step (its
         path returned on every rank); with ``on_signal`` it is collected (a collective) and
-        kept either way. Nothing to do: None. A model or optimizer state holding inf/NaN is
+        kept either way, and written at once (on rank 0) when a stop signal came while it
+        was collected. Nothing written: None. A model or optimizer state holding inf/NaN is
         never saved (``TrainingDiverged``) nor kept (the last finite step stays kept)."""
         if not (write or self.on_signal):
             return None
@@ -154,14 +156,16 @@ class StepCheckpoints:
         collected = collect(step, model, optimizer, scheduler, data_position, extra)
         with self._lock:
             self._kept = collected if this_rank() == 0 else None
-        if not write:
-            return None
+            signalled = self._signalled
+        if not write:  # a signal that found an older step kept: this one is the last now
+            return self._write(collected) if signalled and self._kept is not None else None
         return on_rank0(lambda: self._write(collected))
 
     def write_kept(self) -> Path | None:
         """Write the last finished step's checkpoint now, unless it is written already (rank
         0; other ranks, or nothing kept yet: None). Safe from any thread: no collective."""
         with self._lock:
+            self._signalled = True
             collected = self._kept
         return self._write(collected) if collected is not None else None
 
