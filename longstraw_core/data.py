@@ -22,8 +22,10 @@ row is converted and its prompt tokenized exactly as the recipe will (one at a t
 token ids of all prompts are never held together), so a bad row or a prompt longer than
 ``data.prompt_tokens`` fails before any weight loads, naming it, not hours into a run (and
 again on every resume). Prompts over the limit are an error, or with ``data.on_overlong=skip``
-left out and reported. The kept rows are read in a seeded shuffled order (``data.shuffle``,
-TRL's ``shuffle_dataset``; ``data_order``)::
+left out and reported. A prompt too long in bytes to fit whatever its text
+(``overlong_bytes``) is counted as overlong without being tokenized: one 30 MB record
+would otherwise take a minute and gigabytes to measure. The kept rows are read in a seeded
+shuffled order (``data.shuffle``, TRL's ``shuffle_dataset``; ``data_order``)::
 
     source = sample_source(cfg.data, tok)      # raises DataError before any weight loads
     source.size, source.longest, source.skipped
@@ -33,6 +35,7 @@ TRL's ``shuffle_dataset``; ``data_order``)::
 from __future__ import annotations
 
 import functools
+import math
 import os
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from longstraw_core.data_files import DEFAULT_SPLIT, DataError, OpenedData, open_data
+from longstraw_core.data_files import (
+    DEFAULT_SPLIT,
+    DataError,
+    OpenedData,
+    open_data,
+)
+from longstraw_core.data_files import fingerprint as file_fingerprint
 from longstraw_core.data_order import DataOrder
 from longstraw_core.tasks import Sample, sample_at
 from longstraw_core.tokenizer import encode_prompt
@@ -64,6 +73,14 @@ def load_samples(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> list
     no shuffling: for looking at data; a run reads it through ``sample_source``)."""
     data = open_data(path, split, progress=False)
     return [record_to_sample(row, data.where(i)) for i, row in data]
+
+
+def fingerprint(data: DataSection) -> dict[str, Any] | None:
+    """``data.path``'s size and sha256 (``data_files.fingerprint``), which a checkpoint
+    records and every rank compares; None for a generated task (its settings say it all)."""
+    if data.task is not None or data.path is None:
+        return None
+    return file_fingerprint(data.path)
 
 
 def first_sample(path: str | os.PathLike, *, split: str = DEFAULT_SPLIT) -> Sample:
@@ -170,7 +187,13 @@ class Skipped:
     """A record left out of the run: its prompt is longer than ``data.prompt_tokens``."""
 
     where: str  # <file>:<line> or <path>:row <i>
-    tokens: int  # the prompt's length as the recipe tokenizes it
+    tokens: int  # the prompt's length as the recipe tokenizes it (a lower bound: see bytes)
+    bytes: int | None = None  # set when too long in bytes to be worth tokenizing
+
+    def __str__(self) -> str:
+        if self.bytes is None:
+            return f"{self.where} ({self.tokens} tokens)"
+        return f"{self.where} ({self.bytes} bytes: {self.tokens}+ tokens, not tokenized)"
 
 
 class SampleSource:
@@ -221,7 +244,7 @@ class SampleSource:
         )
         if not self.skipped:
             return line
-        shown = ", ".join(f"{s.where} ({s.tokens} tokens)" for s in self.skipped[:SHOWN])
+        shown = ", ".join(map(str, self.skipped[:SHOWN]))
         more = f" and {len(self.skipped) - SHOWN} more" if len(self.skipped) > SHOWN else ""
         return (
             f"{line}; skipped {len(self.skipped)} longer than data.prompt_tokens "
@@ -287,6 +310,7 @@ def scan_samples(
     if on_overlong not in ON_OVERLONG:
         raise ValueError(f"on_overlong={on_overlong!r}; allowed: {', '.join(ON_OVERLONG)}")
     data = open_data(path, split, progress=progress)
+    too_many_bytes = overlong_bytes(prompt_tokens, max_token_bytes(tokenizer))
     kept = array("q")  # the kept rows' indices in the dataset
     overlong: list[Skipped] = []
     longest = missing_answer = 0
@@ -303,6 +327,10 @@ def scan_samples(
         for i, row in bar:
             where = data.where(i)
             sample = record_to_sample(row, where)
+            size = prompt_bytes(sample.prompt)
+            if size > too_many_bytes:  # cannot fit: not worth tokenizing
+                overlong.append(Skipped(where, prompt_tokens + 1, bytes=size))
+                continue
             tokens = len(encode_prompt(tokenizer, sample.prompt, chat_template_kwargs))
             if tokens == 0:
                 raise DataError(f"{where}: the prompt tokenizes to 0 tokens")
@@ -330,6 +358,45 @@ def scan_samples(
     )
 
 
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most bytes of text one token can stand for, bounded by the tokenizer's longest
+    vocabulary entry (added tokens included) in UTF-8: a byte-level BPE entry spells one
+    byte per character, a SentencePiece one its text with a 3-byte ``▁`` for each space.
+
+    None (no bound: every prompt is tokenized) unless the tokenizer is a ``tokenizers`` BPE
+    that cannot fold a run of unknown text into one token: a WordLevel or WordPiece model
+    maps a whole unknown word to one ``[UNK]``, a Unigram or ``fuse_unk`` BPE a run of them.
+    """
+    from tokenizers import models
+
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    if not isinstance(model, models.BPE):
+        return None
+    if model.unk_token is not None and model.fuse_unk and not model.byte_fallback:
+        return None
+    return max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
+
+
+# How far a tokenizer's normalizer may shrink text before it is split (NFKC turns a 3-byte
+# full-width letter into one byte): the margin ``overlong_bytes`` keeps.
+NORMALIZER_SLACK = 4
+
+
+def overlong_bytes(prompt_tokens: int, per_token: int | None) -> float:
+    """The prompt size in UTF-8 bytes past which no tokenization can fit ``prompt_tokens``
+    (each token stands for at most ``per_token`` bytes, ``NORMALIZER_SLACK`` to spare;
+    None: no bound)."""
+    return math.inf if per_token is None else prompt_tokens * per_token * NORMALIZER_SLACK
+
+
+def prompt_bytes(prompt: Any) -> int:
+    """A prompt's text in UTF-8 bytes: the string, or every message's content (a chat
+    template only adds to it)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    return sum(len(str(m.get("content", "")).encode("utf-8")) for m in prompt)
+
+
 def _read_sample(data: OpenedData, kept: array, order: DataOrder, index: int) -> Sample:
     """Sample ``index`` of the run: kept row ``order(index)``, read from the dataset."""
     row = kept[order(index)]
@@ -339,26 +406,46 @@ def _read_sample(data: OpenedData, kept: array, order: DataOrder, index: int) ->
 def _overlong_message(origin: str, overlong: list[Skipped], kept: int, limit: int) -> str:
     """One error for all overlong prompts: how many, the first few, the two fixes."""
     total = len(overlong) + kept
-    most = max(s.tokens for s in overlong)
-    lines = [f"  {s.where}: {s.tokens} tokens" for s in overlong[:SHOWN]]
+    measured = [s.tokens for s in overlong if s.bytes is None]
+    most = max(measured, default=None)
+    lines = [f"  {_overlong_line(s, limit)}" for s in overlong[:SHOWN]]
     if len(overlong) > SHOWN:
         lines.append(f"  ... and {len(overlong) - SHOWN} more")
+    huge = [s for s in overlong if s.bytes is not None]
+    if huge:  # too long to measure: cut them, or leave them out
+        first = f"{huge[0].where} ({huge[0].bytes} bytes)"
+        cut = f"shorten or remove the records too long to tokenize (the first: {first})"
     if kept:
         head = f"{len(overlong)} of {total} prompts are longer than data.prompt_tokens={limit}"
-        fix = (
-            f"raise data.prompt_tokens to at least {most}, or set data.on_overlong=skip "
-            "to leave these records out"
-        )
+        fixes = [f"raise data.prompt_tokens to at least {most}"] if most else []
+        fixes += ["set data.on_overlong=skip to leave these records out"]
+        fixes += [cut] if huge else []
+        fix = f"{', '.join(fixes[:-1])}, or {fixes[-1]}"
     else:
         head = f"all {total} prompts are longer than data.prompt_tokens={limit}"
-        least = min(s.tokens for s in overlong)
-        fix = f"raise data.prompt_tokens to at least {least} to keep any, {most} to keep all"
+        least = min(measured, default=None)
+        fix = (
+            f"raise data.prompt_tokens to at least {least} to keep any, {most} to keep all"
+            if most
+            else ""
+        )
+        fix = f"{fix}; {cut}" if huge and fix else cut if huge else fix
+    longest = f" (the longest has {most} tokens)" if most else ""
     return "\n".join(
         [
-            f"{origin}: {head} (the longest has {most} tokens):",
+            f"{origin}: {head}{longest}:",
             *lines,
             f"Fix: {fix} (prompt + rollout.max_new_tokens must fit the model's positions).",
         ]
+    )
+
+
+def _overlong_line(skipped: Skipped, limit: int) -> str:
+    if skipped.bytes is None:
+        return f"{skipped.where}: {skipped.tokens} tokens"
+    return (
+        f"{skipped.where}: {skipped.bytes} bytes, more than {limit} tokens whatever its text "
+        "(not tokenized)"
     )
 
 

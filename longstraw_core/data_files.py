@@ -10,14 +10,23 @@ named for errors.
 
 Rows stay in ``datasets``' memory-mapped Arrow files, read one at a time, so a dataset much
 larger than memory can be scanned and trained on. A row is named ``<file>:<line>`` in a JSON
-Lines file and ``<path>:row <i>`` (``<path>[<split>]:row <i>`` with splits) otherwise. When
-``datasets`` cannot read a JSON Lines file, the file is read line by line to name the first
-bad line (not UTF-8, not JSON, not an object) instead of passing on pyarrow's message.
+Lines or CSV file (the line its record starts on) and ``<path>:row <i>``
+(``<path>[<split>]:row <i>`` with splits) otherwise. When ``datasets`` cannot read a JSON Lines
+file, the file is read line by line to name the first bad line (not UTF-8, not JSON, not an
+object, a key given twice) instead of passing on pyarrow's message. A CSV file is read once
+with Python's ``csv`` module first: pandas fills a short row with nulls and names a long one
+only by a line number in its own message, so a row whose field count differs from the
+header's, or a quote never closed, is refused naming its line.
+
+``fingerprint``: a data file's (or directory's) size and sha256, which a checkpoint records
+and ranks compare, so that other data at the same path is noticed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import hashlib
 import json
 from array import array
 from collections.abc import Iterator
@@ -90,7 +99,7 @@ class OpenedData:
             raise DataError(f"{self.where(index)}: cannot be read: {exc}") from exc
 
     def _undecodable(self, start: int, exc: Exception) -> DataError:
-        if self.path is not None and self.lines is not None:
+        if self.path is not None and self.lines is not None and _is_json(self.path):
             _diagnose_json_lines(self.path)  # raises naming the line, if one is at fault
         for index in range(start, len(self.rows)):
             try:
@@ -125,6 +134,7 @@ def open_data(
         if p.stat().st_size == 0:
             raise DataError(f"{p}: no records (the file is empty or holds only blank lines)")
         json_lines = builder == "json" and not _starts_with(p, b"[")
+        csv_lines = _check_csv(p) if builder == "csv" else None  # names a malformed row
         try:
             rows = datasets.load_dataset(builder, data_files=str(p), split=split)
         except Exception as exc:  # datasets raises many types; all mean "cannot read this"
@@ -137,7 +147,11 @@ def open_data(
                 else ""
             )
             raise DataError(f"{_unreadable(p, builder, split, exc)}{hint}") from exc
-    return OpenedData(rows, str(p), _line_numbers(p, len(rows)) if json_lines else None, p)
+    if json_lines:
+        lines = _line_numbers(p, len(rows))
+    else:
+        lines = csv_lines if csv_lines is not None and len(csv_lines) == len(rows) else None
+    return OpenedData(rows, str(p), lines, p)
 
 
 def _open_directory(path: Path, split: str) -> OpenedData:
@@ -193,6 +207,10 @@ def _progress_bars(enabled: bool | None) -> Iterator[None]:
         (datasets.disable_progress_bars if was_disabled else datasets.enable_progress_bars)()
 
 
+def _is_json(path: Path) -> bool:
+    return FILE_BUILDERS.get(path.suffix.lower()) == "json"
+
+
 def _starts_with(path: Path, char: bytes) -> bool:
     """Whether the file's first non-blank byte (after a BOM) is ``char``: ``{`` for JSON Lines,
     where a ``.json`` file may instead hold one array (rows then have no lines of their own)."""
@@ -233,13 +251,120 @@ def _diagnose_json_lines(path: Path) -> int | None:
                 continue
             records = True
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_no_repeated_keys)
             except json.JSONDecodeError as exc:
                 raise DataError(
                     f"{where}: invalid JSON ({exc.msg} at column {exc.colno})"
+                ) from None
+            except _RepeatedKey as exc:
+                raise DataError(
+                    f"{where}: the key {exc.key!r} appears twice in one object; keep one (a "
+                    "JSON object's keys must differ, and datasets' reader refuses the file)"
                 ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if not records:
         raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
     return blank
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook that refuses a key given twice (Python keeps the last;
+    pyarrow refuses the file and pandas then reports only "Trailing data")."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
+
+
+def _check_csv(path: Path) -> array:
+    """Raise ``DataError`` naming the line of the first CSV record that is not UTF-8, whose
+    quote is never closed, or whose field count differs from the header's (pandas fills a
+    short row with nulls, silently); else the line each record (after the header) starts on,
+    blank lines skipped as pandas skips them."""
+    lines = array("q")
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, strict=True)
+            header: list[str] | None = None
+            start = 1
+            for row in reader:
+                if row:
+                    if header is None:
+                        header = row
+                    elif len(row) != len(header):
+                        many = "fields" if len(row) != 1 else "field"
+                        raise DataError(
+                            f"{path}:{start}: {len(row)} {many}, but the header has "
+                            f"{len(header)} ({', '.join(header)}); quote a value that holds a "
+                            'comma ("a, b"), and give every row each column (an empty value: ,,)'
+                        )
+                    else:
+                        lines.append(start)
+                start = reader.line_num + 1
+    except csv.Error as exc:
+        what = (
+            "a quote opened in this record is never closed"
+            if "end of data" in str(exc)
+            else f"not valid CSV ({exc})"
+        )
+        raise DataError(
+            f"{path}:{start}: {what}: a quoted value ends with a quote followed by a comma or "
+            'the end of the line, and a quote inside one is doubled ("")'
+        ) from None
+    except UnicodeDecodeError:
+        raise DataError(f"{_first_non_utf8(path)}: not valid UTF-8") from None
+    return lines
+
+
+def _first_non_utf8(path: Path) -> str:
+    """``<path>:<line>`` of the first line that is not UTF-8 (``<path>`` if none is)."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{path}:{number}"
+    return str(path)
+
+
+# sha256 of the files already hashed in this process, by path, size, mtime and inode: a
+# run fingerprints its data at start (ranks compare it), at resume and at each save.
+_HASHED: dict[tuple[str, int, int, int], str] = {}
+
+
+def fingerprint(path: str | Path) -> dict[str, Any]:
+    """``{"path", "bytes", "sha256"}`` of a data file, or of a directory's files (their
+    relative paths, sizes and contents, hashed in name order): what a checkpoint records and
+    every rank compares, so that other data at the same path is noticed. Reads every byte
+    once per process (about a second a gigabyte; far less than the scan that tokenizes it)."""
+    root = Path(path).expanduser()
+    if not root.exists():  # the scan names it
+        return {"path": str(path), "bytes": None, "sha256": None}
+    if root.is_file():
+        return {"path": str(path), "bytes": root.stat().st_size, "sha256": _file_sha256(root)}
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        name = file.relative_to(root).as_posix()
+        length = file.stat().st_size
+        digest.update(f"{name}\0{length}\0{_file_sha256(file)}\n".encode())
+        size += length
+    return {"path": str(path), "bytes": size, "sha256": digest.hexdigest()}
+
+
+def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _HASHED:
+        with path.open("rb") as f:
+            _HASHED[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _HASHED[key]

@@ -11,6 +11,10 @@ checkpoint's run config is either
   W&B config under ``resume``;
 - **refused** before any tensor is read (``RESUME_FIXED``): the model and its adapters
   must be the ones the checkpoint was trained as.
+
+The data too: a checkpoint records ``data.path``'s size and sha256 (``data.fingerprint``),
+and a resume over other bytes (the file replaced or edited since) is refused with
+``DataError``: the saved data position would pick other samples, silently.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from longstraw_core import checkpoint
+from longstraw_core import checkpoint, data
 from longstraw_core.config import ConfigError, OptimSection, RunConfig, to_dict
 
 # Settings a checkpoint fixes: other values would load other weights (or fail to load them).
@@ -120,12 +124,38 @@ def apply_optimizer_settings(
 
 def saved_config(checkpoint_dir: Path) -> dict[str, Any] | None:
     """The run config a checkpoint's run recorded (None for checkpoints from before that)."""
+    return _saved_extra(checkpoint_dir, "config")
+
+
+def _saved_extra(checkpoint_dir: Path, key: str) -> dict[str, Any] | None:
+    """An entry of a checkpoint's ``extra`` (None: unreadable, absent or not a dict)."""
     try:
         state = json.loads((checkpoint_dir / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # load_checkpoint reports an unreadable checkpoint properly
-    config = state.get("extra", {}).get("config")
-    return config if isinstance(config, dict) else None
+    value = state.get("extra", {}).get(key)
+    return value if isinstance(value, dict) else None
+
+
+def check_same_data(cfg: RunConfig, checkpoint_dir: Path) -> None:
+    """Refuse to resume over data whose bytes differ from what the checkpoint's run read
+    (``DataError`` naming the file, both sizes and hashes, and the fixes)."""
+    saved = _saved_extra(checkpoint_dir, "data")
+    now = data.fingerprint(cfg.data)
+    if saved is None or now is None:
+        return  # saved before runs recorded it, or a task (its settings are compared)
+    if (saved.get("bytes"), saved.get("sha256")) == (now["bytes"], now["sha256"]):
+        return
+
+    def described(mark: dict[str, Any]) -> str:
+        return f"{mark.get('bytes')} bytes, sha256 {str(mark.get('sha256'))[:12]}"
+
+    raise data.DataError(
+        f"{now['path']} is not the data {checkpoint_dir} was trained on ({described(saved)} "
+        f"then, {described(now)} now): the run would go on at its saved position in other "
+        "samples. Restore that file, or start a new run (another train.output_dir, without "
+        "train.resume_from)"
+    )
 
 
 def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path | None, list[Change]]:
@@ -147,6 +177,7 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path | None, list[Change]]:
     changes = config_changes(saved, to_dict(cfg)) if saved is not None else []
     check_resumable(changes, str(path))
     check_rollout_boundary(saved_step(path), cfg.grpo.num_iterations, str(path))
+    check_same_data(cfg, path)
     return path, changes
 
 

@@ -52,12 +52,25 @@ Where LongStraw differs from TRL, on purpose:
 - A finite value larger in magnitude than ``MAX_ABS_REWARD`` counts as a failure of that
   function: the group's mean and std of such values overflow, and every advantage would
   silently become 0.
+- A call that takes longer than its timeout (``timeouts``; a run's
+  ``rewards[i].timeout_seconds``, ``DEFAULT_TIMEOUT_SECONDS`` unless set) counts as a failure
+  of that call, so a hung judge or a ``sleep`` cannot stall a run (TRL waits forever). Python
+  cannot stop a thread: a synchronous function with a timeout runs in a daemon thread that
+  the run stops waiting for; a call that times out is left running (it lingers until it
+  returns, and the function is not called again meanwhile: its later batches fail at once).
+  An async function is cancelled (``asyncio.wait_for``); one that blocks its event loop is
+  left with that loop, and the later async calls get a new one. ``timeouts`` None: the call
+  runs in the calling thread with no limit, as in TRL.
+- ``SystemExit`` or ``KeyboardInterrupt`` raised by a reward function is not a failure of a
+  call but a request to stop: ``RewardError`` naming the function, which the recipes turn into
+  a one-line exit (TRL would end the run without a word).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import importlib
 import inspect
@@ -100,9 +113,39 @@ NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 # float32 advantages lose the differences: a reward this large is a bug, not a scale.
 MAX_ABS_REWARD = 1e12
 
+# The longest a reward function's call may take (seconds) before it counts as failed:
+# ``rewards[i].timeout_seconds``' default. Generous for a remote judge scoring a group; a
+# hang costs this much per step, not the run.
+DEFAULT_TIMEOUT_SECONDS = 600.0
+# How long past the longest async timeout the caller waits for the event loop itself.
+LOOP_GRACE_SECONDS = 5.0
+
 
 class RewardError(RuntimeError):
-    """A reward function failed and ``raise_errors=True``, or cannot be called at all."""
+    """A reward function failed and ``raise_errors=True``, cannot be called at all, or asked
+    to end the run (``SystemExit``, ``KeyboardInterrupt``)."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function's call took longer than its timeout (a failure of that call)."""
+
+
+class _Stop:
+    """A reward function raised ``SystemExit``/``KeyboardInterrupt``: carried back to the
+    calling thread, which raises ``RewardError``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def stop_error(name: str, error: BaseException) -> RewardError:
+    """The one-line ``RewardError`` for a reward function that raised ``SystemExit`` or
+    ``KeyboardInterrupt``."""
+    return RewardError(
+        f"reward function {name!r} raised {error!r}, which ends the run; a reward function "
+        "returns None for a completion it cannot score, or raises an Exception to count as a "
+        "failure"
+    )
 
 
 # --------------------------------------------------------------------------- TRL's inputs
@@ -431,6 +474,18 @@ class _EventLoopThread:
     def run(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
+    def abandon(self) -> None:
+        """When the loop next gets control (it may never): cancel its tasks, then stop it a
+        second later (their cancellation runs first). Not waited for at exit."""
+        atexit.unregister(self.close)
+
+        def wind_down() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_later(1.0, self.loop.stop)
+
+        self.loop.call_soon_threadsafe(wind_down)
+
     def close(self) -> None:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -570,6 +625,7 @@ class RewardSet:
         *,
         raise_errors: bool = False,
         unscorable: Literal["nan", "raise"] = "nan",
+        timeouts: float | Sequence[float | None] | None = DEFAULT_TIMEOUT_SECONDS,
     ) -> None:
         if not funcs:
             raise ValueError("RewardSet needs at least one reward function")
@@ -587,6 +643,16 @@ class RewardSet:
             raise ValueError(f"reward weights must be finite numbers, got {list(weights)}")
         if unscorable not in ("nan", "raise"):
             raise ValueError(f"unscorable must be 'nan' or 'raise', got {unscorable!r}")
+        if timeouts is None or isinstance(timeouts, (int, float)):
+            timeouts = [timeouts] * len(self.funcs)
+        if len(timeouts) != len(self.funcs) or not all(
+            t is None or (isinstance(t, (int, float)) and 0 < t < math.inf) for t in timeouts
+        ):
+            raise ValueError(
+                f"timeouts must be one positive number of seconds (or None: no limit) per "
+                f"reward function, got {list(timeouts)}"
+            )
+        self.timeouts: list[float | None] = [None if t is None else float(t) for t in timeouts]
         for name, fn in zip(self.names, self.funcs, strict=True):
             problem = signature_problem(fn, None)
             if problem:
@@ -597,6 +663,7 @@ class RewardSet:
         self.is_async = [is_async_callable(fn) for fn in self.funcs]
         self._loop = _EventLoopThread() if any(self.is_async) else None
         self._checked: set[tuple[int, tuple[str, ...]]] = set()
+        self._lingering: dict[int, threading.Thread] = {}  # timed-out calls still running
 
     def __call__(
         self,
@@ -647,18 +714,15 @@ class RewardSet:
         for index, (name, fn) in enumerate(zip(self.names, self.funcs, strict=True)):
             self._check_call(index, name, fn, data_columns)
         results: dict[int, Any] = {}
-        for index, fn in enumerate(self.funcs):
+        for index in range(len(self.funcs)):
             if not self.is_async[index]:
-                results[index] = _outcome(fn, kwargs)
-        if self._loop is not None:
-            pending = [i for i, is_async in enumerate(self.is_async) if is_async]
-
-            async def gather() -> list[Any]:
-                return await asyncio.gather(
-                    *(_async_outcome(self.funcs[i], kwargs) for i in pending)
-                )
-
-            results |= dict(zip(pending, self._loop.run(gather()), strict=True))
+                results[index] = self._call(index, kwargs)
+        pending = [i for i, is_async in enumerate(self.is_async) if is_async]
+        if pending:
+            results |= self._call_async(pending, kwargs)
+        for index, outcome in results.items():
+            if isinstance(outcome, _Stop):
+                raise stop_error(self.names[index], outcome.error)
         columns, failed = [], {}
         for index, name in enumerate(self.names):
             column, error = self._column(name, results[index], samples)
@@ -666,6 +730,59 @@ class RewardSet:
             if error:
                 failed[name] = [s.id for s in samples]
         return columns, failed
+
+    def _call(self, index: int, kwargs: dict[str, Any]) -> Any:
+        """A synchronous function's values, or what it raised, within its timeout: in a
+        daemon thread the caller stops waiting for (None: in this thread, no limit)."""
+        fn, timeout = self.funcs[index], self.timeouts[index]
+        if timeout is None:
+            return _outcome(fn, kwargs)
+        lingering = self._lingering.get(index)
+        if lingering is not None and lingering.is_alive():
+            return RewardTimeout(
+                f"its call from an earlier batch, which exceeded the {timeout:g} s timeout, is "
+                "still running; not called again until it returns"
+            )
+        box: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: box.append(_outcome(fn, kwargs)),
+            name=f"LongStraw-Reward-{self.names[index]}",
+            daemon=True,
+        )
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():  # it runs on, abandoned (a thread cannot be stopped)
+            self._lingering[index] = thread
+            return RewardTimeout(f"took longer than its timeout of {timeout:g} s")
+        return box[0]
+
+    def _call_async(self, pending: list[int], kwargs: dict[str, Any]) -> dict[int, Any]:
+        """The async functions together on the reward loop, each cancelled at its timeout.
+        One that blocks the loop itself (a call that never awaits) is abandoned with the
+        loop: every pending call fails, and later calls get a new loop."""
+        assert self._loop is not None
+        timeouts = [self.timeouts[i] for i in pending]
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(
+                *(_async_outcome(self.funcs[i], kwargs, self.timeouts[i]) for i in pending)
+            )
+
+        limited = [t for t in timeouts if t is not None]
+        limit = max(limited) + LOOP_GRACE_SECONDS if len(limited) == len(timeouts) else None
+        future = asyncio.run_coroutine_threadsafe(gather(), self._loop.loop)
+        try:
+            values = future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._loop.abandon()
+            self._loop = _EventLoopThread()
+            blocked = RewardTimeout(
+                "the async reward functions' event loop was blocked past their timeout (a "
+                "call that never awaits, e.g. time.sleep in an async def); it is abandoned"
+            )
+            values = [blocked] * len(pending)
+        return dict(zip(pending, values, strict=True))
 
     def _check_call(
         self, index: int, name: str, fn: RewardFn, data_columns: tuple[str, ...]
@@ -752,18 +869,37 @@ def _batch_columns(samples: list[Sample]) -> dict[str, list[Any]]:
 
 
 def _outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
-    """The function's values, or the exception it raised (judged by ``_column``)."""
+    """The function's values, or the exception it raised (judged by ``_column``); a
+    ``SystemExit``/``KeyboardInterrupt`` wrapped in ``_Stop``, to end the run."""
     try:
         return fn(**kwargs)
     except Exception as exc:
         return exc
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
+        return _Stop(exc)
 
 
-async def _async_outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
+async def _async_outcome(fn: RewardFn, kwargs: dict[str, Any], timeout: float | None) -> Any:
+    """``_outcome`` of an async function, cancelled after ``timeout`` seconds."""
+    try:
+        return await asyncio.wait_for(_guarded(fn, kwargs), timeout)
+    except (TimeoutError, asyncio.TimeoutError):  # the function's own errors are returned
+        return RewardTimeout(f"took longer than its timeout of {timeout:g} s")
+    except asyncio.CancelledError as exc:
+        return RuntimeError(f"cancelled ({exc!r})")
+
+
+async def _guarded(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
+    """Await the function inside the task ``wait_for`` makes, so that what it raises never
+    reaches the event loop (a ``SystemExit`` escaping a task stops the loop's thread)."""
     try:
         return await fn(**kwargs)
     except Exception as exc:
         return exc
+    except asyncio.CancelledError:
+        raise  # the timeout's cancellation
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
+        return _Stop(exc)
 
 
 def _as_float(value: object) -> float:

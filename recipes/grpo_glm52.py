@@ -33,9 +33,10 @@ Evaluation (``eval.every`` > 0): after the optimizer step, greedy accuracy and p
 ``eval.data`` under the same reward functions, logged as ``eval/...`` (TRL's ``eval_`` names
 where TRL has the metric; ``longstraw_core.evaluation``); it leaves the training untouched.
 
-Faults lose nothing: SIGTERM/SIGINT (preemption) finishes the rollout's optimizer steps,
-saves a checkpoint and exits 128+signal; a step with a non-finite loss, gradient or logits
-is skipped (the guard stops the run after ``train.max_skipped_steps`` in a row);
+Faults lose nothing: SIGTERM/SIGINT (preemption) saves the last finished step at once, then
+finishes the rollout's steps if the launcher allows, saves and exits 128+signal; a step with
+a non-finite loss, gradient or logits is skipped (the guard stops the run after
+``train.max_skipped_steps`` in a row);
 ``train.resume_from=latest`` continues from the newest complete checkpoint, applying changed
 optimizer settings.
 
@@ -81,6 +82,7 @@ from longstraw_core import (
     output_dir,
     plan,
     resume,
+    same_run,
     tokenizer,
     tracking,
 )
@@ -124,6 +126,7 @@ class Recipe:
         distributed.require_sharding(
             self.world_size, cfg.distributed.fsdp, cfg.distributed.pipeline_stages
         )
+        same_run.require_same_run(cfg)  # every rank's config and data equal rank 0's
         self.topology = RunTopology.from_config(
             cfg.distributed, self.world_size, self.rank, gradient=cfg.grpo.gradient
         )
@@ -158,11 +161,13 @@ class Recipe:
             [r.name for r in cfg.rewards],
             [r.weight for r in cfg.rewards],
             raise_errors=cfg.train.raise_reward_errors,
+            timeouts=[r.timeout_seconds for r in cfg.rewards],
         )
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
+        self.checkpoints = checkpoint.StepCheckpoints.from_config(cfg.train)  # + at a stop
         self.step, self.data_position, resumed = 0, 0, None
         if self.resume_path is not None:
             resumed = self._resume()
@@ -219,7 +224,7 @@ class Recipe:
         checkpoint and return the signal."""
         cfg = self.cfg
         per_step = cfg.train.prompts_per_step
-        with GracefulStop() as stop:
+        with GracefulStop(on_signal=self.checkpoints.write_kept) as stop:
             while self.step < cfg.train.steps:
                 # Replica r of n takes samples data_position + r * per_step + k, as TRL
                 # slices a generation batch across processes.
@@ -238,12 +243,12 @@ class Recipe:
                     self.logger.log(self.step, metrics)
                 self.data_position += self.topology.replicas * per_step
                 stopping = stop.requested()
-                if stopping or (
+                due = stopping or (
                     cfg.train.save_every
                     and (self.step % cfg.train.save_every == 0 or self.step == cfg.train.steps)
-                ):
-                    with self.progress.phase("checkpoint"):
-                        self.save_checkpoint()
+                )
+                with self.progress.phase("checkpoint"):
+                    self.save_checkpoint(write=bool(due))
                 if stopping:
                     return stopping
         return None
@@ -468,34 +473,23 @@ class Recipe:
         self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
         return {names.SKIPPED: 1.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
 
-    def save_checkpoint(self) -> None:
-        """Every rank calls it (a sharded model is gathered); rank 0 writes."""
+    def save_checkpoint(self, write: bool = True) -> None:
+        """Every rank calls it after each rollout's steps (a sharded model is gathered): rank
+        0 writes it when ``write``; with ``train.save_on_signal`` it is also kept in host
+        memory, for a stop signal to write at once (``checkpoint.kept``)."""
         extra = {
             "logger": self.logger.state_dict(),
             "wandb_run_id": self.logger.run_id,
             "schedule_steps": self.cfg.train.steps,  # the length the LR schedule was built for
             "config": config.to_dict(self.cfg),  # what a resume compares its settings with
             "guard": self.guard.state_dict(),
+            "data": data.fingerprint(self.cfg.data),  # a resume refuses other data
         }
-        bad = guard.first_non_finite(
-            [*self.model.named_parameters(), *guard.optimizer_tensors(self.optimizer)]
-        )
-        if distributed.any_rank(bad is not None):  # never save a diverged run
-            raise guard.TrainingDiverged(
-                f"not saving step {self.step}: {bad or 'a tensor on another rank'} holds "
-                "inf/NaN; resume from the last checkpoint with a lower optim.lr"
-            )
-        path = checkpoint.save_checkpoint(
-            self.cfg.train.output_dir,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            data_position=self.data_position,
-            extra=extra,
-            keep_last=self.cfg.train.keep_last,
-        )
-        if self.accelerator.is_main_process:
+        path = self.checkpoints.step_done(  # never a diverged state: TrainingDiverged
+            self.step, self.model, self.optimizer, self.scheduler,
+            data_position=self.data_position, extra=extra, write=write,
+        )  # fmt: skip
+        if path is not None and self.accelerator.is_main_process:
             self.progress.write(f"saved {path}")
 
     def cleanup(self, *, together: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import datasets
@@ -19,9 +20,11 @@ from longstraw_core.data import (
     SampleSource,
     Skipped,
     load_samples,
+    max_token_bytes,
     sample_source,
     scan_samples,
 )
+from longstraw_core.data_files import fingerprint
 from longstraw_core.tasks import sample_at
 from longstraw_core.tokenizer import encode_prompt, load_tokenizer
 
@@ -168,6 +171,54 @@ def test_prompt_of_zero_tokens_is_refused(tmp_path):
     assert scan_error(path, vanishing) == f"{path}:2: the prompt tokenizes to 0 tokens"
 
 
+def test_a_key_given_twice_is_named_by_line_and_key(tmp_path, tok):
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"prompt": "hi", "answer": "a"}\n{"prompt": "a", "prompt": "b"}\n')
+    assert scan_error(path, tok) == (
+        f"{path}:2: the key 'prompt' appears twice in one object; keep one (a JSON object's "
+        "keys must differ, and datasets' reader refuses the file)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "what"),
+    [
+        ("prompt,answer\nhi,1\nbad,3,extra\nok,4\n", 3, "3 fields, but the header has 2"),
+        ("prompt,answer\nhi,1\n\nonly\nok,4\n", 4, "1 field, but the header has 2"),
+        ('prompt,answer\nhi,1\n"never closed,2\nok,4\n', 3, "a quote opened in this record"),
+    ],
+    ids=["long-row", "short-row", "open-quote"],
+)
+def test_a_bad_csv_row_is_named_by_file_and_line(tmp_path, tok, text, line, what):
+    path = tmp_path / "d.csv"
+    path.write_text(text)
+    assert scan_error(path, tok).startswith(f"{path}:{line}: {what}")
+
+
+def test_csv_rows_are_named_by_the_line_their_record_starts_on(tmp_path, tok):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,answer\n\nhi,1\n"two\nlines",2\n" ",3\n')
+    assert scan_error(path, tok) == f"{path}:6: field 'prompt' is empty (or only whitespace)"
+    path.write_text('prompt,answer\n\nhi,1\n"two\nlines",2\n')
+    assert [s.id for s in load_samples(path)] == [f"{path}:3", f"{path}:4"]
+
+
+def test_the_fingerprint_is_the_bytes_not_the_file_times(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [record(3), record(4)])
+    first = fingerprint(path)
+    assert first["bytes"] == path.stat().st_size and len(first["sha256"]) == 64
+    path.write_bytes(path.read_bytes())  # rewritten, the same bytes
+    assert fingerprint(path) == first
+    path.write_text(path.read_text().replace('"a"', '"b"'))  # the same size, other bytes
+    assert fingerprint(path)["bytes"] == first["bytes"] and fingerprint(path) != first
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([record(3)]).save_to_disk(str(folder))
+    saved = fingerprint(folder)
+    assert saved == fingerprint(folder) and saved["bytes"] > 0
+    (folder / "extra.txt").write_text("x")
+    assert fingerprint(folder) != saved
+
+
 # --------------------------------------------------------------------------- overlong prompts
 
 
@@ -222,6 +273,40 @@ def test_all_prompts_overlong_is_an_error_even_when_skipping(tmp_path, tok):
     message = scan_error(path, tok, prompt_tokens=100, on_overlong="skip")
     assert message.startswith(f"{path}: all 2 prompts are longer than data.prompt_tokens=100")
     assert f"at least {tokens(tok, 200)} to keep any, {tokens(tok, 300)} to keep all" in message
+
+
+def test_a_huge_record_is_refused_by_its_size_without_being_tokenized(tmp_path, tok):
+    """One 30 MB record took a minute and 6.6 GB to measure; its bytes tell it cannot fit."""
+    huge = 8_000_000
+    path = write_jsonl(tmp_path / "d.jsonl", [record(3), record(huge), record(5)])
+    started = time.monotonic()
+    message = scan_error(path, tok, prompt_tokens=1000)
+    assert time.monotonic() - started < 60
+    assert (
+        f"  {path}:2: {huge} bytes, more than 1000 tokens whatever its text (not tokenized)"
+        in message
+    )
+    assert f"shorten or remove the records too long to tokenize (the first: {path}:2" in message
+    source = scan(path, tok, prompt_tokens=1000, on_overlong="skip")
+    assert source.size == 2 and source.skipped == (Skipped(f"{path}:2", 1001, bytes=huge),)
+
+
+def test_the_size_bound_is_the_longest_token_and_never_refuses_a_prompt_that_fits(tmp_path):
+    """60 bytes in one (added) token: a prompt of 100 of them is 100 tokens, kept."""
+    word = "a" * 60
+    core = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    core.add_tokens([word])
+    long_tokens = PreTrainedTokenizerFast(tokenizer_object=core)
+    assert max_token_bytes(long_tokens) == 60
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": word * 100}])
+    assert scan(path, long_tokens, prompt_tokens=100).longest == 100
+    # A WordLevel model reads any unknown word as one token: no bound, everything measured.
+    unknown = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    unknown.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = PreTrainedTokenizerFast(tokenizer_object=unknown, unk_token="<unk>")
+    assert max_token_bytes(words) is None
+    path = write_jsonl(tmp_path / "w.jsonl", [{"prompt": "b" * 100_000}])
+    assert scan(path, words, prompt_tokens=1).longest == 1
 
 
 def test_unknown_on_overlong_is_refused(tmp_path, tok):

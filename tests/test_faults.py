@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 from fault_runs import (
@@ -108,8 +111,58 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     (step,) = map(int, re.findall(r"stopped by SIGTERM after step (\d)/3", text))
     assert "train.resume_from=latest" in text
     assert "Run summary" in text  # the logger (and W&B, when on) was finished
-    saved = sorted(p.name for p in out.glob("step-*"))  # although train.save_every=0
-    assert saved == [f"step-{step:06d}"], text
+    # Although train.save_every=0: the last finished step's at the signal, then this step's.
+    saved = sorted(p.name for p in out.glob("step-*"))
+    assert saved == [f"step-{s:06d}" for s in range(1, step + 1)], text
+    _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
+    assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+
+
+# Within the reward's timeout (600 s): the signal comes in its first minute.
+SLOW_STEP_2 = "rewards=[{name: 'varied_reward:sleeps'}]"
+
+
+def slow_step_env(**extra: str) -> dict[str, str]:
+    """Step 2's reward sleeps an hour (``varied_reward.sleeps``): far past any grace period."""
+    return run_env(LONGSTRAW_TEST_SLEEP="3600", LONGSTRAW_TEST_SLEEP_AFTER="1", **extra)
+
+
+def test_sigterm_to_accelerate_launch_during_a_long_step_leaves_the_last_finished_step(
+    straight, tmp_path
+):
+    """accelerate's single-process launch SIGKILLs its child 5 s after passing a SIGTERM on;
+    the step under way sleeps an hour, so only the step-1 checkpoint written at the signal
+    (from host memory) can survive. The resume then ends where an uninterrupted run does."""
+    out = tmp_path / "run"
+    settings = tmp_path / "accelerate.yaml"
+    settings.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\n"
+        "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n"
+    )
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(settings),
+        *launch.under_nccl_rules(RECIPE), *_command(out, "train.save_every=0", SLOW_STEP_2)[2:],
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=slow_step_env(OMP_NUM_THREADS="1"), start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("reward sleeps"):  # step 2 is under way, for an hour
+                process.send_signal(signal.SIGTERM)  # to accelerate, not to the recipe
+                break
+        lines += process.stdout.readlines()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    log = "".join(lines)
+    assert process.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert f"SIGTERM: saved {out / 'step-000001'} (the last finished step)" in log, log[-3000:]
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001"]
     _ok(_run(out, "train.save_every=1", "train.resume_from=latest"))
     assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
 
@@ -129,7 +182,7 @@ def test_second_sigterm_exits_at_once(tmp_path):
             break
     lines += process.stdout.readlines()
     assert process.wait(timeout=600) == 128 + signal.SIGTERM
-    assert "second SIGTERM: exiting now" in "".join(lines)
+    assert "second SIGTERM: exiting" in "".join(lines)
     assert not (tmp_path / "run" / "step-000002").exists()
 
 
@@ -232,6 +285,32 @@ def test_reward_failing_on_every_call_stops_the_run_non_zero(tmp_path):
     assert "the reward server is down" in raised.stderr
 
 
+def test_a_reward_past_its_timeout_fails_those_calls_and_the_run_goes_on(tmp_path):
+    rewards = (
+        "rewards=[{name: 'varied_reward:even_characters'}, "
+        "{name: 'varied_reward:sleeps', timeout_seconds: 1}]"
+    )
+    started = time.monotonic()
+    result = _run(
+        tmp_path / "run", rewards, "train.save_every=1", env=run_env(LONGSTRAW_TEST_SLEEP="3600")
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 500  # never the hour the reward sleeps
+    log = result.stdout + result.stderr
+    assert "reward function 'sleeps' failed" in log
+    assert "took longer than its timeout of 1 s" in log  # the first call
+    assert "still running" in log  # later calls, while the first one sleeps on
+    assert (tmp_path / "run" / f"step-{STEPS:06d}").is_dir()
+
+
+def test_a_reward_raising_system_exit_stops_the_run_with_one_line_naming_it(tmp_path):
+    result = _run(tmp_path / "run", "rewards=[{name: 'varied_reward:exits_the_run'}]")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "exits_the_run" in line]
+    assert line.startswith("training stopped: reward function 'exits_the_run' raised SystemExit")
+
+
 def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
     out = tmp_path / "run"
     _ok(_run(out, "train.steps=1", "train.save_every=1"))
@@ -252,6 +331,27 @@ def test_bad_data_file_fails_before_the_model_loads(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"data error: {path}:2: invalid JSON" in result.stderr
     assert not out.exists()  # nothing was built or written
+
+
+def test_a_data_file_replaced_between_a_run_and_its_resume_is_refused(tmp_path):
+    path = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    data = ["data.task=null", f"data.path={path}", "data.prompt_tokens=64", "eval.every=0"]
+    _ok(_run(out, *data, "train.steps=1", "train.save_every=1"))
+    original = path.read_bytes()
+    path.write_text("".join(json.dumps(row) + "\n" for row in reversed(rows)))  # same size
+    result = _run(out, *data, "train.steps=2", "train.resume_from=latest")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"data error: {path} is not the data {out / 'step-000001'} was trained on" in (
+        result.stderr
+    )
+    assert f"{len(original)} bytes" in result.stderr and "Restore that file" in result.stderr
+    assert not (out / "step-000002").exists()
+    path.write_bytes(original)  # the same bytes again (a new file, a new time): it resumes
+    _ok(_run(out, *data, "train.steps=2", "train.save_every=1", "train.resume_from=latest"))
+    assert (out / "step-000002").is_dir()
 
 
 def test_resume_from_an_older_checkpoint_moves_later_ones_aside(straight, tmp_path):

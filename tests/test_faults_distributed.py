@@ -1,9 +1,12 @@
-"""Faults on a sharded run (two CPU ranks, torchrun, gloo): a kill during a save, and a
-SIGTERM that reaches one rank only. Both ranks must stop after the same step, and the
-resumed run must end where an uninterrupted 2-rank run ends."""
+"""Faults on a sharded run (two CPU ranks, torchrun, gloo): a kill during a save, a SIGTERM
+that reaches one rank only, a SIGTERM to torchrun during a step longer than its grace period,
+a rank stuck in a collective, a launcher killed outright, ranks with different settings.
+Both ranks must stop after the same step (or at once, with the last finished step saved), and
+the resumed run must end where an uninterrupted 2-rank run ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,6 +17,7 @@ from pathlib import Path
 import launch
 import pytest
 from fault_runs import CONFIG, RECIPE, ROOT, SMALL, assert_same_state, run_env
+from test_faults import SLOW_STEP_2, slow_step_env
 
 from longstraw_core.failpoints import ENV as FAILPOINTS
 
@@ -98,3 +102,125 @@ def test_sigterm_on_one_rank_stops_both_after_the_same_step(straight, tmp_path):
         env=run_env(),
     )  # fmt: skip
     assert_same_state(straight / "step-000003", out / "step-000003")
+
+
+def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+
+
+def _kill_all(process: subprocess.Popen) -> None:
+    """torchrun and its ranks (each in a session of its own, out of torchrun's group)."""
+    ranks = _children(process.pid)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> None:
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(marker):
+            return
+    raise AssertionError(f"no line {marker!r}:\n{''.join(lines)[-4000:]}")
+
+
+def _gone(pids: list[int], seconds: float) -> bool:
+    """Whether every process in ``pids`` has ended (or is a zombie) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_sigterm_to_torchrun_during_a_long_step_leaves_the_last_finished_step(straight, tmp_path):
+    """torchrun SIGKILLs the ranks its grace period (here 5 s) after passing SIGTERM on; step
+    2 sleeps an hour. Rank 0 writes step 1 from host memory at the signal; the sharded resume
+    ends where an uninterrupted run ends."""
+    out = tmp_path / "run"
+    env = slow_step_env(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
+    command = launch.torchrun_command(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=0", SLOW_STEP_2, env=env
+    )
+    process, lines = _start(command, env), []
+    try:
+        _read_until(process, "reward sleeps on rank 0", lines)  # step 2, for an hour
+        process.send_signal(signal.SIGTERM)  # to torchrun
+        lines += process.stdout.readlines()
+        process.wait(timeout=120)
+    finally:
+        _kill_all(process)
+    log = launch.with_report_last("".join(lines))
+    assert process.returncode != 0
+    assert f"SIGTERM: saved {out / 'step-000001'} (the last finished step)" in log, log[-4000:]
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001"], log[-4000:]
+    launch.torchrun_ok(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest",
+        env=run_env(),
+    )  # fmt: skip
+    assert_same_state(straight / "step-000003", out / "step-000003")
+
+
+def _stuck(tmp_path: Path) -> tuple[subprocess.Popen, list[int], list[str]]:
+    """A 2-rank run whose rank 1 sleeps an hour in step 2's reward, so that rank 0 waits in a
+    collective (inside gloo, where no Python signal handler runs): its process, its ranks
+    (rank 0 first) and its log so far."""
+    env = slow_step_env(OMP_NUM_THREADS="1", LONGSTRAW_TEST_SLEEP_RANKS="1")
+    command = launch.torchrun_command(
+        RECIPE, *ARGS, f"train.output_dir={tmp_path / 'run'}", SLOW_STEP_2, env=env
+    )
+    process, lines = _start(command, env), []
+    try:
+        _read_until(process, "reward sleeps on rank 1", lines)
+        time.sleep(3)  # rank 0 scores its group, enters the collective that waits for rank 1
+        ranks = sorted(_children(process.pid))  # started in rank order
+        assert len(ranks) == 2, ranks
+    except BaseException:
+        _kill_all(process)
+        raise
+    return process, ranks, lines
+
+
+def test_a_rank_stuck_in_a_collective_ends_at_a_second_sigterm(tmp_path):
+    process, (rank0, _), lines = _stuck(tmp_path)
+    try:
+        os.kill(rank0, signal.SIGTERM)
+        time.sleep(1)
+        os.kill(rank0, signal.SIGTERM)
+        assert _gone([rank0], 30), "rank 0 ignored two SIGTERMs while waiting in a collective"
+    finally:
+        _kill_all(process)
+        lines += process.stdout.readlines()
+    log = "".join(lines)
+    assert f"SIGTERM: saved {tmp_path / 'run' / 'step-000001'} (the last finished step)" in log
+    assert "second SIGTERM: exiting" in log
+
+
+def test_ranks_do_not_outlive_a_launcher_killed_outright(tmp_path):
+    """SIGKILL to torchrun (a scheduler killing the job's head process, an OOM kill): no
+    launcher is left to stop the ranks; they stop themselves, rank 0 saving step 1."""
+    process, ranks, lines = _stuck(tmp_path)
+    try:
+        process.kill()  # torchrun alone, not its process group
+        assert _gone(ranks, 30), "the ranks outlived their launcher"
+    finally:
+        _kill_all(process)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        lines += process.stdout.readlines()
+    assert (tmp_path / "run" / "step-000001").is_dir(), "".join(lines)[-4000:]

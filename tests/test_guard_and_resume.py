@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,26 @@ def test_first_signal_is_recorded_and_handlers_are_restored():
         assert stop.requested() == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
     assert GracefulStop.exit_code(signal.SIGTERM) == 143
+
+
+def test_the_first_signal_has_on_signal_write_from_the_watcher_thread(capfd):
+    """The watcher acts whatever the main thread does (in a run: maybe waiting in a
+    collective, where no Python handler runs)."""
+    threads: list[str] = []
+    done = threading.Event()
+
+    def on_signal() -> Path:
+        threads.append(threading.current_thread().name)
+        done.set()
+        return Path("out/step-000001")
+
+    with GracefulStop(on_signal=on_signal) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert done.wait(10) and stop.requested() == signal.SIGTERM
+    assert threads == ["LongStraw-SignalSave"]  # not the main thread
+    err = capfd.readouterr().err
+    assert "SIGTERM: finishing this step" in err
+    assert "SIGTERM: saved out/step-000001 (the last finished step)" in err
 
 
 # --------------------------------------------------------------------------- resume

@@ -12,6 +12,8 @@ import functools
 import logging
 import math
 import textwrap
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,10 +32,12 @@ from trl.rewards import (
 from trl.trainer.utils import is_async_callable as trl_is_async_callable
 
 from longstraw_core import metrics as names
+from longstraw_core import rewards
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.data import record_to_sample
 from longstraw_core.losses import group_advantages
 from longstraw_core.rewards import (
+    DEFAULT_TIMEOUT_SECONDS,
     RewardError,
     RewardResult,
     RewardSet,
@@ -324,6 +328,122 @@ def test_failing_function_raises_when_configured():
     with pytest.raises(RewardError, match=r"'boom' failed on samples \['s1'\]") as info:
         rs(["x"], [S(i=1)], completion_ids=ids_for(1))
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+class Hangs:
+    """A sync reward that blocks until released (a hung judge); counts its calls."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+        self.__name__ = "hangs"
+
+    def __call__(self, completions, **kwargs):
+        self.calls += 1
+        self.release.wait(60)
+        return [1.0] * len(completions)
+
+
+def test_a_sync_reward_past_its_timeout_fails_that_call_and_is_not_called_while_it_hangs(caplog):
+    hangs = Hangs()
+    rs = RewardSet([hangs, fixed("ok", [1.0, 0.0])], timeouts=[0.5, None])
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="longstraw_core.rewards"):
+            result = rs(["x", "y"], [S(i=1), S(i=2)], completion_ids=ids_for(2))
+        assert time.monotonic() - started < 5  # not the 60 s the call would take
+        assert result.failed == {"hangs": ["s1", "s2"]} and result.rewards == [1.0, 0.0]
+        assert "took longer than its timeout of 0.5 s" in caplog.text
+        # Still hung: the next batch fails at once, without a second call piling up.
+        again = rs(["x", "y"], [S(i=3), S(i=4)], completion_ids=ids_for(2))
+        assert again.failed == {"hangs": ["s3", "s4"]} and hangs.calls == 1
+        assert "still running" in caplog.text
+    finally:
+        hangs.release.set()
+    for _ in range(100):  # the abandoned call returns; the function is called again
+        if not rs._lingering[0].is_alive():
+            break
+        time.sleep(0.05)
+    result = rs(["x", "y"], [S(i=5), S(i=6)], completion_ids=ids_for(2))
+    assert result.failed == {} and result.rewards == [2.0, 1.0] and hangs.calls == 2
+
+
+def test_a_timeout_raises_with_raise_errors_and_defaults_to_ten_minutes():
+    assert DEFAULT_TIMEOUT_SECONDS == 600.0
+    assert RewardSet([boom]).timeouts == [600.0]
+    hangs = Hangs()
+    try:
+        rs = RewardSet([hangs], raise_errors=True, timeouts=0.2)
+        with pytest.raises(RewardError, match=r"'hangs' failed .*longer than its timeout"):
+            rs(["x"], [S(i=1)], completion_ids=ids_for(1))
+    finally:
+        hangs.release.set()
+    with pytest.raises(ValueError, match="timeouts"):
+        RewardSet([boom], timeouts=[0])
+
+
+async def async_sleeps(completions, **kwargs):
+    await asyncio.sleep(60)
+    return [1.0] * len(completions)
+
+
+async def async_blocks_its_loop(completions, **kwargs):
+    time.sleep(1.5)  # never awaits: the event loop itself is stuck
+    return [1.0] * len(completions)
+
+
+async def async_own_timeout(completions, **kwargs):
+    raise TimeoutError("the judge's HTTP client gave up")
+
+
+async def async_quick(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [0.5] * len(completions)
+
+
+def test_async_rewards_past_their_timeout_fail_and_a_blocked_loop_is_replaced(caplog, monkeypatch):
+    rs = RewardSet([async_sleeps, async_own_timeout, fixed("ok", [1.0])], timeouts=0.3)
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="longstraw_core.rewards"):
+        result = rs(["x"], [S(i=1)], completion_ids=ids_for(1))
+    assert time.monotonic() - started < 5
+    assert set(result.failed) == {"async_sleeps", "async_own_timeout"}
+    assert "took longer than its timeout of 0.3 s" in caplog.text
+    assert "the judge's HTTP client gave up" in caplog.text  # its own error, as it was
+    monkeypatch.setattr(rewards, "LOOP_GRACE_SECONDS", 0.3)
+    blocked = RewardSet([async_blocks_its_loop, async_quick], timeouts=0.2)
+    first_loop = blocked._loop
+    result = blocked(["x"], [S(i=2)], completion_ids=ids_for(1))
+    assert set(result.failed) == {"async_blocks_its_loop", "async_quick"}
+    assert "event loop was blocked" in caplog.text
+    assert blocked._loop is not first_loop  # later calls get a fresh loop
+    first_loop.thread.join(5)  # the abandoned loop finishes its sleep and stops
+    assert not first_loop.thread.is_alive()
+    blocked.funcs[0] = async_quick
+    assert blocked(["x"], [S(i=3)], completion_ids=ids_for(1)).rewards == [1.0]
+
+
+def exits(completions, **kwargs):
+    raise SystemExit(0)
+
+
+def interrupts(completions, **kwargs):
+    raise KeyboardInterrupt
+
+
+async def async_exits(completions, **kwargs):
+    raise SystemExit(3)
+
+
+@pytest.mark.parametrize("timeouts", [None, 5.0], ids=["in-this-thread", "in-a-worker"])
+@pytest.mark.parametrize("stops", [exits, interrupts, async_exits])
+def test_system_exit_or_keyboard_interrupt_in_a_reward_stops_naming_it(stops, timeouts):
+    rs = RewardSet([fixed("ok", [1.0]), stops], timeouts=timeouts)
+    with pytest.raises(RewardError) as info:
+        rs(["x"], [S(i=1)], completion_ids=ids_for(1))
+    message = str(info.value)
+    assert f"reward function {stops.__name__!r} raised" in message and "\n" not in message
+    assert "ends the run" in message
 
 
 def test_infinite_value_becomes_nan_with_a_warning(caplog):

@@ -124,7 +124,7 @@ def test_every_format_gives_the_rows_with_every_column(tmp_path, fmt, kind):
     assert [s.prompt for s in samples] == [r["prompt"] for r in rows]
     assert [s.meta for s in samples] == [{"solution": r["solution"]} for r in rows]
     assert all(s.answer == "" for s in samples)  # no `answer` column: none required
-    first = {"jsonl": f"{path}:1", "dataset_dict": f"{path}[test]:row 0",
+    first = {"jsonl": f"{path}:1", "csv": f"{path}:2", "dataset_dict": f"{path}[test]:row 0",
              "data_files_dir": f"{path}[test]:row 0"}  # fmt: skip
     assert samples[0].id == first.get(fmt, f"{path}:row 0")  # by line, or by row
 

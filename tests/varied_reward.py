@@ -10,7 +10,10 @@ call every reward function.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -36,3 +39,23 @@ def even_characters_drawing(completions: list[Any], **kwargs: Any) -> list[float
 
 def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:
     raise ConnectionError("the reward server is down")
+
+
+def sleeps(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters`` after sleeping ``LONGSTRAW_TEST_SLEEP`` seconds (default 0), once
+    ``LONGSTRAW_TEST_SLEEP_AFTER`` steps are done (default 0): a slow step, or a hung judge.
+    ``LONGSTRAW_TEST_SLEEP_RANKS`` (e.g. "1"): only on those ranks. Prints ``reward sleeps``
+    (flushed) as it starts to sleep."""
+    ranks = os.environ.get("LONGSTRAW_TEST_SLEEP_RANKS")
+    after = int(os.environ.get("LONGSTRAW_TEST_SLEEP_AFTER", "0"))
+    seconds = float(os.environ.get("LONGSTRAW_TEST_SLEEP", "0"))
+    mine = ranks is None or os.environ.get("RANK", "0") in ranks.split(",")
+    if seconds and mine and kwargs["trainer_state"].global_step >= after:
+        print(f"reward sleeps on rank {os.environ.get('RANK', '0')}", flush=True)
+        time.sleep(seconds)
+    return even_characters(completions)
+
+
+def exits_the_run(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward that calls ``sys.exit()`` (a user's script habit)."""
+    sys.exit()

@@ -63,6 +63,8 @@ sharded format instead.
 Import from here; the modules hold one job each:
 
 - ``saving``: ``save_checkpoint`` and the stages of rank 0's write (the failpoints).
+- ``kept``: ``StepCheckpoints``, a run's saves, and the last finished step kept in rank 0's
+  host memory for a stop signal to write at once (no collective).
 - ``loading``: ``load_checkpoint`` and the ``ResumeInfo`` it returns.
 - ``resolution``: what a directory holds: complete, incomplete and later checkpoints,
   ``resolve_checkpoint``, ``complete_checkpoints``, ``prepare_resume``, ``keep_last`` pruning.
@@ -88,6 +90,7 @@ from longstraw_core.checkpoint.files import (
     TRAINER_STATE,
     checkpoint_name,
 )
+from longstraw_core.checkpoint.kept import StepCheckpoints
 from longstraw_core.checkpoint.loading import ResumeInfo, load_checkpoint
 from longstraw_core.checkpoint.resolution import (
     complete_checkpoints,
@@ -105,6 +108,7 @@ __all__ = [
     "TRAINER_STATE",
     "CheckpointError",
     "ResumeInfo",
+    "StepCheckpoints",
     "checkpoint_name",
     "complete_checkpoints",
     "load_checkpoint",

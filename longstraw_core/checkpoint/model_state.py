@@ -32,7 +32,7 @@ def save_state(
     model: PreTrainedModel | PeftModel,
     model_state: dict[str, torch.Tensor] | None,
     optimizer_state: dict[str, Any],
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    scheduler_state: dict[str, Any] | None,
 ) -> None:
     # A PeftModel's save_pretrained writes only the adapters (and their config), which is
     # all a LoRA run changes; the base model is reloaded from its own checkpoint. With
@@ -46,8 +46,8 @@ def save_state(
         else:
             model.save_pretrained(directory / "model", state_dict=model_state)
     torch.save(optimizer_state, directory / "optimizer.pt")
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+    if scheduler_state is not None:
+        torch.save(scheduler_state, directory / "scheduler.pt")
 
 
 @contextlib.contextmanager

@@ -79,7 +79,8 @@ def save_checkpoint(
     rng_states = gather(rng_state())
     on_rank0(
         lambda: _write_checkpoint(
-            root, final, step, model, model_state, optimizer_state, scheduler, rng_states,
+            root, final, step, model, model_state, optimizer_state,
+            scheduler.state_dict() if scheduler is not None else None, rng_states,
             trainer_state, keep_last,
         )
     )  # fmt: skip
@@ -93,13 +94,14 @@ def _write_checkpoint(
     model: PreTrainedModel | PeftModel,
     model_state: dict[str, torch.Tensor] | None,
     optimizer_state: dict[str, Any],
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    scheduler_state: dict[str, Any] | None,
     rng_states: list[dict[str, Any]],
     trainer_state: str,
     keep_last: int | None,
 ) -> None:
     """Rank 0's part: every file into a temporary directory, the manifest last, renamed into
-    place when done; then ``latest`` and the pruning."""
+    place when done; then ``latest`` and the pruning. Also writes what ``kept`` collected
+    earlier (no collective here)."""
     # failpoint(...): where the fault-injection tests kill the process (a no-op otherwise).
     failpoint("checkpoint.start", step)
     root.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,7 @@ def _write_checkpoint(
     tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
     try:
-        save_state(tmp, model, model_state, optimizer_state, scheduler)
+        save_state(tmp, model, model_state, optimizer_state, scheduler_state)
         failpoint("checkpoint.model_written", step)
         for rank, state in enumerate(rng_states):
             torch.save(state, tmp / rng_file(rank))

@@ -188,6 +188,9 @@ GRPOSection = _grpo_section()
 class RewardSpec:
     name: str = MISSING  # a built-in name or a dotted path 'package.module:function'
     weight: float = 1.0
+    # A call (one group's completions) longer than this counts as failed (NaN), so a hung
+    # judge cannot stall the run; null: no limit (called in the main thread, as TRL does).
+    timeout_seconds: float | None = 600.0  # rewards.DEFAULT_TIMEOUT_SECONDS
 
 
 @dataclass
@@ -222,6 +225,12 @@ class TrainSection:
     keep_last: int = 0  # keep the newest N complete checkpoints; 0: keep every one
     max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (guard.py)
     raise_reward_errors: bool = False  # a failing reward function stops the run (else NaN)
+    # Keep the last finished step's checkpoint in rank 0's host memory (one gather per step)
+    # so that a stop signal writes it at once: launchers kill the ranks 5-30 s after their
+    # SIGTERM, long before a step ends. Costs a host copy of the trainable state and its
+    # AdamW state (LoRA: small; a full fine-tune: 12 bytes a parameter); false: a signal
+    # waits for the step's end (checkpoint.kept).
+    save_on_signal: bool = True
 
 
 @dataclass
@@ -254,7 +263,9 @@ class DistributedSection:
     # through the stages (more pieces: busier stages, more, shorter kernel calls); null: the
     # fewest that keep the schedule's idle time at 15% (S=8, G=8: 5; G=2: 20).
     replay_pieces: int | None = None
-    # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a checkpoint
+    # collectives' timeout (NCCL/gloo), and how long ranks wait while rank 0 writes a
+    # checkpoint: 60 minutes, long on purpose (settings that differ between ranks are refused
+    # at start, rewards have their own timeout; a stuck rank ends at a second SIGTERM)
     timeout_minutes: float = 60.0
 
 

@@ -331,6 +331,11 @@ def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
         except ValueError as exc:
             raise ConfigError(f"rewards[{i}].name", str(exc)) from None
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
+        timeout = spec.timeout_seconds
+        _check_range(
+            f"rewards[{i}].timeout_seconds", timeout, timeout is None or timeout > 0,
+            "seconds > 0, or null for no limit",
+        )  # fmt: skip
     _check_reward_columns(cfg, cfg.data, "data", check_paths)
 
 
