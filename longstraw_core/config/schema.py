@@ -183,8 +183,15 @@ GRPOSection = _grpo_section()
 
 @dataclass
 class RewardSpec:
-    name: str = MISSING  # a built-in name or a dotted path 'package.module:function'
+    """One reward function. ``name``: a built-in, or ``module:function`` (imported from the
+    import path, else the config file's directory, else the working directory). With
+    ``args`` or ``kwargs`` the named object is a factory (TRL's
+    ``get_soft_overlong_punishment``, a class): ``name(*args, **kwargs)`` is the function."""
+
+    name: str = MISSING
     weight: float = 1.0
+    args: list[Any] = field(default_factory=list)  # positional arguments of the factory
+    kwargs: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
 
 
 @dataclass
