@@ -115,8 +115,8 @@ def build(spec: str, factory: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         inspect.signature(factory).bind(*args, **kwargs)
     except TypeError as exc:
         raise RewardNameError(
-            f"{spec}(...) cannot take these arguments ({exc}); with args/kwargs the name must "
-            "be a factory (a function that returns the reward function, or a class)",
+            f"{spec}(...) cannot take these arguments ({exc}); args/kwargs are a factory's "
+            "(a function that returns the reward function, or a class)",
             field,
         ) from None
     except ValueError:  # no signature to read (a C callable): the call tells
