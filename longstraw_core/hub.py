@@ -31,7 +31,6 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     HFValidationError,
-    IncompleteSnapshotError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -125,9 +124,9 @@ def snapshot(
         ) from None
     except RevisionNotFoundError:
         raise ConfigError(key, f"{repo_id!r}: revision {revision!r} not found on the Hub") from None
-    except IncompleteSnapshotError as exc:
-        raise ConfigError(key, f"{_first_line(exc)}{_offline_fix(repo_id)}") from None
     except LocalEntryNotFoundError as exc:
+        if type(exc).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 2: say which
+            raise ConfigError(key, f"{_first_line(exc)}{_offline_fix(repo_id)}") from None
         unreachable = (
             f" and the Hub could not be reached ({type(exc.__cause__).__name__})"
             if exc.__cause__ is not None and not constants.HF_HUB_OFFLINE

@@ -38,7 +38,9 @@ def load_config(
     """The validated config of ``path`` (with its ``defaults:`` bases) plus ``overrides``.
 
     ``path=None`` starts from the schema defaults alone (recipes pass their tiny CPU config
-    as the default instead). Raises ``ConfigError`` naming the key on any problem.
+    as the default instead). Raises ``ConfigError`` naming the key on any problem. With
+    ``check_paths``, a Hub id in ``model.path`` / ``tokenizer.path`` becomes its snapshot
+    directory (``hub.resolve_paths``); reward modules are looked for beside ``path`` too.
     """
     merged = OmegaConf.structured(RunConfig)
     _open_free_dicts(merged)

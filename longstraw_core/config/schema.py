@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 class ModelSection:
     """Which model: a local checkpoint (``path``) or a random-init toy (``tiny``)."""
 
-    path: str | None = None  # a local directory with config.json and weights
+    # a local directory with config.json and safetensors weights, or a Hugging Face Hub id
+    # (Qwen/Qwen3-0.6B: its snapshot in the HF cache, downloaded online; longstraw_core.hub)
+    path: str | None = None
     tiny: str | None = None  # a model type of longstraw_core.tiny_models.TINY_CONFIGS
     tiny_overrides: dict[str, Any] = field(default_factory=dict)  # transformers config fields
     dtype: str = "float32"  # one of DTYPES; the dtype of the parameters (and master weights)
@@ -60,7 +62,7 @@ class LoraSection:
 
 @dataclass
 class TokenizerSection:
-    path: str | None = None  # null: the built-in byte-level tokenizer (ChatML template)
+    path: str | None = None  # null: the built-in byte-level tokenizer (ChatML template); a Hub id
 
 
 @dataclass
