@@ -296,21 +296,25 @@ def _weights(step: Path) -> dict[str, torch.Tensor]:
 def test_the_python_api_trains_as_the_recipe_does_on_the_same_data(
     tmp_path, monkeypatch, clean_imports
 ):
-    """``train(config, reward_funcs=[a lambda], train_dataset=a Dataset in memory)`` for two
-    steps equals the recipe's own ``main`` on the same rows written to a JSON Lines file with
-    the same reward as a module function: the same weights bit for bit, the same rewards."""
+    """``train(config, reward_funcs=[a lambda], train_dataset=a Dataset in memory,
+    eval_dataset=another)`` for two steps equals the recipe's own ``main`` on the same rows
+    written to JSON Lines files with the same reward as a module function: the same weights
+    bit for bit, the same rewards and eval metrics."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "ds-cache"))
     common = [*QUICK, "rollout.num_generations=8", "rollout.max_new_tokens=12",
-              "train.steps=2", "train.save_every=2", "optim.lr=1e-2"]  # fmt: skip
+              "train.steps=2", "train.save_every=2", "optim.lr=1e-2", "eval.every=2",
+              "eval.samples=null", "eval.num_generations=2"]  # fmt: skip
     (tmp_path / "file_recall.py").write_text(RECALL)
     monkeypatch.syspath_prepend(str(tmp_path))
-    data = tmp_path / "train.jsonl"
+    data, held_out = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     datasets.Dataset.from_list(SOLVED).to_json(data)
+    datasets.Dataset.from_list(SOLVED[:1]).to_json(held_out)
     spec = importlib.util.spec_from_file_location("api_reference_recipe", ROOT / RECIPE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(
         ["--config", str(TINY), *common, "data.task=null", f"data.path={data}",
+         "eval.data.task=null", f"eval.data.path={held_out}",
          "rewards=[{name: 'file_recall:recall'}]", f"train.output_dir={tmp_path / 'file'}"]
     )  # fmt: skip
 
@@ -323,6 +327,7 @@ def test_the_python_api_trains_as_the_recipe_does_on_the_same_data(
             ]
         ],
         train_dataset=datasets.Dataset.from_list(SOLVED),
+        eval_dataset=datasets.Dataset.from_list(SOLVED[:1]),
         overrides=[*common, f"train.output_dir={tmp_path / 'api'}"],
     )
     assert api.step == 2 and api.rewards.names == ["<lambda>"]
@@ -337,6 +342,8 @@ def test_the_python_api_trains_as_the_recipe_does_on_the_same_data(
     ]
     rewards = [[m["reward"] for _, m in h["logger"]["history"]] for h in histories]
     assert rewards[0] == rewards[1] and len(rewards[0]) == 2
+    evals = [[m.get("eval/reward") for _, m in h["logger"]["history"]] for h in histories]
+    assert evals[0] == evals[1] and evals[0][0] is None and math.isfinite(evals[0][1])
     assert histories[1]["config"]["rewards"][0]["name"] == "callable:<lambda>"
     assert Path(histories[1]["config"]["data"]["path"]).parent == tmp_path / "ds-cache/longstraw"
 
