@@ -149,7 +149,10 @@ def _run_config(resolved: Path, model_path: str | None, tokenizer_path: str | No
             "recipes' save_checkpoint writes): the export cannot know which model to rebuild"
         )
     try:
-        cfg = config_from_dict(saved, f"{resolved / TRAINER_STATE}", check_paths=False)
+        # Its reward functions are not needed (nor imported): the export scores nothing.
+        cfg = config_from_dict(
+            saved, f"{resolved / TRAINER_STATE}", check_paths=False, check_rewards=False
+        )
     except ConfigError as error:
         raise ExportError(f"the checkpoint's run config: {error}") from None
     model, tokenizer = cfg.model, cfg.tokenizer

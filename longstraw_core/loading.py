@@ -48,7 +48,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 import longstraw_core as ls
-from longstraw_core import models, quantization
+from longstraw_core import hub, models, quantization
 from longstraw_core.pipeline.stage import move_stage
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ def build_on_meta(section: ModelSection) -> PreTrainedModel:
     buffers computed on the CPU; the rest as ``models.build_model`` (dtype, attention, the
     4-bit linears of ``model.quantization=nf4``, here with placeholder weights)."""
     path = Path(section.path)
+    hub.fetch_weights(path)  # a Hub id's snapshot: its weights now, at the same commit
     config = AutoConfig.from_pretrained(
         path, trust_remote_code=section.trust_remote_code, local_files_only=True
     )

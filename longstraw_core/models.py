@@ -20,6 +20,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
+from longstraw_core import hub
 from longstraw_core.config import LoraSection, ModelSection, OptimSection, lora_targets
 from longstraw_core.quantization import quantize_nf4
 from longstraw_core.tiny_models import tiny_model
@@ -44,6 +45,7 @@ def build_model(model: ModelSection, seed: int) -> PreTrainedModel:
             **model.tiny_overrides,
         )
     else:
+        hub.fetch_weights(model.path)  # a Hub id's snapshot: its weights, same commit
         built = AutoModelForCausalLM.from_pretrained(
             model.path,
             dtype=dtype,

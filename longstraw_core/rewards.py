@@ -72,7 +72,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -82,7 +81,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 # Re-exported: the recipes import it from here, once longstraw_core has quieted bitsandbytes
 # (transformers.TrainerState's import imports it).
@@ -90,7 +90,17 @@ from transformers import TrainerState
 
 from longstraw_core import metrics as metric_names
 from longstraw_core.grpo_config import normalize_scale_rewards
+from longstraw_core.reward_imports import (
+    CALLABLE_PREFIX,
+    RewardNameError,
+    build,
+    import_object,
+    registered,
+)
 from longstraw_core.tasks import Sample
+
+if TYPE_CHECKING:
+    from longstraw_core.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -369,27 +379,44 @@ def callable_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def resolve_reward(spec: str | RewardFn) -> tuple[str, RewardFn]:
+def resolve_reward(
+    spec: str | RewardFn,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    search_dirs: Sequence[str | Path] = (),
+) -> tuple[str, RewardFn]:
     """A reward function and its display name from a built-in name (the name as given), a
-    dotted path (``package.module:function`` or ``package.module.function``; TRL's name of the
-    object, ``callable_name``) or a callable."""
+    dotted path (``package.module:function`` or ``package.module.function``, looked up on the
+    import path, then in ``search_dirs`` and the working directory; TRL's name of the object,
+    ``callable_name``), a registered ``callable:<name>``, or a callable.
+
+    With ``args``/``kwargs`` the named object is a factory and its product the function
+    (``reward_imports.build``). Raises ``RewardNameError`` (a ``ValueError``)."""
     if callable(spec):
+        if args or kwargs:
+            raise RewardNameError(
+                "args/kwargs apply to a named factory; pass its product", "kwargs"
+            )
         return callable_name(spec), spec
-    if spec in BUILTIN_REWARDS:
-        return spec, BUILTIN_REWARDS[spec]
-    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(
+    if spec.startswith(CALLABLE_PREFIX):
+        target, shown = registered(spec), spec.removeprefix(CALLABLE_PREFIX)
+    elif spec in BUILTIN_REWARDS:
+        target, shown = BUILTIN_REWARDS[spec], spec
+    elif ":" not in spec and "." not in spec:
+        raise RewardNameError(
             f"unknown reward {spec!r}: not a built-in ({sorted(BUILTIN_REWARDS)}) nor a "
             "dotted path like 'package.module:function'"
         )
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import reward {spec!r}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable (got {type(fn).__name__})")
-    return callable_name(fn), fn
+    else:
+        target = import_object(spec, search_dirs)
+        shown = None
+    if args or kwargs:
+        fn = build(spec, target, args, dict(kwargs or {}))
+        return callable_name(fn), fn
+    if not callable(target):
+        raise RewardNameError(f"reward {spec!r} is not callable (got {type(target).__name__})")
+    return shown or callable_name(target), target
 
 
 # --------------------------------------------------------------------------- signatures
@@ -610,8 +637,8 @@ class _Logs:
 class RewardSet:
     """Several reward functions with weights: TRL's ``reward_funcs`` / ``reward_weights``.
 
-    ``funcs``: built-in names, dotted paths or callables. ``weights``: one per function
-    (default all 1.0). ``raise_errors``: re-raise a failing function instead of logging it
+    ``funcs``: built-in names, dotted paths, callables, or run-config entries (``name``,
+    ``args``, ``kwargs``: ``from_config``). ``weights``: one per function (default all 1.0). ``raise_errors``: re-raise a failing function instead of logging it
     and using NaN. ``unscorable``: what an all-NaN row gets, ``"nan"`` (TRL: its reward stays
     NaN, a warning is logged) or ``"raise"``.
 
@@ -620,7 +647,7 @@ class RewardSet:
 
     def __init__(
         self,
-        funcs: Sequence[str | RewardFn],
+        funcs: Sequence[str | RewardFn | RewardEntry],
         weights: Sequence[float] | None = None,
         *,
         raise_errors: bool = False,
@@ -629,7 +656,7 @@ class RewardSet:
     ) -> None:
         if not funcs:
             raise ValueError("RewardSet needs at least one reward function")
-        resolved = [resolve_reward(f) for f in funcs]
+        resolved = [_resolve_entry(f) for f in funcs]
         self.names = [name for name, _ in resolved]
         self.funcs = [fn for _, fn in resolved]
         if weights is None:
@@ -664,6 +691,16 @@ class RewardSet:
         self._loop = _EventLoopThread() if any(self.is_async) else None
         self._checked: set[tuple[int, tuple[str, ...]]] = set()
         self._lingering: dict[int, threading.Thread] = {}  # timed-out calls still running
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> RewardSet:
+        """The run's reward functions: ``cfg.rewards`` (names, weights, factory arguments,
+        timeouts) and ``train.raise_reward_errors``."""
+        weights = [r.weight for r in cfg.rewards]
+        timeouts = [r.timeout_seconds for r in cfg.rewards]
+        return cls(
+            cfg.rewards, weights, raise_errors=cfg.train.raise_reward_errors, timeouts=timeouts
+        )
 
     def __call__(
         self,
@@ -846,6 +883,20 @@ class RewardSet:
                 "%s; they get zero advantage and stay out of the group's baseline", message
             )
         return rewards, unscorable
+
+
+class RewardEntry(Protocol):
+    """A run config's reward entry (``config.RewardSpec``)."""
+
+    name: str
+    args: Sequence[Any]
+    kwargs: dict[str, Any]
+
+
+def _resolve_entry(entry: str | RewardFn | RewardEntry) -> tuple[str, RewardFn]:
+    if isinstance(entry, str) or callable(entry):
+        return resolve_reward(entry)
+    return resolve_reward(entry.name, args=entry.args, kwargs=entry.kwargs)
 
 
 def _batch_columns(samples: list[Sample]) -> dict[str, list[Any]]:

@@ -155,12 +155,7 @@ class Recipe:
         self.rollout_once, why_not = plan.rollout_gathers_once(cfg)
         if why_not and self.accelerator.is_main_process:
             print(f"note: {why_not}", file=sys.stderr)
-        self.rewards = RewardSet(
-            [r.name for r in cfg.rewards],
-            [r.weight for r in cfg.rewards],
-            raise_errors=cfg.train.raise_reward_errors,
-            timeouts=[r.timeout_seconds for r in cfg.rewards],
-        )
+        self.rewards = RewardSet.from_config(cfg)  # names, weights, factories' arguments
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
@@ -500,7 +495,7 @@ class Recipe:
         self.accelerator.end_training()  # also destroys the process group
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> Recipe:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a YAML under configs/")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=2")
@@ -547,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if recipe.world_size > 1:  # a distributed run is done on every rank: skip gloo's teardown
         distributed.exit_ranks()
+    return recipe  # the trained run (longstraw_core.trainer.train returns it)
 
 
 if __name__ == "__main__":

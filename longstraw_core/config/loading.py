@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from longstraw_core import hub
 from longstraw_core.config.schema import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 from longstraw_core.config.validation import validate
 
@@ -37,7 +38,9 @@ def load_config(
     """The validated config of ``path`` (with its ``defaults:`` bases) plus ``overrides``.
 
     ``path=None`` starts from the schema defaults alone (recipes pass their tiny CPU config
-    as the default instead). Raises ``ConfigError`` naming the key on any problem.
+    as the default instead). Raises ``ConfigError`` naming the key on any problem. With
+    ``check_paths``, a Hub id in ``model.path`` / ``tokenizer.path`` becomes its snapshot
+    directory (``hub.resolve_paths``); reward modules are looked for beside ``path`` too.
     """
     merged = OmegaConf.structured(RunConfig)
     _open_free_dicts(merged)
@@ -51,14 +54,21 @@ def load_config(
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _translate(exc, "") from None
-    validate(cfg, check_paths=check_paths)
+    if check_paths:  # a Hub id as model.path / tokenizer.path: its snapshot directory
+        cfg = hub.resolve_paths(cfg)
+    # A reward module beside the config file imports (after the import path, before the
+    # working directory): reward_imports.
+    beside = [Path(path).resolve().parent] if path is not None else []
+    validate(cfg, check_paths=check_paths, reward_dirs=beside)
     return cfg
 
 
-def config_from_dict(body: dict[str, Any], source: str, *, check_paths: bool = True) -> RunConfig:
+def config_from_dict(
+    body: dict[str, Any], source: str, *, check_paths: bool = True, check_rewards: bool = True
+) -> RunConfig:
     """The validated config a plain dict describes (a run config a checkpoint recorded, as
     ``to_dict`` wrote it), with the same key checks as a YAML file; ``source`` names it in
-    errors."""
+    errors. ``check_rewards=False``: the reward functions are not imported (``validate``)."""
     merged = OmegaConf.structured(RunConfig)
     _open_free_dicts(merged)
     _check_keys(body, RunConfig, "", f"in {source}")
@@ -67,7 +77,7 @@ def config_from_dict(body: dict[str, Any], source: str, *, check_paths: bool = T
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _translate(exc, f"in {source}") from None
-    validate(cfg, check_paths=check_paths)
+    validate(cfg, check_paths=check_paths, check_rewards=check_rewards)
     return cfg
 
 

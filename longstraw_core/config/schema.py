@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 class ModelSection:
     """Which model: a local checkpoint (``path``) or a random-init toy (``tiny``)."""
 
-    path: str | None = None  # a local directory with config.json and weights
+    # a local directory with config.json and safetensors weights, or a Hugging Face Hub id
+    # (Qwen/Qwen3-0.6B: its snapshot in the HF cache, downloaded online; longstraw_core.hub)
+    path: str | None = None
     tiny: str | None = None  # a model type of longstraw_core.tiny_models.TINY_CONFIGS
     tiny_overrides: dict[str, Any] = field(default_factory=dict)  # transformers config fields
     dtype: str = "float32"  # one of DTYPES; the dtype of the parameters (and master weights)
@@ -60,9 +62,9 @@ class LoraSection:
 
 @dataclass
 class TokenizerSection:
-    # A tokenizer directory; "builtin:bytes": the built-in byte-level tokenizer (ChatML
-    # template); null: the model's own, i.e. model.path's tokenizer (refused when model.path
-    # has none), or the byte tokenizer for a model.tiny toy.
+    # A tokenizer directory or Hub id; "builtin:bytes": the built-in byte-level tokenizer
+    # (ChatML template); null: the model's own, i.e. model.path's tokenizer (refused when
+    # model.path has none), or the byte tokenizer for a model.tiny toy.
     path: str | None = None
 
 
@@ -186,11 +188,18 @@ GRPOSection = _grpo_section()
 
 @dataclass
 class RewardSpec:
-    name: str = MISSING  # a built-in name or a dotted path 'package.module:function'
+    """One reward function. ``name``: a built-in, or ``module:function`` (imported from the
+    import path, else the config file's directory, else the working directory). With
+    ``args`` or ``kwargs`` the named object is a factory (TRL's
+    ``get_soft_overlong_punishment``, a class): ``name(*args, **kwargs)`` is the function."""
+
+    name: str = MISSING
     weight: float = 1.0
     # A call (one group's completions) longer than this counts as failed (NaN), so a hung
     # judge cannot stall the run; null: no limit (called in the main thread, as TRL does).
     timeout_seconds: float | None = 600.0  # rewards.DEFAULT_TIMEOUT_SECONDS
+    args: list[Any] = field(default_factory=list)  # positional arguments of the factory
+    kwargs: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
 
 
 @dataclass

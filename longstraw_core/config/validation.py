@@ -50,6 +50,7 @@ from longstraw_core.quantization import (
     QUANTIZATIONS,
     require_bitsandbytes,
 )
+from longstraw_core.reward_imports import RewardNameError
 from longstraw_core.rewards import (
     TRL_ARGUMENTS,
     resolve_reward,
@@ -66,9 +67,19 @@ from longstraw_core.tokenizer import (
 )
 
 
-def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
+def validate(
+    cfg: RunConfig,
+    *,
+    check_paths: bool = True,
+    reward_dirs: Sequence[str | Path] = (),
+    check_rewards: bool = True,
+) -> None:
     """Range and combination checks; ``load_config`` calls it, call it again after editing
-    a config in code. Raises ``ConfigError`` with the key path."""
+    a config in code. Raises ``ConfigError`` with the key path.
+
+    ``reward_dirs``: where a reward module not on the import path is looked for, before the
+    working directory (``load_config``: the config file's directory). ``check_rewards=False``
+    leaves the reward functions unimported (``export`` never calls them)."""
     _check_sources(cfg, check_paths)
     facts = model_facts(cfg.model, check_paths=check_paths)
     _check_lora(cfg, facts)
@@ -76,8 +87,9 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     _check_data(cfg, facts)
     _check_rollout(cfg.rollout)
     grpo_config(cfg)
-    _check_rewards(cfg, check_paths)
-    _check_eval(cfg, facts, check_paths)
+    if check_rewards:
+        _check_rewards(cfg, check_paths, reward_dirs)
+    _check_eval(cfg, facts, check_paths, check_rewards)
     _check_optim(cfg.optim, cfg.train)
     _check_train(cfg.train, check_paths)
     _check_iterations(cfg)
@@ -320,16 +332,17 @@ def _check_rollout(rollout: RolloutSection) -> None:
             raise ConfigError(f"rollout.stop[{i}]", "an empty string would stop every response")
 
 
-def _check_rewards(cfg: RunConfig, check_paths: bool) -> None:
-    """Each reward resolves, and TRL's keyword call can bind it with the data's columns
-    (``rewards.signature_problem``): a function never runs with arguments it cannot take."""
+def _check_rewards(cfg: RunConfig, check_paths: bool, reward_dirs: Sequence[str | Path]) -> None:
+    """Each reward resolves (imported, a factory called with its arguments), and TRL's
+    keyword call can bind it with the data's columns (``rewards.signature_problem``): a
+    function never runs with arguments it cannot take."""
     if not cfg.rewards:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
     for i, spec in enumerate(cfg.rewards):
         try:
-            resolve_reward(spec.name)
-        except ValueError as exc:
-            raise ConfigError(f"rewards[{i}].name", str(exc)) from None
+            resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs, search_dirs=reward_dirs)
+        except RewardNameError as exc:
+            raise ConfigError(f"rewards[{i}].{exc.field}", str(exc)) from None
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
         timeout = spec.timeout_seconds
         _check_range(
@@ -351,7 +364,7 @@ def _check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_pat
             "functions itself: rename them",
         )
     for i, spec in enumerate(cfg.rewards):
-        name, fn = resolve_reward(spec.name)
+        name, fn = resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs)
         problem = signature_problem(fn, columns)
         if problem:
             attr = spec.name.replace(":", ".").rpartition(".")[2]
@@ -387,7 +400,7 @@ def eval_max_new_tokens(cfg: RunConfig) -> int:
     return cfg.rollout.max_new_tokens if new is None else new
 
 
-def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool) -> None:
+def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool, check_rewards: bool) -> None:
     """``eval``: its ranges always, its data (as ``eval_data`` resolves it) when it runs."""
     ev = cfg.eval
     _check_range("eval.every", ev.every, ev.every >= 0, "an int >= 0 (0: never)")
@@ -426,7 +439,8 @@ def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool) -> None:
     new = eval_max_new_tokens(cfg)
     _check_positions(cfg, facts, data, "eval.data", new, "eval" if ev.max_new_tokens else "rollout")
     _check_eval_within_plan(cfg, data, new)
-    _check_reward_columns(cfg, data, "eval.data", check_paths)
+    if check_rewards:
+        _check_reward_columns(cfg, data, "eval.data", check_paths)
 
 
 def _check_eval_within_plan(cfg: RunConfig, data: DataSection, new: int) -> None:
