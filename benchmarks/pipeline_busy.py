@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import longstraw_core as ls
     from longstraw_core.config import DistributedSection
-    from longstraw_core.pipeline import RunTopology
+    from longstraw_core.pipeline.topology import RunTopology
     from longstraw_core.tiny_models import tiny_model
 
     torch.set_num_threads(1)

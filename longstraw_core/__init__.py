@@ -12,6 +12,8 @@ result.loss, result.advantages, result.metrics()  # typed fields; the scalars to
 
 # First: quiets a bitsandbytes import-time notice before peft imports it (see quantization).
 from longstraw_core import quantization as _quantization  # noqa: F401
+from longstraw_core.adapters.base import ModelAdapter
+from longstraw_core.adapters.lookup import adapt, supported_model_types
 from longstraw_core.attention import segmented_attention
 from longstraw_core.generation import GenerationBatch
 from longstraw_core.grpo_config import GRPOConfig
@@ -21,10 +23,6 @@ from longstraw_core.reference_policy import lora_reference
 from longstraw_core.replay import GRPOStepResult, grpo_step
 from longstraw_core.rollout import RolloutOutput, rollout
 from longstraw_core.state import AttentionKV, PrefixState, format_bytes
-
-# NOTE: from the submodules, not the package: either package may be imported first.
-from model_adapters.base import ModelAdapter
-from model_adapters.registry import adapt, supported_model_types
 
 __all__ = [
     "AttentionKV",

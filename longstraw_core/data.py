@@ -59,7 +59,7 @@ from longstraw_core.tokenizer import encode_prompt
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from longstraw_core.config import DataSection
+    from longstraw_core.config.schema import DataSection
 
 __all__ = ["DataError", "Sample", "SampleSource", "Skipped", "load_samples", "sample_source"]
 

@@ -18,12 +18,13 @@ from rich.console import Console
 from rich.table import Table
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
+from longstraw_core.adapters import registry
+from longstraw_core.tiny_models import tiny_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-type", default="qwen3", choices=sorted(TINY_CONFIGS))
+    parser.add_argument("--model-type", default="qwen3", choices=sorted(registry.tiny_configs()))
     parser.add_argument("--prompt-tokens", type=int, default=32_768)
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=4096)

@@ -101,15 +101,15 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from longstraw_core.config import ConfigError
+from longstraw_core.config.schema import ConfigError
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import normaliser_share
 
 if TYPE_CHECKING:
     from accelerate.utils import InitProcessGroupKwargs
 
+    from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.exact import Produced
-    from model_adapters.base import ModelAdapter
 
 FORWARD_METHOD = "longstraw_forward"
 MIXED_PRECISION = ("auto", "bf16", "fp32")

@@ -74,9 +74,9 @@ from longstraw_core.tokenizer import encode_prompt
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.offload import OffloadPolicy
     from longstraw_core.pipeline.topology import RunTopology
-    from model_adapters.base import ModelAdapter
 
 # Eval seeds sit far above the training rollouts' (train.seed * 1_000_003 + sample index).
 EVAL_SEED_OFFSET = 1 << 40

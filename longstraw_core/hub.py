@@ -40,7 +40,7 @@ from huggingface_hub.utils import validate_repo_id
 from longstraw_core.config.schema import ConfigError
 
 if TYPE_CHECKING:
-    from longstraw_core.config import RunConfig
+    from longstraw_core.config.schema import RunConfig
 
 # What validation, the tokenizer and the planner read: config, tokenizer files, generation
 # config, chat templates, and the code of trust_remote_code models.

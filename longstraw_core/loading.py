@@ -49,12 +49,12 @@ from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 import longstraw_core as ls
 from longstraw_core import hub, models, quantization
-from longstraw_core.pipeline.stage import move_stage
+from longstraw_core.pipeline.cut import move_stage
 
 if TYPE_CHECKING:
+    from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.config import ModelSection, RunConfig
     from longstraw_core.pipeline.topology import RunTopology
-    from model_adapters.base import ModelAdapter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 from peft import PeftModel
 
+from longstraw_core.adapters.base import Item, ModelAdapter
 from longstraw_core.state import PrefixState
-from model_adapters.base import Item, ModelAdapter
 
 
 class LoraDisabledReference:

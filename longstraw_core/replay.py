@@ -21,13 +21,13 @@ from typing import Any, Protocol
 import torch
 
 from longstraw_core import metrics as names
+from longstraw_core.adapters.base import ModelAdapter, as_token_ids
 from longstraw_core.exact import StateGrad, new_state_grad
 from longstraw_core.fake import known_float, real_values
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.state import PrefixState
-from model_adapters.base import ModelAdapter, as_token_ids
 
 
 class Policy(Protocol):

@@ -69,13 +69,13 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from longstraw_core.adapters.base import ModelAdapter
 from longstraw_core.fake import is_fake, known_bool, known_list
 from longstraw_core.guard import NonFiniteError
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
 from longstraw_core.state import PrefixState
-from model_adapters.base import ModelAdapter
 
 
 @dataclass

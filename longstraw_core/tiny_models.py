@@ -6,18 +6,12 @@ its model here: the real transformers architectures at toy sizes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from longstraw_core.registry_view import RegistryView
-
-# Model type -> the transformers config kwargs of its toy model: a view of the model
-# families' declarations (``model_adapters.registry.tiny_configs``; each family's toy sizes,
-# and why, are in its adapter module).
-TINY_CONFIGS: Mapping[str, dict[str, Any]] = RegistryView("tiny_configs")
+from longstraw_core.adapters import registry
 
 # Decay rates of the tiny Gated DeltaNet layers: A in [0.02, 0.5] with dt_bias = 1 gives a
 # per-token decay exp(g) of roughly 0.5..0.97. transformers' initialisation draws A up to 16
@@ -51,9 +45,11 @@ def tiny_model(
     ``initializer_range`` is larger than the usual 0.02 so attention is far from uniform
     and equivalence tests can tell a wrong position or mask from a right one.
     """
-    if model_type not in TINY_CONFIGS:
-        raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(TINY_CONFIGS)}")
-    settings = {**TINY_CONFIGS[model_type], "initializer_range": initializer_range}
+    if model_type not in registry.tiny_configs():
+        raise ValueError(
+            f"no tiny config for {model_type!r}; known: {sorted(registry.tiny_configs())}"
+        )
+    settings = {**registry.tiny_configs()[model_type], "initializer_range": initializer_range}
     if dtype == torch.float64:  # MoE grouped matmul has no float64 CPU kernel: eager experts
         settings["experts_implementation"] = "eager"
     settings |= overrides

@@ -1,16 +1,13 @@
-"""Per-architecture adapters: how each model family keeps and reads its prefix state."""
+"""The model families: each module declares one family and registers its adapter.
 
-from model_adapters import dense, glm52, qwen36
-from model_adapters.base import ModelAdapter, Span
-from model_adapters.registry import adapt, register_adapter, supported_model_types
+The adapter contract they implement lives in ``longstraw_core.adapters``; the core finds this
+package through the ``longstraw.families`` entry point (``pyproject.toml``) and imports it,
+which registers the families in the order the tables list them (hence the import order).
+"""
 
-__all__ = [
-    "ModelAdapter",
-    "Span",
-    "adapt",
-    "dense",
-    "glm52",
-    "qwen36",
-    "register_adapter",
-    "supported_model_types",
-]
+# isort: off
+from model_adapters import dense, qwen36, glm52
+
+# isort: on
+
+__all__ = ["dense", "glm52", "qwen36"]

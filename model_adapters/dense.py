@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from longstraw_core.adapters.base import ModelAdapter, Span
+from longstraw_core.adapters.family import ModelFamily
+from longstraw_core.adapters.model_functions import RotaryFn, model_rotary_function
+from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import segmented_attention
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import AttentionKV, BranchKV
-from model_adapters.base import ModelAdapter, Span
-from model_adapters.family import ModelFamily
-from model_adapters.model_functions import RotaryFn, model_rotary_function
-from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
 

@@ -42,15 +42,15 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core import gpu_emulation, quantization
+from longstraw_core.adapters.base import ModelAdapter, Span
+from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.adapters.model_functions import RotaryFn, model_function
+from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import accumulation_dtype, segmented_attention
 from longstraw_core.fake import is_fake, representative
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import BranchLatent, LatentKV
-from model_adapters.base import ModelAdapter, Span
 from model_adapters.dense import MLP_TARGETS
-from model_adapters.family import ModelFamily, Preset
-from model_adapters.model_functions import RotaryFn, model_function
-from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
 
@@ -118,6 +118,7 @@ FAMILY = ModelFamily(
         "deepseek_v32": dict(_TINY_MLA_DSA),
     },
     presets={"GLM-5.2": _GLM52},
+    kernel_budgets=lambda device_type: {"sparse_work_elements": work_elements(device_type)},
 )
 
 

@@ -57,6 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_core import gpu_emulation
+from longstraw_core.adapters.base import ModelAdapter, Span, as_token_ids
+from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.adapters.model_functions import RotaryFn, model_function, model_rotary_function
+from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.offload import OffloadPolicy, home_options
 from longstraw_core.state import (
     AttentionKV,
@@ -65,11 +69,7 @@ from longstraw_core.state import (
     PrefixState,
     RecurrentState,
 )
-from model_adapters.base import ModelAdapter, Span, as_token_ids
 from model_adapters.dense import ATTENTION_TARGETS, MLP_TARGETS, TINY_DENSE, attend_with_state
-from model_adapters.family import ModelFamily, Preset
-from model_adapters.model_functions import RotaryFn, model_function, model_rotary_function
-from model_adapters.registry import register_adapter
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
 

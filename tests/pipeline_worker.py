@@ -33,13 +33,8 @@ from torch.distributed.tensor import DTensor
 import longstraw_core as ls
 from longstraw_core import checkpoint
 from longstraw_core.distributed import group_loss_scales, shard_model
-from longstraw_core.pipeline import (
-    average_over_replicas,
-    clip_grad_norm,
-    pipeline_mesh,
-    replica_group,
-    stage_adapter,
-)
+from longstraw_core.pipeline import average_over_replicas, clip_grad_norm
+from longstraw_core.pipeline.mesh import pipeline_mesh, replica_group, stage_adapter
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tokenizer import load_tokenizer
 

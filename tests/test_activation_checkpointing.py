@@ -26,8 +26,8 @@ from peft import LoraConfig, get_peft_model
 from reference import assert_grads_close, step_grads, with_lora
 
 import longstraw_core as ls
+import longstraw_core.adapters.base as base
 import longstraw_core.exact as exact
-import model_adapters.base as base
 from longstraw_core.exact import new_state_grad
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.offload import OffloadPolicy

@@ -1,4 +1,4 @@
-"""``score``'s LM head in row chunks (``model_adapters.base.HEAD_CHUNK_ELEMENTS``).
+"""``score``'s LM head in row chunks (``longstraw_core.adapters.lm_head.HEAD_CHUNK_ELEMENTS``).
 
 - Equivalence: with the budget shrunk so that a branch's head runs in several checkpointed
   chunks, ``score``'s log-probs and entropy and every parameter gradient (LM head, final
@@ -15,7 +15,7 @@ import torch
 from reference import detached_reference_logps, with_lora
 
 import longstraw_core as ls
-import model_adapters.base as base
+import longstraw_core.adapters.lm_head as lm_head
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.tiny_models import tiny_model
@@ -66,14 +66,14 @@ def _assert_same(chunked, whole, names_required=()) -> None:
 def _counting_chunks(monkeypatch) -> dict[str, int]:
     """Count the head chunks run, and those backward recomputed."""
     counts = {"chunks": 0, "recomputed": 0}
-    run = base._head_chunk
+    run = lm_head.head_chunk
 
     def counted(head, with_entropy, hidden, targets, temperature):
         counts["chunks"] += 1
         counts["recomputed"] += torch.is_grad_enabled() and not with_entropy
         return run(head, with_entropy, hidden, targets, temperature)
 
-    monkeypatch.setattr(base, "_head_chunk", counted)
+    monkeypatch.setattr(lm_head, "head_chunk", counted)
     return counts
 
 
@@ -90,9 +90,9 @@ def test_chunked_head_equals_one_chunk(monkeypatch, model_type, lora, checkpoint
     weights = torch.randn(10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     state = adapter.prefill(prompt, chunk_size=6, offload=offload)
 
-    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", ONE_CHUNK)
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", ONE_CHUNK)
     whole = _score_and_grads(model, adapter, state, response, weights)
-    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", SMALL)
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", SMALL)
     counts = _counting_chunks(monkeypatch)
     chunked = _score_and_grads(model, adapter, state, response, weights)
     assert counts == {"chunks": 8, "recomputed": 4}  # 4 chunks forward, 4 in backward
@@ -106,10 +106,10 @@ def test_chunked_head_equals_one_chunk(monkeypatch, model_type, lora, checkpoint
 
 
 def test_head_rows() -> None:
-    assert base.HEAD_CHUNK_ELEMENTS == 1 << 26
-    assert base.head_rows(2048, 248320) == 256  # 8 equal chunks of at most 270 rows
-    assert base.head_rows(10, 1 << 30) == 1  # a row at least
-    assert base.head_rows(100, 512) == 100  # a tiny vocabulary: one chunk
+    assert lm_head.HEAD_CHUNK_ELEMENTS == 1 << 26
+    assert lm_head.head_rows(2048, 248320) == 256  # 8 equal chunks of at most 270 rows
+    assert lm_head.head_rows(10, 1 << 30) == 1  # a row at least
+    assert lm_head.head_rows(100, 512) == 100  # a tiny vocabulary: one chunk
 
 
 def test_no_grad_chunks_are_not_checkpointed(monkeypatch) -> None:
@@ -119,8 +119,8 @@ def test_no_grad_chunks_are_not_checkpointed(monkeypatch) -> None:
     response = _ids(7, 1)
     with torch.no_grad():
         whole = adapter.score(state, response, return_entropy=True)
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", 2 * VOCAB)
-        monkeypatch.setattr(base, "checkpoint", None)  # would fail if called
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", 2 * VOCAB)
+        monkeypatch.setattr(lm_head, "checkpoint", None)  # would fail if called
         chunked = adapter.score(state, response, return_entropy=True)
     for got, want in zip(chunked, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -134,7 +134,7 @@ def test_exact_mode_grpo_step_is_unchanged(monkeypatch) -> None:
     config = ls.GRPOConfig(gradient="exact")
     results = []
     for budget in (ONE_CHUNK, 2 * VOCAB):
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", budget)
         model = _model("qwen3_5_text")
         adapter = ls.adapt(model)
         state = adapter.prefill(prompt, chunk_size=6, checkpoints="device")
@@ -157,14 +157,14 @@ def test_sharded_chunked_head_equals_one_chunk(world_of_one, monkeypatch, lora) 
     weights = torch.randn(10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     model = _model("qwen3", lora)
     adapter = ls.adapt(model)
-    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", ONE_CHUNK)
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", ONE_CHUNK)
     whole = _score_and_grads(model, adapter, adapter.prefill(prompt, chunk_size=6), response,
                              weights)  # fmt: skip
 
     model = _model("qwen3", lora)
     adapter = shard_model(ls.adapt(model))
     adapter.activation_checkpointing = True
-    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", SMALL)
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", SMALL)
     counts = _counting_chunks(monkeypatch)
     state = adapter.prefill(prompt, chunk_size=6)
     logps, entropy, grads = _score_and_grads(model, adapter, state, response, weights)
@@ -185,7 +185,7 @@ def test_chunked_head_lowers_the_peak(monkeypatch) -> None:
     state = adapter.prefill(prompt, chunk_size=64)
     peaks, results = [], []
     for budget in (ONE_CHUNK, 32 * vocab):
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", budget)
         model.zero_grad(set_to_none=True)
         with LiveTensorMemory() as memory:
             logps, entropy = adapter.score(state, response, return_entropy=True)

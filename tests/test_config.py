@@ -9,8 +9,8 @@ import pytest
 from accelerate.commands.config.config_args import ClusterConfig
 from torch import nn
 
+from longstraw_core.adapters import registry
 from longstraw_core.config import (
-    DEFAULT_LORA_TARGETS,
     ConfigError,
     RunConfig,
     grpo_config,
@@ -19,7 +19,7 @@ from longstraw_core.config import (
     to_yaml,
 )
 from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
-from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
+from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -115,15 +115,21 @@ def test_derived_config_is_a_diff_of_its_base() -> None:
     lora = load_config(CONFIGS / "qwen36" / "tiny_lora_grpo_cpu.yaml")
     assert lora.lora.enabled and not base.lora.enabled
     assert lora.data == base.data and lora.rollout == base.rollout and lora.grpo == base.grpo
-    assert lora_targets(lora.lora, lora.model.tiny) == DEFAULT_LORA_TARGETS["qwen3_5_text"]
+    assert (
+        lora_targets(lora.lora, lora.model.tiny) == registry.default_lora_targets()["qwen3_5_text"]
+    )
 
 
-@pytest.mark.parametrize("model_type", sorted(set(DEFAULT_LORA_TARGETS) & set(TINY_CONFIGS)))
+@pytest.mark.parametrize(
+    "model_type", sorted(set(registry.default_lora_targets()) & set(registry.tiny_configs()))
+)
 def test_default_lora_targets_name_linear_layers_of_the_architecture(model_type: str) -> None:
     model = tiny_model(model_type)
     linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert set(DEFAULT_LORA_TARGETS[model_type]) <= linear
-    assert not {"wq_b", "wk", "weights_proj"} & set(DEFAULT_LORA_TARGETS[model_type])  # DSA
+    assert set(registry.default_lora_targets()[model_type]) <= linear
+    assert not {"wq_b", "wk", "weights_proj"} & set(
+        registry.default_lora_targets()[model_type]
+    )  # DSA
 
 
 # --------------------------------------------------------------------------- bad configs
@@ -190,7 +196,7 @@ def test_position_limit_of_a_local_checkpoint_comes_from_its_config_json(tmp_pat
     from_path = ["model.tiny=null", "model.tiny_overrides={}", f"model.path={model_dir}",
                  "tokenizer.path=builtin:bytes"]  # fmt: skip
     ok = load_config(TINY, [*from_path, "data.prompt_tokens=4096", "lora.enabled=true"])
-    assert lora_targets(ok.lora, "qwen3_5") == DEFAULT_LORA_TARGETS["qwen3_5"]
+    assert lora_targets(ok.lora, "qwen3_5") == registry.default_lora_targets()["qwen3_5"]
     error = _error(TINY, *from_path)
     assert error.key == "data.prompt_tokens" and "config.json" in str(error)
     # With path checks off nothing is read from disk, so the limit is not known.

@@ -16,7 +16,7 @@ from reference import (
 )
 
 import longstraw_core as ls
-import model_adapters.base as base
+import longstraw_core.adapters.lm_head as lm_head
 from longstraw_core.exact import attach_grad_sink, new_state_grad
 from longstraw_core.state import AttentionKV
 from longstraw_core.tiny_models import tiny_model
@@ -134,7 +134,7 @@ def test_exact_step_at_a_temperature_equals_full_graph(
     its adapters off)."""
     temperature = 0.7
     if head_chunks:  # two rows a chunk: every branch's head runs in several
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", 2 * VOCAB)
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", 2 * VOCAB)
     if lora:
         policy = with_lora(tiny_model("qwen3", dtype=torch.float64, seed=6), ["q_proj", "v_proj"])
         adapter = ls.adapt(policy)
@@ -195,11 +195,11 @@ def test_memory_savers_keep_the_full_graph_gradient(monkeypatch, offload, checkp
     """CPU offload of the state (one layer resident), per-layer activation checkpointing and
     the LM head in row chunks change where memory goes, not the gradient: still the full
     graph's, from the transformers model itself."""
-    import model_adapters.base as base
+    import longstraw_core.adapters.lm_head as lm_head
     from longstraw_core.offload import OffloadPolicy
 
     if head_rows:
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", head_rows * VOCAB)
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", head_rows * VOCAB)
     model = tiny_model("qwen3", dtype=torch.float64, seed=5, num_hidden_layers=3)
     adapter = ls.adapt(model)
     adapter.activation_checkpointing = checkpointing

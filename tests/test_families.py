@@ -1,18 +1,16 @@
 """Model families: each adapter module's ``FAMILY`` is the one place its knowledge lives, and
-the tables other modules read are views of the registry."""
+the tables other modules read come from the registry."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import AutoConfig
 
-from longstraw_core.config import DEFAULT_LORA_TARGETS
-from longstraw_core.offload import LAYER_TYPES
-from longstraw_core.plan.model import PRESETS, Preset
-from longstraw_core.tiny_models import TINY_CONFIGS
-from model_adapters import dense, glm52, qwen36, registry, supported_model_types
-from model_adapters.base import ModelAdapter
-from model_adapters.family import ModelFamily
+from longstraw_core.adapters import registry
+from longstraw_core.adapters.base import ModelAdapter
+from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.adapters.lookup import supported_model_types
+from model_adapters import dense, glm52, qwen36
 
 
 def test_each_shipped_family_is_declared_by_its_adapter_module() -> None:
@@ -31,23 +29,24 @@ def test_each_shipped_family_is_declared_by_its_adapter_module() -> None:
     assert registry.family_of("gpt2") is None
 
 
-def test_the_former_tables_are_views_of_the_registry() -> None:
-    assert dict(DEFAULT_LORA_TARGETS) == registry.default_lora_targets()
-    assert dict(TINY_CONFIGS) == registry.tiny_configs()
-    assert dict(PRESETS) == registry.presets()
-    assert dict(LAYER_TYPES) == registry.layer_kinds()
-    assert list(PRESETS) == ["Qwen3.6-27B", "GLM-5.2"]
-    assert dict(LAYER_TYPES) == {
+def test_the_tables_hold_every_familys_declarations() -> None:
+    families = registry.families()
+    assert registry.default_lora_targets() == {
+        t: v for f in families for t, v in f.lora_targets.items()
+    }
+    assert registry.tiny_configs() == {t: v for f in families for t, v in f.tiny_configs.items()}
+    assert list(registry.presets()) == ["Qwen3.6-27B", "GLM-5.2"]
+    assert dict(registry.layer_kinds()) == {
         "full_attention": "attention",
         "linear_attention": "recurrent",
         "mla_dsa": "latent",
     }
-    assert all(isinstance(p, Preset) for p in PRESETS.values())
+    assert all(isinstance(p, Preset) for p in registry.presets().values())
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(registry.tiny_configs()))
 def test_every_tiny_config_builds_its_config_class(model_type: str) -> None:
-    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type])
+    config = AutoConfig.for_model(model_type, **registry.tiny_configs()[model_type])
     assert config.model_type == model_type
 
 

@@ -38,9 +38,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import longstraw_core as ls
 from longstraw_core import loading, models, quantization
+from longstraw_core.adapters import registry
 from longstraw_core.config import LoraSection, ModelSection, load_config
 from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
-from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
+from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "loading_worker.py"
@@ -280,7 +281,7 @@ def _multimodal_qwen35(directory: Path) -> None:
     under ``model.language_model.``, a vision tower beside it."""
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = {k: v for k, v in TINY_CONFIGS["qwen3_5_text"].items() if k != "model_type"}
+    text = {k: v for k, v in registry.tiny_configs()["qwen3_5_text"].items() if k != "model_type"}
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
     config = Qwen3_5Config(
         text_config=text, vision_config=vision | {"out_hidden_size": text["hidden_size"]}

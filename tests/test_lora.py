@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from longstraw_core import models
-from longstraw_core.config import DEFAULT_LORA_TARGETS, LoraSection
+from longstraw_core.adapters import registry
+from longstraw_core.config import LoraSection
 from longstraw_core.plan import ModelSpec, Workload
 from longstraw_core.plan.core import MemoryParts
-from longstraw_core.tiny_models import TINY_CONFIGS, tiny_model
+from longstraw_core.tiny_models import tiny_model
 
-MODEL_TYPES = sorted(set(DEFAULT_LORA_TARGETS) & set(TINY_CONFIGS))
+MODEL_TYPES = sorted(set(registry.default_lora_targets()) & set(registry.tiny_configs()))
 
 
 def _named_linear_modules(model: nn.Module, targets: list[str]) -> set[str]:
@@ -44,7 +45,7 @@ def _adapted(peft_model: nn.Module) -> set[str]:
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_lora_adapts_exactly_the_named_linear_modules(model_type: str) -> None:
     model = tiny_model(model_type)
-    wanted = _named_linear_modules(model, DEFAULT_LORA_TARGETS[model_type])
+    wanted = _named_linear_modules(model, registry.default_lora_targets()[model_type])
     peft_model = models.add_lora(model, LoraSection(enabled=True, r=4, alpha=8))
     assert _adapted(peft_model) == wanted
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -73,7 +74,7 @@ def test_saved_adapters_load_back_onto_the_same_modules(model_type: str, tmp_pat
 def test_planner_counts_the_adapters_peft_trains(model_type: str) -> None:
     model = tiny_model(model_type)
     spec = ModelSpec.from_model(model, model_type)
-    targets = tuple(DEFAULT_LORA_TARGETS[model_type])
+    targets = tuple(registry.default_lora_targets()[model_type])
     work = Workload(
         prompt_tokens=64, group=2, response_tokens=8, chunk_size=32, lora_rank=4,
         lora_targets=targets,

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import longstraw_core as ls
+from longstraw_core.adapters.base import Span
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.state import AttentionKV, RecurrentState
 from longstraw_core.tiny_models import tiny_model
-from model_adapters.base import Span
 
 VOCAB = 512
 LENGTHS = [5, 3, 7]

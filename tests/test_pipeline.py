@@ -32,10 +32,9 @@ from longstraw_core.pipeline import (
     StageLayoutError,
     balanced_boundaries,
     check_stage_count,
-    pipeline_mesh,
-    stage_link,
     stage_model,
 )
+from longstraw_core.pipeline.mesh import pipeline_mesh, stage_link
 from longstraw_core.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

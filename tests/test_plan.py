@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import longstraw_core as ls
-import model_adapters.base as base
+import longstraw_core.adapters.lm_head as lm_head
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.memory import LiveTensorMemory, parse_bytes
 from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
@@ -54,7 +54,9 @@ class Case:
     chunk: int
     checkpointing: bool = False  # adapter.activation_checkpointing
     vocab: int = 512  # the tiny models' own
-    head_chunk: int = 0  # model_adapters.base.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
+    head_chunk: int = (
+        0  # longstraw_core.adapters.lm_head.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
+    )
     keep_outputs: bool = False  # GRPOConfig.keep_attention_outputs
     bf16: bool = False  # bf16 working weights over float32 masters (mixed_precision.py)
 
@@ -134,7 +136,7 @@ def _case_id(case: Case) -> str:
 def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) -> None:
     torch.set_num_threads(1)
     if case.head_chunk:  # the adapter's and the planner's budget
-        monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", case.head_chunk)
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", case.head_chunk)
     positions = case.prompt + case.response + 8
     overrides = {"vocab_size": case.vocab} if case.vocab != 512 else {}
     model = tiny_model(case.model_type, max_position_embeddings=positions, **overrides).train()
@@ -207,7 +209,7 @@ def test_chunked_head_shrinks_the_branch_at_paper_scale(monkeypatch) -> None:
     branch = "one branch graph (transient)"
     chunked = plan_memory(spec, work)
     assert "logits [256, 248320]" in chunked.line(branch).note
-    monkeypatch.setattr(base, "HEAD_CHUNK_ELEMENTS", 1 << 40)  # the whole branch: one chunk
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", 1 << 40)  # the whole branch: one chunk
     whole = plan_memory(spec, work)
     assert chunked.line(branch).device < 0.4 * whole.line(branch).device
     tokens, vocab = work.response_tokens, spec.vocab

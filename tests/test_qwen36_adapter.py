@@ -33,8 +33,9 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.cache_utils import LinearAttentionLayer
 
 import longstraw_core as ls
+from longstraw_core.adapters import registry
 from longstraw_core.state import RecurrentState
-from longstraw_core.tiny_models import TINY_CONFIGS, slow_gated_deltanet_decay, tiny_model
+from longstraw_core.tiny_models import slow_gated_deltanet_decay, tiny_model
 from model_adapters import qwen36
 
 VOCAB = 512
@@ -109,7 +110,7 @@ def _conditional_generation_model() -> Qwen3_5ForConditionalGeneration:
     """Qwen3.6 as released: the multimodal wrapper (``qwen3_5``), used here for text only."""
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
     vision |= {"out_hidden_size": 64, "patch_size": 4, "temporal_patch_size": 1}
-    text = {**TINY_CONFIGS["qwen3_5_text"], "initializer_range": 0.1}
+    text = {**registry.tiny_configs()["qwen3_5_text"], "initializer_range": 0.1}
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
     slow_gated_deltanet_decay(model)

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import dataclasses
 
+from longstraw_core.adapters import registry
 from longstraw_core.plan.advice import fixes_for, largest_chunk, offload_keys, plan_memory
 from longstraw_core.plan.core import PHASES, Line, MemoryPlan, compute_plan
-from longstraw_core.plan.model import PRESETS, ModelSpec, Workload
+from longstraw_core.plan.model import ModelSpec, Workload
 from longstraw_core.plan.output import stage_rows
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
@@ -57,7 +58,7 @@ def settle(spec: ModelSpec, work: Workload) -> MemoryPlan:
 
 def paper_tables() -> str:
     """Markdown tables for the paper-scale scenarios, G=2 and G=8, detached and exact."""
-    specs = {name: spec_for_preset(name) for name in PRESETS}
+    specs = {name: spec_for_preset(name) for name in registry.presets()}
     out = [
         "## Memory plans at paper scale",
         "",
@@ -158,12 +159,12 @@ def _settings(plan: MemoryPlan) -> str:
 
 
 def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
-    qwen = PRESETS["Qwen3.6-27B"]
+    qwen = registry.presets()["Qwen3.6-27B"]
     return [
         f"Qwen3.6-27B preset: {qwen.source}; built as `qwen3_5_text` "
         f"({specs['Qwen3.6-27B'].params / 1e9:.2f}B parameters): "
         + ", ".join(f"{k}={v}" for k, v in qwen.config.items() if k != "rope_parameters"),
-        f"GLM-5.2 preset: {PRESETS['GLM-5.2'].source} ({specs['GLM-5.2'].params / 1e9:.1f}B "
+        f"GLM-5.2 preset: {registry.presets()['GLM-5.2'].source} ({specs['GLM-5.2'].params / 1e9:.1f}B "
         "parameters): 78 layers (3 dense, 75 MoE: 256 experts of 2048, top-8, 1 shared), "
         "hidden 6144, MLA q_lora 2048 / kv_lora 512 / rope 64, 64 heads, DSA indexer "
         "(32 x 128, top-2048) on every layer, vocabulary 154880",
@@ -236,7 +237,7 @@ def on_device(spec: ModelSpec, work: Workload) -> MemoryPlan:
 def pipeline_tables(specs: dict[str, ModelSpec] | None = None) -> str:
     """The paper configurations on pipeline stages, the state on the GPUs, and the time
     estimate beside the paper's measured step."""
-    specs = specs or {name: spec_for_preset(name) for name in PRESETS}
+    specs = specs or {name: spec_for_preset(name) for name in registry.presets()}
     out = [BEGIN, ""]
     out += _staged_summary(specs)
     for scenario in STAGED:

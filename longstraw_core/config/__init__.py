@@ -14,12 +14,11 @@ Import from here; the modules hold:
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
   ``offload_policy``, and what ``eval`` resolves to (``eval_data``, ``eval_generations``,
   ``eval_max_new_tokens``).
-- ``model_tables``: ``DEFAULT_LORA_TARGETS``, ``lora_targets``, ``model_facts``.
+- ``model_tables``: ``lora_targets`` (defaults from the model families), ``model_facts``.
 """
 
 from longstraw_core.config.loading import config_from_dict, load_config, to_dict, to_yaml
 from longstraw_core.config.model_tables import (
-    DEFAULT_LORA_TARGETS,
     ModelFacts,
     lora_targets,
     model_facts,
@@ -62,7 +61,6 @@ from longstraw_core.config.validation import (
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "BUILTIN_TOKENIZER_SIZE",
-    "DEFAULT_LORA_TARGETS",
     "DTYPES",
     "GRPO_FROM_ROLLOUT",
     "MIXED_PRECISION",

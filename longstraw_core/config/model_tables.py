@@ -1,23 +1,16 @@
 """Model knowledge the config needs: default LoRA targets per model type (declared by each
-model family, ``model_adapters.family``), and the facts (type, position limit, vocabulary)
+model family, ``longstraw_core.adapters.family``), and the facts (type, position limit, vocabulary)
 validation reads from a tiny config or ``config.json``."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longstraw_core.adapters import registry
 from longstraw_core.config.schema import ConfigError, LoraSection, ModelSection
-from longstraw_core.registry_view import RegistryView
-from longstraw_core.tiny_models import TINY_CONFIGS
-
-# LoRA targets when ``lora.target_modules`` is null, by ``config.model_type``: a view of the
-# model families' declarations (``model_adapters.registry.default_lora_targets``; each family's
-# targets, and why, are in its adapter module).
-DEFAULT_LORA_TARGETS: Mapping[str, list[str]] = RegistryView("default_lora_targets")
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,9 @@ def _tiny_facts(model_type: str, overrides: dict[str, Any]) -> ModelFacts:
                 f"not a field of the {type(default).__name__} of model.tiny={model_type!r}",
             )
     try:
-        config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **overrides})
+        config = AutoConfig.for_model(
+            model_type, **{**registry.tiny_configs()[model_type], **overrides}
+        )
     except Exception as exc:  # huggingface_hub strict-dataclass errors and plain ValueErrors
         bad = next((k for k in overrides if repr(k) in str(exc) or k in str(exc)), None)
         key = f"model.tiny_overrides.{bad}" if bad else "model.tiny_overrides"
@@ -75,10 +70,10 @@ def lora_targets(lora: LoraSection, model_type: str | None) -> list[str]:
     """``lora.target_modules``, or the default for ``model_type`` (``config.model_type``)."""
     if lora.target_modules is not None:
         return list(lora.target_modules)
-    if model_type not in DEFAULT_LORA_TARGETS:
+    if model_type not in registry.default_lora_targets():
         raise ConfigError(
             "lora.target_modules",
             f"no default for model_type {model_type!r} (defaults exist for "
-            f"{', '.join(sorted(DEFAULT_LORA_TARGETS))}); list the modules to adapt",
+            f"{', '.join(sorted(registry.default_lora_targets()))}); list the modules to adapt",
         )
-    return list(DEFAULT_LORA_TARGETS[model_type])
+    return list(registry.default_lora_targets()[model_type])

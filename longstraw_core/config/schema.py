@@ -39,7 +39,7 @@ class ModelSection:
     # a local directory with config.json and safetensors weights, or a Hugging Face Hub id
     # (Qwen/Qwen3-0.6B: its snapshot in the HF cache, downloaded online; longstraw_core.hub)
     path: str | None = None
-    tiny: str | None = None  # a model type of longstraw_core.tiny_models.TINY_CONFIGS
+    tiny: str | None = None  # a model type of a family's tiny_configs (registry.tiny_configs)
     tiny_overrides: dict[str, Any] = field(default_factory=dict)  # transformers config fields
     dtype: str = "float32"  # one of DTYPES; the dtype of the parameters (and master weights)
     attn_implementation: str = "sdpa"  # used by the reference forward; adapters attend themselves
@@ -57,7 +57,7 @@ class LoraSection:
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.0  # must be 0 with grpo.gradient=exact or on kv_b_proj (see validate)
-    target_modules: list[str] | None = None  # null: DEFAULT_LORA_TARGETS[model_type]
+    target_modules: list[str] | None = None  # null: the family's default for model_type
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from longstraw_core.adapters import registry
 from longstraw_core.config.model_tables import ModelFacts, lora_targets, model_facts
 from longstraw_core.config.schema import (
     ATTN_IMPLEMENTATIONS,
@@ -58,7 +59,6 @@ from longstraw_core.rewards import (
     signature_problem,
 )
 from longstraw_core.tasks import TASKS
-from longstraw_core.tiny_models import TINY_CONFIGS
 from longstraw_core.tokenizer import (
     has_tokenizer_files,
     is_builtin,
@@ -131,14 +131,14 @@ def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
         raise ConfigError(
             "model.path" if model.path else "model",
             "set exactly one of model.path (a local checkpoint) or model.tiny (a model type of "
-            f"{', '.join(sorted(TINY_CONFIGS))})",
+            f"{', '.join(sorted(registry.tiny_configs()))})",
         )
     if check_paths:
         _check_exists("model.path", model.path, directory=True)
         _check_tokenizer(cfg.tokenizer.path, model.path)
         _check_exists("data.path", cfg.data.path, directory=False)
     if model.tiny is not None:
-        _check_choice("model.tiny", model.tiny, sorted(TINY_CONFIGS))
+        _check_choice("model.tiny", model.tiny, sorted(registry.tiny_configs()))
     elif model.tiny_overrides:
         raise ConfigError(
             "model.tiny_overrides",

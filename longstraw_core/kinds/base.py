@@ -10,7 +10,7 @@ by record class.
 The protocols below name every method called from outside a kind's module:
 
 - ``LayerState``: what ``PrefixState``, ``longstraw_core.exact``, ``longstraw_core.offload``
-  and ``model_adapters.base`` call on any record, whatever its kind (``RecordBase`` gives
+  and ``longstraw_core.adapters.base`` call on any record, whatever its kind (``RecordBase`` gives
   the defaults a kind without checkpoints, kept outputs or a compressed form inherits).
 - ``AttentionReads``, ``RecurrentReads``, ``LatentReads``: what the adapter of that kind
   calls on the layer it is handed by ``ModelAdapter.layer_records``. The record, its exact

@@ -1,6 +1,6 @@
 """The reads of every layer kind, answered by another object: the base of the wrappers a
 pass hands adapters instead of a record (``longstraw_core.offload.StreamedRecord``, an
-offloaded record's device copy; ``model_adapters.base.LayerRecord``, a record under
+offloaded record's device copy; ``longstraw_core.adapters.base.LayerRecord``, a record under
 activation checkpointing).
 
 Each method is declared (no ``__getattr__``): together they are the union of the kinds'

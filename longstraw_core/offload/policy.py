@@ -11,13 +11,9 @@ from typing import Any
 
 import torch
 
-from longstraw_core.registry_view import RegistryView
+from longstraw_core.adapters import registry
 
 PLACEMENTS = ("device", "cpu")
-# The policy field that places each record kind (``LayerState.kind``), as the model families
-# declare it (``model_adapters.registry.layer_kinds``; built on first use: the adapters import
-# this package).
-LAYER_TYPES: Mapping[str, str] = RegistryView("layer_kinds")
 _FIELDS = ("attention", "recurrent", "latent")
 
 
@@ -83,11 +79,11 @@ class OffloadPolicy:
 
     def placement(self, kind: str) -> str:
         """``"device"`` or ``"cpu"`` for a layer type (``"attention"``, ...) or record kind."""
-        name = LAYER_TYPES.get(kind, kind)
+        name = registry.layer_kinds().get(kind, kind)
         if name not in _FIELDS:
             raise ValueError(
                 f"unknown layer type {kind!r}; layer types: {list(_FIELDS)}, record kinds: "
-                f"{list(LAYER_TYPES)}"
+                f"{list(registry.layer_kinds())}"
             )
         return getattr(self, name)
 

@@ -8,14 +8,20 @@
   the planner's time);
 - ``runner``: a stage's program run with real transfers;
 - ``transport``: the exchanges (``batch_isend_irecv``, shapes from the plan, no tags);
-- ``stage``: an adapter cut down to its stage (``stage_model``);
-- ``mesh``: the world as stages x replicas (``pipeline_mesh``, ``stage_adapter``);
+- ``stage``: what an adapter on a stage knows of its place (``Stage``), the stand-ins for
+  the layers it does not hold;
+- ``cut``: an adapter cut down to its stage (``stage_model``);
 - ``gradients``: averaging over replicas, clipping by the whole model's norm;
-- ``topology``: what a recipe's rank does (its replica's prompt, its stage; ``RunTopology``).
 
-The adapter's passes on a stage are in ``model_adapters.staged``.
+and two modules of the run's floor, which this ``__init__`` does not import (they read the
+run config and the planner, which sit above the adapters): ``mesh``, the world as stages x
+replicas (``pipeline_mesh``, ``stage_adapter``), and ``topology``, what a recipe's rank does
+(its replica's prompt, its stage; ``RunTopology``).
+
+The adapter's passes on a stage are in ``longstraw_core.adapters.staged``.
 """
 
+from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import (
     StageLayout,
@@ -23,20 +29,11 @@ from longstraw_core.pipeline.layout import (
     balanced_boundaries,
     check_stage_count,
 )
-from longstraw_core.pipeline.mesh import (
-    default_layout,
-    pipeline_mesh,
-    replica_group,
-    stage_adapter,
-    stage_link,
-)
-from longstraw_core.pipeline.stage import OnAnotherStage, Stage, stage_model
-from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.pipeline.stage import OnAnotherStage, Stage
 from longstraw_core.pipeline.transport import StageLink
 
 __all__ = [
     "OnAnotherStage",
-    "RunTopology",
     "Stage",
     "StageLayout",
     "StageLayoutError",
@@ -45,10 +42,5 @@ __all__ = [
     "balanced_boundaries",
     "check_stage_count",
     "clip_grad_norm",
-    "default_layout",
-    "pipeline_mesh",
-    "replica_group",
-    "stage_adapter",
-    "stage_link",
     "stage_model",
 ]

@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.pipeline.layout import (
     StageLayout,
     check_stage_count,
 )
-from longstraw_core.pipeline.stage import stage_model
 from longstraw_core.pipeline.transport import StageLink
 
 if TYPE_CHECKING:
-    from model_adapters.base import ModelAdapter
+    from longstraw_core.adapters.base import ModelAdapter
 
 REPLICA, STAGE = "replica", "stage"
 

@@ -32,8 +32,8 @@ from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh, stage_ad
 from longstraw_core.rewards import RewardResult, batch_columns, reward_metrics
 
 if TYPE_CHECKING:
+    from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.config import DistributedSection
-    from model_adapters.base import ModelAdapter
 
 Row = TypeVar("Row")
 # Per-rank byte counts of what a stage holds: summed over a pipeline's stages.

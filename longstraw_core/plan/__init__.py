@@ -16,7 +16,7 @@ Where the numbers come from (so the plan cannot drift from the code):
 
 - **Model.** The model is built from its transformers config on the ``meta`` device (no
   weights, no memory): a tiny model from ``longstraw_core.tiny_models``, a checkpoint's
-  ``config.json`` through ``AutoConfig``, or a named paper-scale preset (``PRESETS``).
+  ``config.json`` through ``AutoConfig``, or a named paper-scale preset (a family's ``presets``).
   Parameter counts are read from its modules; LoRA counts ``r x (in + out)`` per targeted
   ``nn.Linear``.
 - **State.** The adapter's own ``new_layer_states`` builds the records (on ``meta``) at
@@ -26,7 +26,7 @@ Where the numbers come from (so the plan cannot drift from the code):
 - **Transients.** Activation memory is derived from tensor shapes, module by module, following
   the code that runs (``Activations``): what autograd saves in one branch (or one recomputed
   chunk), the LM head's float32 logits and ``log_softmax`` in row chunks
-  (``model_adapters.base.HEAD_CHUNK_ELEMENTS``), the kernels' blocks
+  (``longstraw_core.adapters.lm_head.HEAD_CHUNK_ELEMENTS``), the kernels' blocks
   (``attention.kernel_budgets()``, ``glm52.work_elements()``), the optimizer's scratch.
 
 What the peak counts: tensor memory (what ``torch.cuda.max_memory_allocated`` reports, or
@@ -69,7 +69,7 @@ from longstraw_core.plan.advice import (
     rollout_gathers_once,
 )
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
-from longstraw_core.plan.model import PRESETS, LayerSpec, ModelSpec, Preset, Workload
+from longstraw_core.plan.model import LayerSpec, ModelSpec, Preset, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
 from longstraw_core.plan.sources import (
     Scenario,
@@ -83,7 +83,6 @@ from longstraw_core.plan.stages import layer_costs, stage_layout, stage_spec
 from longstraw_core.plan.timing import Hardware, PhaseTime, TimeEstimate, estimate_time
 
 __all__ = [
-    "PRESETS",
     "Hardware",
     "LayerSpec",
     "Line",

@@ -188,8 +188,8 @@ class Activations:
         return 2 * self.spec.rotary_dim * self.b * tokens
 
     def head_rows(self, tokens: int) -> int:
-        """Rows per chunk of ``score``'s LM head (``model_adapters.base.head_rows``)."""
-        from model_adapters.base import head_rows
+        """Rows per chunk of ``score``'s LM head (``longstraw_core.adapters.lm_head.head_rows``)."""
+        from longstraw_core.adapters.lm_head import head_rows
 
         return head_rows(tokens, self.spec.vocab)
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from longstraw_core.adapters import registry
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.plan.advice import error_message, plan_memory
 from longstraw_core.plan.calibration import (
@@ -19,7 +20,6 @@ from longstraw_core.plan.calibration import (
     resolve_hardware,
 )
 from longstraw_core.plan.core import MemoryPlan
-from longstraw_core.plan.model import PRESETS
 from longstraw_core.plan.output import print_plan, print_time, render_markdown
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", help="a run config (YAML); key=value overrides follow")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="a paper-scale preset")
+    source.add_argument("--preset", choices=sorted(registry.presets()), help="a paper-scale preset")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.chunk_size=2048")
     parser.add_argument("--prompt-tokens", type=int, help="default: data.prompt_tokens")
     parser.add_argument("--group", type=int, help="G; default: rollout.num_generations")
@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "model.path" in str(exc) or isinstance(exc, OSError):
             hint = (
                 f" (no weights are needed: a checkpoint's config.json, or a preset: "
-                f"model.path={' / '.join(PRESETS)} or --preset)"
+                f"model.path={' / '.join(registry.presets())} or --preset)"
             )
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2

@@ -2,14 +2,21 @@
 
 The budgets are read when called, from the modules that use them:
 ``attention.kernel_budgets()`` (the pure-torch loop's score blocks, the flash-attn and fused
-CPU backward's key chunks) and ``glm52.work_elements()`` (DSA search, sparse latent blocks).
+CPU backward's key chunks) and, for a family's own kernels, the budgets it declares
+(``registry.kernel_budget``: GLM-5.2's ``sparse_work_elements``, DSA search and sparse latent
+blocks).
 """
 
 from __future__ import annotations
 
+from longstraw_core.adapters import registry
 from longstraw_core.attention import kernel_budgets
 from longstraw_core.plan.units import FP32, INT64
-from model_adapters.glm52 import work_elements
+
+
+def work_elements(device: str) -> int:
+    """The sparse latent attention's block budget (``glm52.work_elements``)."""
+    return registry.kernel_budget("sparse_work_elements", device)
 
 
 def flash_backward_scratch(

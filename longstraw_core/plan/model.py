@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +14,7 @@ from torch import nn
 
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.quantization import is_quantized, quantizable_in_layer
-from longstraw_core.registry_view import RegistryView
-from model_adapters.family import Preset
 
-# Preset name -> paper-scale model: a view of the model families' declarations
-# (``model_adapters.registry.presets``; each preset's numbers and sources are in its family's
-# adapter module).
-PRESETS: Mapping[str, Preset] = RegistryView("presets")
 PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 LOAD = "load"  # the phase before the first step: loading the weights (``plan.phases`` first)
 
@@ -79,7 +73,7 @@ class ModelSpec:
     def from_model(cls, model: nn.Module, name: str) -> ModelSpec:
         """Read a (meta or real) model through its LongStraw adapter (pass the model before
         any PEFT wrapping: LoRA is the workload's, not the spec's)."""
-        from model_adapters.registry import adapt
+        from longstraw_core.adapters.lookup import adapt
 
         adapter = adapt(model)
         with torch.device("meta"):

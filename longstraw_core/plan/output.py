@@ -69,7 +69,7 @@ def _stage_note(work: Workload) -> str:
 
 
 def _head_chunk_elements() -> int:
-    from model_adapters.base import HEAD_CHUNK_ELEMENTS
+    from longstraw_core.adapters.lm_head import HEAD_CHUNK_ELEMENTS
 
     return HEAD_CHUNK_ELEMENTS
 

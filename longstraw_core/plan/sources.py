@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from longstraw_core.adapters import registry
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.plan.model import PRESETS, ModelSpec, Workload
+from longstraw_core.plan.model import ModelSpec, Workload
 
 # The LoRA target modules of the shipped paper-scale configs, per preset.
 PRESET_LORA_TARGETS: dict[str, tuple[str, ...]] = {
@@ -81,12 +82,12 @@ def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload
 
 
 def preset_config(name: str) -> Any:
-    """The transformers config of a named preset (``PRESETS``)."""
+    """The transformers config of a named preset (``registry.presets()``)."""
     from transformers import AutoConfig
 
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    preset = PRESETS[name]
+    if name not in registry.presets():
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(registry.presets())}")
+    preset = registry.presets()[name]
     return AutoConfig.for_model(preset.model_type, **preset.config)
 
 
@@ -99,15 +100,13 @@ def spec_for_config(cfg: Any, compute_dtype: torch.dtype) -> ModelSpec:
     through ``AutoConfig``: no weights), built on ``meta``."""
     from transformers import AutoConfig
 
-    from longstraw_core.tiny_models import TINY_CONFIGS
-
     model = cfg.model
     if model.tiny is not None:
         config = AutoConfig.for_model(
-            model.tiny, **{**TINY_CONFIGS[model.tiny], **model.tiny_overrides}
+            model.tiny, **{**registry.tiny_configs()[model.tiny], **model.tiny_overrides}
         )
         return ModelSpec.from_config(config, f"tiny {model.tiny}", compute_dtype)
-    if model.path in PRESETS:
+    if model.path in registry.presets():
         return spec_for_preset(model.path, compute_dtype)
     config = AutoConfig.from_pretrained(
         model.path, trust_remote_code=model.trust_remote_code, local_files_only=True
@@ -220,8 +219,8 @@ def _activation_checkpointing(cfg: Any) -> bool:
 def _model_type(cfg: Any) -> str | None:
     if cfg.model.tiny is not None:
         return cfg.model.tiny
-    if cfg.model.path in PRESETS:
-        return PRESETS[cfg.model.path].model_type
+    if cfg.model.path in registry.presets():
+        return registry.presets()[cfg.model.path].model_type
     from longstraw_core.config import model_facts
 
     return model_facts(cfg.model, check_paths=True).model_type

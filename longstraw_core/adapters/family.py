@@ -2,14 +2,14 @@
 LongStraw (config, tiny models, planner, offload) learns about a family.
 
 Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``family``;
-``model_adapters.registry`` collects them and builds the tables other modules read
-(``DEFAULT_LORA_TARGETS``, ``TINY_CONFIGS``, ``PRESETS``, ``LAYER_TYPES``). This module
-imports nothing of LongStraw: anything may import it.
+``longstraw_core.adapters.registry`` collects them and builds the tables other modules read
+(``default_lora_targets``, ``tiny_configs``, ``presets``, ``layer_kinds``, ``kernel_budget``).
+This module imports nothing of LongStraw: anything may import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,9 @@ class ModelFamily:
       (``AutoConfig.for_model(model_type, **kwargs)``) that make the toy model every test,
       demo and benchmark builds (``longstraw_core.tiny_models``).
     - ``presets``: name -> ``Preset``, paper-scale models the memory planner knows by name.
+    - ``kernel_budgets``: device type (``"cpu"``, ``"cuda"``) -> the block budgets of the
+      family's own kernels as they are now (read when called: tests patch them), by name;
+      the planner sizes those kernels' scratch by them (``registry.kernel_budget``).
     """
 
     name: str
@@ -46,6 +49,7 @@ class ModelFamily:
     lora_targets: Mapping[str, list[str]]
     tiny_configs: Mapping[str, dict[str, Any]]
     presets: Mapping[str, Preset] = field(default_factory=dict)
+    kernel_budgets: Callable[[str], Mapping[str, int]] | None = None
 
     def __post_init__(self) -> None:
         served = set(self.model_types)

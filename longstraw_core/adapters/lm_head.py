@@ -4,8 +4,9 @@ one chunk's logits alive, each chunk recomputed in backward when there are sever
 Every distribution is taken at a ``temperature``: ``log_softmax(logits / temperature)``, as
 TRL's GRPO scores the policy, the old and the reference policy at its sampling temperature.
 
-The engine (``model_adapters.base``) owns the budget (``HEAD_CHUNK_ELEMENTS``) and passes the
-chunk function and the checkpoint it uses; this module holds the math.
+``chunked_head_log_probs`` is what the adapters call: its chunks are sized by the budget
+``HEAD_CHUNK_ELEMENTS`` (read when called: tests patch it, and the checkpoint and the chunk
+function it passes to ``head_log_probs``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# ``score`` runs the LM head in row chunks of at most this many logits (``[rows, vocab]``, at
+# least one row): about 256 MB in float32, instead of ``[T, vocab]`` for the whole branch
+# (2 GB per copy for 2048 tokens of a 248K vocabulary). Read when called (tests patch it).
+HEAD_CHUNK_ELEMENTS = 1 << 26
 HeadOutput = tuple[torch.Tensor, torch.Tensor | None]
 # chunk(head, with_entropy, hidden rows, target rows, temperature) -> (log-probs, entropy)
 ChunkFn = Callable[[nn.Module, bool, torch.Tensor, torch.Tensor, float], HeadOutput]
@@ -125,3 +130,24 @@ def _checkpointed_chunk(
         return chunk(head, with_entropy and calls == 1, hidden, targets, temperature)
 
     return run_checkpointed(run, hidden, targets, use_reentrant=False)
+
+
+def head_rows(tokens: int, vocab: int) -> int:
+    """Rows per chunk of ``score``'s LM head: as few chunks as ``HEAD_CHUNK_ELEMENTS``
+    allows (one row at least), of equal size but the last."""
+    return rows_per_chunk(tokens, vocab, HEAD_CHUNK_ELEMENTS)
+
+
+def chunked_head_log_probs(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``score``'s LM head over ``hidden`` ``[T, width]`` in ``head_rows`` row chunks
+    (``head_log_probs``), with this module's chunk and checkpoint, at ``temperature``."""
+    rows = head_rows(len(hidden), head_width(head, hidden))
+    return head_log_probs(
+        head, hidden, targets, with_entropy, rows, head_chunk, checkpoint, temperature
+    )

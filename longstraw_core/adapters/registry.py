@@ -1,34 +1,34 @@
 """Adapters chosen by ``config.model_type``, and the model families they declare.
 
-Every family is one adapter module (``_FAMILY_MODULES``) whose adapter class carries a
-``ModelFamily`` (``model_adapters.family``). The tables the rest of LongStraw reads are built
-here from those declarations: ``default_lora_targets``, ``tiny_configs``, ``presets``,
-``layer_kinds`` (``longstraw_core.config.DEFAULT_LORA_TARGETS``,
-``longstraw_core.tiny_models.TINY_CONFIGS``, ``longstraw_core.plan.PRESETS`` and
-``longstraw_core.offload.LAYER_TYPES`` are views of them). This module imports no adapter at
-import time; the table functions import the family modules first.
+Families plug in: each family module (the shipped ones in ``model_adapters/``, or a package of
+one's own) registers its adapter class with ``@register_adapter``, the class carrying a
+``ModelFamily`` (``longstraw_core.adapters.family``). The core never imports a family by name:
+it finds them through the ``longstraw.families`` entry points of the installed distributions
+(``pyproject.toml`` names ``model_adapters``, which imports the shipped three in the order
+their tables list them), loaded the first time a table or an adapter is asked for. A family
+imported directly (a test's, a user's) registers when its module loads.
+
+The tables the rest of LongStraw reads are built here from those declarations:
+``default_lora_targets``, ``tiny_configs``, ``presets``, ``layer_kinds``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, TypeVar
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
 
-from torch import nn
+from longstraw_core.adapters.family import ModelFamily, Preset
 
-if TYPE_CHECKING:
-    from model_adapters.base import ModelAdapter
-    from model_adapters.family import ModelFamily, Preset
+# An adapter class (a ``ModelAdapter`` subclass: typed loosely so that this module, which
+# the offload policy and the config read, imports nothing that imports them back).
+AdapterClass = TypeVar("AdapterClass", bound=type)
 
-AdapterClass = TypeVar("AdapterClass", bound="type[ModelAdapter]")
+ENTRY_POINT_GROUP = "longstraw.families"
 
-# The adapter modules of the shipped families, in the order their tables list them.
-_FAMILY_MODULES = ("model_adapters.dense", "model_adapters.qwen36", "model_adapters.glm52")
-
-_ADAPTERS: dict[str, type[ModelAdapter]] = {}
+_ADAPTERS: dict[str, type] = {}
 _FAMILIES: list[ModelFamily] = []  # registration order
-_MODULE_OF: dict[str, str] = {}  # family name -> its adapter's module
 _version = 0
+_loaded = False
 
 
 def register_adapter(cls: AdapterClass) -> AdapterClass:
@@ -48,7 +48,6 @@ def register_adapter(cls: AdapterClass) -> AdapterClass:
     if family not in _FAMILIES:
         _check_new_family(family)
         _FAMILIES.append(family)
-        _MODULE_OF[family.name] = cls.__module__
     for model_type in family.model_types:
         _ADAPTERS[model_type] = cls
     _version += 1
@@ -72,19 +71,31 @@ def _check_new_family(family: ModelFamily) -> None:
 
 
 def version() -> int:
-    """Bumped by each registration (``RegistryView`` rebuilds its table when it changes)."""
+    """Bumped by each registration: a table built from the families is stale when it moves."""
     return _version
 
 
+def load_families() -> None:
+    """Import every family module the ``longstraw.families`` entry points name (once)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    found = entry_points(group=ENTRY_POINT_GROUP)
+    if not found:
+        raise RuntimeError(
+            f"no model families: no installed distribution declares {ENTRY_POINT_GROUP!r} "
+            "entry points; install LongStraw (`pip install -e .` in its checkout, or "
+            "`make test`) so its metadata names model_adapters' families"
+        )
+    for entry in found:
+        entry.load()
+
+
 def families() -> tuple[ModelFamily, ...]:
-    """Every registered family: the shipped ones in ``_FAMILY_MODULES`` order, then others in
-    registration order."""
-    for module in _FAMILY_MODULES:
-        importlib.import_module(module)
-    order = {module: index for index, module in enumerate(_FAMILY_MODULES)}
-    return tuple(
-        sorted(_FAMILIES, key=lambda f: order.get(_MODULE_OF[f.name], len(_FAMILY_MODULES)))
-    )
+    """Every registered family, in registration order."""
+    load_families()
+    return tuple(_FAMILIES)
 
 
 def family_of(model_type: str) -> ModelFamily | None:
@@ -118,16 +129,17 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
-def adapt(model: nn.Module) -> ModelAdapter:
-    """The adapter for a transformers causal LM (plain or PEFT-wrapped), by its model type."""
-    from model_adapters.base import unwrap_causal_lm
+def adapter_class(model_type: str) -> type | None:
+    """The adapter class registered for ``model_type`` (None: none is)."""
+    load_families()
+    return _ADAPTERS.get(model_type)
 
-    families()
-    model_type = unwrap_causal_lm(model).config.model_type
-    adapter_class = _ADAPTERS.get(model_type)
-    if adapter_class is None:
-        raise ValueError(
-            f"no LongStraw adapter for model_type {model_type!r}; supported model types: "
-            f"{', '.join(supported_model_types())}"
-        )
-    return adapter_class(model)
+
+def kernel_budget(name: str, device_type: str) -> int:
+    """The block budget ``name`` of a family's own kernel on a ``device_type`` device, as the
+    family declares it now (``ModelFamily.kernel_budgets``)."""
+    for family in families():
+        budgets = family.kernel_budgets(device_type) if family.kernel_budgets else {}
+        if name in budgets:
+            return budgets[name]
+    raise KeyError(f"no registered model family declares the kernel budget {name!r}")

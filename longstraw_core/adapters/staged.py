@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from longstraw_core.adapters.lm_head import chunked_head_log_probs
+from longstraw_core.adapters.span import Span
 from longstraw_core.exact import Produced, StateGrad, exact_state
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import (
@@ -65,7 +67,6 @@ from longstraw_core.state import PieceCache
 if TYPE_CHECKING:
     from longstraw_core.pipeline.stage import Stage
     from longstraw_core.state import BranchCache, PrefixState
-    from model_adapters.base import ModelAdapter, Span
 
 # loss_of(branch index, log-probs, entropy) -> the loss to backpropagate (last stage only)
 BranchLoss = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -101,7 +102,7 @@ class StagedPasses:
 
     # --- what crosses a stage boundary --------------------------------------------------
 
-    def boundary_spec(self: ModelAdapter, batch: int, span: Span) -> MessageSpec:
+    def boundary_spec(self, batch: int, span: Span) -> MessageSpec:
         """What a stage sends the next for ``batch`` rows over ``span``: the hidden states
         ``[batch, span.length, hidden]`` and what the last layer carries on
         (``carried_spec``)."""
@@ -113,12 +114,12 @@ class StagedPasses:
         over ``span``; ``None``: nothing (GLM-5.x: its DSA selection)."""
         return None
 
-    def gradient_spec(self: ModelAdapter, batch: int, span: Span) -> MessageSpec:
+    def gradient_spec(self, batch: int, span: Span) -> MessageSpec:
         """What a stage sends back in a backward: the gradient of the hidden states."""
         return (self.boundary_spec(batch, span)[0],)
 
     def _stage_input(
-        self: ModelAdapter, ids: torch.Tensor, received: Payload | None, grad: bool = False
+        self, ids: torch.Tensor, received: Payload | None, grad: bool = False
     ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
         """The first owned layer's input: the embeddings of ``ids`` on the first stage, the
         previous stage's output elsewhere (a leaf that collects its gradient when ``grad``).
@@ -139,7 +140,7 @@ class StagedPasses:
         return (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),)
 
     def _run(
-        self: ModelAdapter,
+        self,
         orders: list[list[Compute]],
         compute: Callable[[Compute, dict[Key, Payload]], Payload | None],
         spec: Callable[[Message], MessageSpec],
@@ -152,14 +153,13 @@ class StagedPasses:
     # --- prefill, score, decode ---------------------------------------------------------
 
     def _staged_prefill(
-        self: ModelAdapter,
+        self,
         stored: torch.Tensor,
         chunk_size: int,
         state: PrefixState,
         on_chunk: Callable[[int], None],
     ) -> None:
         """Prefill ``stored`` into this stage's records, chunks pipelined through stages."""
-        from model_adapters.base import Span
 
         # Replicas sharded together run as many chunks each; the extra ones are idle passes
         # after this replica's own, on each stage alone (no-grad passes gather in the same
@@ -197,7 +197,7 @@ class StagedPasses:
             )
 
     def _staged_score(
-        self: ModelAdapter,
+        self,
         state: PrefixState,
         inputs: torch.Tensor,
         targets: torch.Tensor,
@@ -207,7 +207,6 @@ class StagedPasses:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """No-grad scoring through the stages; every stage gets the last one's result (the
         head, at ``temperature``, runs on the last)."""
-        from model_adapters.base import _head_log_probs
 
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
             raise RuntimeError(
@@ -222,7 +221,7 @@ class StagedPasses:
                 hidden, carried, _ = self._stage_input(inputs[None], received.get(("F", 0)))
                 hidden, carried = self.run_owned_layers(hidden, span, state, carried=carried)
                 if self.stage.is_last:
-                    head = _head_log_probs(self.lm_head, self.decoder.norm(hidden[0]), targets,
+                    head = chunked_head_log_probs(self.lm_head, self.decoder.norm(hidden[0]), targets,
                                            return_entropy, temperature)  # fmt: skip
                     result[0] = tuple(None if t is None else t.cpu() for t in head)
                 return hidden, carried
@@ -239,7 +238,7 @@ class StagedPasses:
         return logps.to(self.device), None if entropy is None else entropy.to(self.device)
 
     def ring_decode(
-        self: ModelAdapter,
+        self,
         state: PrefixState,
         branch: BranchCache,
         ids: torch.Tensor | None,
@@ -248,7 +247,6 @@ class StagedPasses:
         """One decode step of ``branch``'s rows on this stage (rollout's ring): from ``ids``
         ``[B, 1]`` on the first stage, else from the previous stage's ``received`` output.
         Returns the message for the next stage, or the logits ``[B, 1, vocab]`` on the last."""
-        from model_adapters.base import Span
 
         span = Span(start=state.length + branch.length, length=1, write=False)
 
@@ -263,16 +261,15 @@ class StagedPasses:
         branch.length += 1
         return output
 
-    def decode_spec(self: ModelAdapter, state: PrefixState, rows: int, step: int) -> MessageSpec:
+    def decode_spec(self, state: PrefixState, rows: int, step: int) -> MessageSpec:
         """What ``ring_decode`` sends the next stage at decode step ``step`` of ``rows`` rows."""
-        from model_adapters.base import Span
 
         return self.boundary_spec(rows, Span(start=state.length + step, length=1, write=False))
 
     # --- the passes with autograd ----------------------------------------------------------
 
     def replay_branches(
-        self: ModelAdapter,
+        self,
         state: PrefixState,
         responses: Sequence[torch.Tensor | None],
         loss_of: BranchLoss,
@@ -288,7 +285,6 @@ class StagedPasses:
         response is an idle branch (what ``in_step`` pads with): one-token pieces of weight
         zero, ``loss_of`` not called. A response shorter than ``pieces`` has one-token
         pieces and idle ones after them."""
-        from model_adapters.base import Span, _head_log_probs
 
         if pieces < 1:
             raise ValueError(f"pieces must be at least 1, got {pieces}")
@@ -334,7 +330,7 @@ class StagedPasses:
                     if not self.stage.is_last:
                         return hidden, carried
                     targets = _piece_targets(responses, state, piece)
-                    return _head_log_probs(
+                    return chunked_head_log_probs(
                         self.lm_head, self.decoder.norm(hidden[0]), targets, True, temperature
                     )
 
@@ -383,7 +379,7 @@ class StagedPasses:
             )
 
     def _staged_sweep(
-        self: ModelAdapter,
+        self,
         state: PrefixState,
         state_grad: StateGrad,
         starts: list[int],
@@ -393,7 +389,6 @@ class StagedPasses:
         """Exact mode's reverse sweep through the stages (1F1B over the chunks, last first).
         Replicas sharded together sweep as many chunks each: the extra ones recompute the
         first chunk with zero gradients (as the unstaged sweep does)."""
-        from model_adapters.base import Span
 
         items = list(self.in_step(starts))
         if len(items) > len(starts) and not starts:
@@ -452,7 +447,7 @@ class StagedPasses:
             )
 
     def _run_with_autograd(
-        self: ModelAdapter,
+        self,
         orders: list[list[Compute]],
         forward: Callable[[int, Payload | None], tuple[Payload | None, Any]],
         backward: Callable[[int, Any, Payload | None], Payload | None],
@@ -477,7 +472,7 @@ class StagedPasses:
 
         self._run(orders, compute, spec, MAX_OPEN_SENDS)
 
-    def new_piece_cache(self: ModelAdapter, reads: PrefixState) -> PieceCache:
+    def new_piece_cache(self, reads: PrefixState) -> PieceCache:
         """What a branch replayed in pieces keeps between its pieces, per owned layer."""
         return PieceCache([record.new_pieces(self.device) for record in reads.layers])
 

@@ -12,14 +12,14 @@ with a ``BranchCache``: each layer reads the shared prefix record and its own br
 Scoring is the one-branch case without a cache: the branch's positions are the span itself.
 
 Every layer's work goes through ``call_layer`` and every pass over the model through
-``_call_model``, which run as FSDP forwards on a sharded model (``model_adapters.parallel``).
+``_call_model``, which run as FSDP forwards on a sharded model (``longstraw_core.adapters.parallel``).
 ``layer_records`` hands each pass its records: streamed to the device one layer at a time for
 offloaded layer types (``longstraw_core.offload``), and, with ``activation_checkpointing`` in
-a pass with autograd, wrapped for backward's layer recompute (``model_adapters.recompute``).
-``score``'s LM head runs in row chunks (``model_adapters.lm_head``); input checks are in
-``model_adapters.validation``. This module re-exports the names callers import from it.
+a pass with autograd, wrapped for backward's layer recompute (``longstraw_core.adapters.recompute``).
+``score``'s LM head runs in row chunks (``longstraw_core.adapters.lm_head``); input checks are in
+``longstraw_core.adapters.validation``. This module re-exports the names callers import from it.
 On pipeline stages (``stage`` set) each public pass hands over to its staged form in
-``model_adapters.staged``. The module stays whole, a little over 500 lines: it is the
+``longstraw_core.adapters.staged``. The module stays whole, a little over 500 lines: it is the
 public passes, each read with its one-process, sharded and staged forms.
 """
 
@@ -30,26 +30,21 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from longstraw_core.exact import Produced, StateGrad, exact_state
-from longstraw_core.offload import OffloadPolicy, stream_layers
-from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
-from model_adapters.family import ModelFamily
-from model_adapters.lm_head import head_chunk as _head_chunk
-from model_adapters.lm_head import head_log_probs, head_width, rows_per_chunk
-from model_adapters.parallel import Item, Parallel, ShardedPasses
-from model_adapters.recompute import LayerRecord, recomputable
-from model_adapters.recompute import checkpointed as _checkpointed
-from model_adapters.staged import StagedPasses
-from model_adapters.validation import (
+from longstraw_core.adapters.family import ModelFamily
+from longstraw_core.adapters.lm_head import chunked_head_log_probs
+from longstraw_core.adapters.parallel import Item, Parallel, ShardedPasses
+from longstraw_core.adapters.recompute import LayerRecord, recomputable
+from longstraw_core.adapters.recompute import checkpointed as _checkpointed
+from longstraw_core.adapters.span import Span
+from longstraw_core.adapters.staged import StagedPasses
+from longstraw_core.adapters.validation import (
     as_token_ids,
     check_decode_inputs,
     check_positions,
@@ -57,9 +52,11 @@ from model_adapters.validation import (
     check_state,
     check_temperature,
 )
+from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.offload import OffloadPolicy, stream_layers
+from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
 
 __all__ = [
-    "HEAD_CHUNK_ELEMENTS",
     "Item",
     "LayerRecord",
     "ModelAdapter",
@@ -67,34 +64,12 @@ __all__ = [
     "Span",
     "as_token_ids",
     "branch_records",
-    "head_rows",
     "token_progress",
     "unwrap_causal_lm",
     "writes_only",
 ]
 
 _OWNER_ATTRIBUTE = "_longstraw_owner_id"
-# ``score`` runs the LM head in row chunks of at most this many logits (``[rows, vocab]``, at
-# least one row): about 256 MB in float32, instead of ``[T, vocab]`` for the whole branch
-# (2 GB per copy for 2048 tokens of a 248K vocabulary). Read when called (tests patch it).
-HEAD_CHUNK_ELEMENTS = 1 << 26
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where a run of tokens sits: its first position, and whether it extends the state.
-
-    ``write=True`` is a prefill chunk: its keys/values are written into the state and it
-    attends to the state before ``start``. ``write=False`` is a branch: it attends to the
-    whole state and leaves it untouched.
-    """
-
-    start: int
-    length: int
-    write: bool
-
-    def position_ids(self, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.start, self.start + self.length, device=device)[None]
 
 
 def writes_only(span: Span, index: int, layers: Sequence[nn.Module]) -> bool:
@@ -134,35 +109,13 @@ def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     return base
 
 
-def head_rows(tokens: int, vocab: int) -> int:
-    """Rows per chunk of ``score``'s LM head: as few chunks as ``HEAD_CHUNK_ELEMENTS``
-    allows (one row at least), of equal size but the last."""
-    return rows_per_chunk(tokens, vocab, HEAD_CHUNK_ELEMENTS)
-
-
-def _head_log_probs(
-    head: nn.Module,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    with_entropy: bool,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``score``'s LM head over ``hidden`` ``[T, width]`` in ``head_rows`` row chunks
-    (``model_adapters.lm_head.head_log_probs``), with this module's chunk and checkpoint,
-    at ``temperature``."""
-    rows = head_rows(len(hidden), head_width(head, hidden))
-    return head_log_probs(
-        head, hidden, targets, with_entropy, rows, _head_chunk, checkpoint, temperature
-    )
-
-
 class ModelAdapter(ShardedPasses, StagedPasses, ABC):
     """Prefill once, score many branches: the per-architecture engine behind LongStraw.
 
     ``parallel`` and the passes over a sharded model come from ``ShardedPasses``; ``stage``
     and the passes on a pipeline stage from ``StagedPasses``."""
 
-    # The family this adapter serves (``model_adapters.family``): the model types and what
+    # The family this adapter serves (``longstraw_core.adapters.family``): the model types and what
     # config, tiny models, planner and offload read about them. ``model_types`` repeats the
     # family's (``register_adapter`` checks that they agree).
     family: ClassVar[ModelFamily]
@@ -485,7 +438,7 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         ``return_entropy`` also returns the (detached) entropy of each predictive distribution.
         With ``state_grad`` (exact mode), backward also adds ``dL/dstate`` into it. The LM head
         runs in row chunks of at most ``HEAD_CHUNK_ELEMENTS`` logits, each recomputed in
-        backward when there are several (``_head_log_probs``).
+        backward when there are several (``lm_head.chunked_head_log_probs``).
         """
         self.check_state(state)
         check_temperature(temperature)
@@ -508,7 +461,9 @@ class ModelAdapter(ShardedPasses, StagedPasses, ABC):
         def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.run_layers(self.embed_tokens(inputs[None]), span, reads)
             hidden = self.decoder.norm(hidden[0])
-            return _head_log_probs(self.lm_head, hidden, response_ids, return_entropy, temperature)
+            return chunked_head_log_probs(
+                self.lm_head, hidden, response_ids, return_entropy, temperature
+            )
 
         with self._checkpointed_pass():
             logps, entropy = self._call_model(replay)

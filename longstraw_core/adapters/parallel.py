@@ -12,16 +12,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from longstraw_core.exact import Produced, StateGrad
 from longstraw_core.state import PrefixState
-
-if TYPE_CHECKING:
-    from model_adapters.base import ModelAdapter
 
 Item = TypeVar("Item")
 
@@ -89,16 +86,14 @@ class ShardedPasses:
         yield from items
         yield from itertools.repeat(None, extra)
 
-    def idle_forward(self: ModelAdapter) -> None:
+    def idle_forward(self) -> None:
         """A pass that computes nothing and joins the collectives of a no-grad pass (a prefill
         chunk, a decoding step, a reference score). On a pipeline stage it runs the stage's
         own layers and talks to no other stage: every stage of a replica idles together."""
         layers = [self.decoder.layers[index] for index in self.owned_layers()]
         self._call_model(lambda: [self.call_layer(layer, _nothing, None) for layer in layers])
 
-    def idle_branch(
-        self: ModelAdapter, state: PrefixState, state_grad: StateGrad | None = None
-    ) -> None:
+    def idle_branch(self, state: PrefixState, state_grad: StateGrad | None = None) -> None:
         """A branch of weight zero: a one-token replay from ``state`` and its backward. Its
         collectives are a replayed branch's (the same parameters gathered and reduced, in the
         same order); it adds zeros to the gradients (and to ``state_grad``)."""

@@ -1,0 +1,175 @@
+"""The import graph of LongStraw's packages: circles and imports that run back up.
+
+    python docs/tools/import_graph.py            # circles, then core -> model_adapters imports
+
+Edges are the ``import``/``from ... import`` statements at module level (``TYPE_CHECKING``
+blocks excluded: they never run); ``--lazy`` adds the imports inside functions. A package's
+``__init__`` counts as a module of its own. ``tests/test_layering.py`` holds the project to
+what this prints: no circles, and no module of ``longstraw_core`` importing ``model_adapters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("longstraw_core", "model_adapters")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _statements(tree: ast.AST, lazy: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when the module loads.
+
+    ``lazy``: every import the module names: inside functions, under ``TYPE_CHECKING``, and
+    ``importlib.import_module("a.literal")`` calls (as an ``import`` of that name).
+    """
+    stack = list(ast.iter_child_nodes(tree))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node) and not lazy:
+            stack.extend(node.orelse)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not lazy:
+            continue
+        else:
+            if lazy and _is_import_module_call(node):
+                yield ast.Import(names=[ast.alias(name=node.args[0].value)])
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    )
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path], lazy: bool) -> set[str]:
+    """The project modules ``name`` imports (``from pkg import sub`` counts ``pkg.sub``)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _statements(tree, lazy):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph(lazy: bool = False) -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known, lazy) for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10_000)
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Core modules importing the families: the core must not depend on what sits on it."""
+    return sorted(
+        (src, dst)
+        for src, targets in edges.items()
+        if src.startswith("longstraw_core")
+        for dst in targets
+        if dst.startswith("model_adapters")
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--lazy",
+        action="store_true",
+        help="also imports inside functions, under TYPE_CHECKING and by import_module",
+    )
+    args = parser.parse_args()
+    edges = graph(lazy=args.lazy)
+    found = circles(edges)
+    print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports")
+    for component in found:
+        print(f"circle of {len(component)}: {', '.join(component)}")
+    for src, dst in upward(edges):
+        print(f"up: {src} -> {dst}")
+    return 1 if found or upward(edges) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
