@@ -1,6 +1,9 @@
 """The import graph of LongStraw's packages: circles and imports that run back up.
 
-    python docs/tools/import_graph.py            # circles, then core -> model_adapters imports
+    python docs/tools/import_graph.py --lazy     # circles, imports up a floor, core -> families
+
+The floors (``FLOORS``, lowest first; ``docs/design.md``, "Layers"): a module may import its
+own floor and those below. A module belongs to the floor of the longest prefix that names it.
 
 Edges are the ``import``/``from ... import`` statements at module level (``TYPE_CHECKING``
 blocks excluded: they never run); ``--lazy`` adds the imports inside functions. A package's
@@ -18,6 +21,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("longstraw_core", "model_adapters")
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "foundation",  # tensors, records and plain declarations: no model, no run
+        tuple(
+            f"longstraw_core.{name}"
+            for name in (
+                "attention", "config.schema", "exact", "exits", "failpoints", "fake",
+                "gpu_emulation", "grpo_config", "guard", "kinds", "memory", "metrics", "offload",
+                "progress", "quantization", "sdpa_flash", "state", "tokenizer", "units",
+            )
+        ),
+    ),
+    ("adapters", ("longstraw_core.adapters", "longstraw_core.pipeline")),  # the contract
+    (
+        "algorithms",  # GRPO over an adapter: rollout, replay, losses, collectives
+        tuple(
+            f"longstraw_core.{name}"
+            for name in (
+                "distributed", "generation", "losses", "reference_policy", "replay", "rollout",
+            )
+        ),
+    ),
+    (
+        "run",  # config, data, rewards, planner, checkpoints, training: everything else
+        ("longstraw_core", "longstraw_core.pipeline.mesh", "longstraw_core.pipeline.topology"),
+    ),
+    ("families", ("model_adapters",)),
+)  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -142,15 +173,25 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def floor_of(module: str) -> int:
+    """The index in ``FLOORS`` of the longest prefix naming ``module``."""
+    best, length = -1, -1
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            named = module == prefix or module.startswith(prefix + ".")
+            if named and len(prefix) > length:
+                best, length = index, len(prefix)
+    if best < 0:
+        raise ValueError(f"{module} is on no floor of FLOORS")
+    return best
+
+
 def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """Core modules importing the families: the core must not depend on what sits on it."""
+    """Imports from a floor to a higher one (the core importing the families among them)."""
     return sorted(
-        (src, dst)
-        for src, targets in edges.items()
-        if src.startswith("longstraw_core")
-        for dst in targets
-        if dst.startswith("model_adapters")
-    )
+        (src, dst) for src, targets in edges.items() for dst in targets
+        if floor_of(dst) > floor_of(src)
+    )  # fmt: skip
 
 
 def main() -> int:
@@ -167,7 +208,7 @@ def main() -> int:
     for component in found:
         print(f"circle of {len(component)}: {', '.join(component)}")
     for src, dst in upward(edges):
-        print(f"up: {src} -> {dst}")
+        print(f"up: {src} ({FLOORS[floor_of(src)][0]}) -> {dst} ({FLOORS[floor_of(dst)][0]})")
     return 1 if found or upward(edges) else 0
 
 

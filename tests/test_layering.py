@@ -1,0 +1,56 @@
+"""The house's floors: imports run one way (``docs/tools/import_graph.py``; ``docs/design.md``,
+"Layers"), the core never names a family, and ``model_adapters/`` holds only families."""
+
+from __future__ import annotations
+
+import importlib.util
+import pkgutil
+from pathlib import Path
+
+import model_adapters
+from longstraw_core.adapters import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_graph():
+    spec = importlib.util.spec_from_file_location(
+        "import_graph", ROOT / "docs/tools/import_graph.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_circles_counting_every_import_a_module_names() -> None:
+    graph = _import_graph()
+    assert graph.circles(graph.graph(lazy=True)) == []
+
+
+def test_imports_run_down_the_floors() -> None:
+    graph = _import_graph()
+    edges = graph.graph(lazy=True)
+    assert graph.upward(edges) == []
+    # The core never imports the families: it finds them through their entry point.
+    assert not [
+        (src, dst)
+        for src, targets in edges.items()
+        if src.startswith("longstraw_core")
+        for dst in targets
+        if dst.startswith("model_adapters")
+    ]
+
+
+def test_every_module_of_model_adapters_is_a_registered_family() -> None:
+    families = {family.name: family for family in registry.families()}
+    for module in pkgutil.iter_modules(model_adapters.__path__):
+        family = importlib.import_module(f"model_adapters.{module.name}").FAMILY
+        assert families[family.name] is family, module.name
+
+
+def test_the_shipped_families_come_from_the_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (entry,) = entry_points(group=registry.ENTRY_POINT_GROUP, name="longstraw")
+    assert entry.value == "model_adapters"
+    assert [f.name for f in registry.families()][:3] == ["dense", "qwen36", "glm52"]
