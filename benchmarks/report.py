@@ -15,7 +15,7 @@ Runs, each in its own process (each script measures in fresh subprocesses of its
 
 Writes ``report.md`` beside the JSON and PNG files under ``--output``
 (``benchmarks/results/``, git-ignored). A full run (not ``--quick``) also copies the report
-and the plots to ``docs/benchmarks/``, which the README shows: the README's figures are
+and the plots to ``docs/benchmarks/``, which docs/benchmarks.md shows: its figures are
 always those of the latest full run.
 """
 
@@ -193,7 +193,7 @@ def write_report(directory: Path) -> Path:
 
 
 def publish(directory: Path, report: Path) -> None:
-    """Copy the report and its plots to docs/benchmarks/ for the README."""
+    """Copy the report and its plots to docs/benchmarks/ for docs/benchmarks.md."""
     PUBLISHED.mkdir(parents=True, exist_ok=True)
     text = report.read_text()
     plots = [path for path in sorted(directory.glob("*.png")) if f"({path.name})" in text]

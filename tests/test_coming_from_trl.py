@@ -1,6 +1,7 @@
 """What a TRL user brings: reward modules beside the config or in the working directory,
 reward factories with arguments (TRL's own), Hub ids for models, a Python API taking
-callables and ``datasets`` objects, and README's table of the defaults that differ from TRL's.
+callables and ``datasets`` objects, and docs/coming_from_trl.md's table of the defaults that
+differ from TRL's.
 """
 
 from __future__ import annotations
@@ -436,11 +437,12 @@ def _shown(value: object) -> str:
     )
 
 
-def test_the_readme_states_each_default_that_differs_from_trls():
-    """README's "Coming from TRL" row of every TRL setting whose default LongStraw does not
-    share says ``default `ours` ... (TRL: `theirs`...``, with why; no row claims a difference
-    that is not there. ``num_train_epochs`` (LongStraw counts steps only) is named."""
-    section = (ROOT / "README.md").read_text().split("## Coming from TRL", 1)[1]
+def test_the_docs_state_each_default_that_differs_from_trls():
+    """docs/coming_from_trl.md's table: the row of every TRL setting whose default LongStraw
+    does not share says ``default `ours` ... (TRL: `theirs`...``, with why; no row claims a
+    difference that is not there. ``num_train_epochs`` (LongStraw counts steps only) is named."""
+    page = (ROOT / "docs" / "coming_from_trl.md").read_text()
+    section = page.split("## Every `trl.GRPOConfig` field", 1)[1]
     section = section.split("\n## ", 1)[0]
     rows = {
         name: line

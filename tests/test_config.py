@@ -356,9 +356,9 @@ def test_a_list_of_sections_can_be_replaced_from_the_command_line():
     ]
 
 
-def test_the_readme_maps_every_trl_grpo_config_field():
-    """ "Coming from TRL" names each field TRL 1.16's ``GRPOConfig`` declares (beyond
-    ``TrainingArguments``), with its LongStraw key or why there is none."""
+def test_the_docs_map_every_trl_grpo_config_field():
+    """docs/coming_from_trl.md's table names each field TRL 1.16's ``GRPOConfig`` declares
+    (beyond ``TrainingArguments``), with its LongStraw key or why there is none."""
     import dataclasses
     import re
     from pathlib import Path
@@ -366,8 +366,8 @@ def test_the_readme_maps_every_trl_grpo_config_field():
     import trl
     from transformers import TrainingArguments
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "coming_from_trl.md").read_text()
+    section = page.split("## Every `trl.GRPOConfig` field", 1)[1].split("\n## ", 1)[0]
     named = {
         name
         for line in section.splitlines()
