@@ -50,9 +50,9 @@ from longstraw_core.quantization import (
     QUANTIZATIONS,
     require_bitsandbytes,
 )
-from longstraw_core.reward_imports import RewardNameError
 from longstraw_core.rewards import (
     TRL_ARGUMENTS,
+    RewardNameError,
     resolve_reward,
     sample_columns,
     signature_problem,
