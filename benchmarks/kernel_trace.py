@@ -84,7 +84,7 @@ def tracing(path: Path | None = None) -> Iterator[KernelTrace]:
             if v.shape[-1] < q.shape[-1]:
                 reason = MLA_LATENT
             else:
-                reason = attention._unsupported_reason("sdpa", q, k, v, segments)
+                reason = attention.choice.unsupported_reason("sdpa", q, k, v, segments)
             trace.count(trace.torch_reasons, reason or f"backend={backend!r} asked for")
         return chosen
 

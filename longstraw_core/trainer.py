@@ -17,7 +17,7 @@ exactly as the command line does (config checks and launch settings, the memory 
 training, checkpoints, signals, the one-line errors and exit codes), so the API cannot drift
 from the reference. It only turns objects into what a run config can name:
 
-- a callable is registered in this process (``reward_imports.register_callable``) and named
+- a callable is registered in this process (``rewards.register_callable``) and named
   ``callable:<name>`` in ``rewards``; ``<name>`` is TRL's name for it (``__name__``: a
   lambda's is ``<lambda>``), with ``_2``, ``_3``... for repeats, and its metrics are
   ``rewards/<name>/mean``. A string is a reward name as in a config (a built-in,
@@ -43,8 +43,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from longstraw_core.reward_imports import register_callable
-from longstraw_core.rewards import callable_name
+from longstraw_core.rewards import callable_name, register_callable
 
 if TYPE_CHECKING:
     import datasets

@@ -116,7 +116,7 @@ def test_matches_reference_outputs_and_grads(case):
 
 def test_default_block_size_splits_long_segments(monkeypatch):
     """block_size=None picks blocks from the element budget; shrink it so several run."""
-    monkeypatch.setattr(attention, "_MAX_SCORE_ELEMENTS", 300)
+    monkeypatch.setattr(attention.blocks, "MAX_SCORE_ELEMENTS", 300)
     case = CASES["chunk-batch3-dv-differs"]
     q, k, v, prefix = make_inputs(case)
     out = segmented_attention(q, k, v, prefix, scale=SCALE)
@@ -342,7 +342,7 @@ def _check_fused_wrapper(function: type[torch.autograd.Function]) -> torch.Tenso
 
 def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
     """The flash backend's own logic (no GPU): against the reference, float64 on CPU."""
-    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
     _check_fused_wrapper(attention._FlashSegmentedAttention)
 
 
@@ -425,17 +425,17 @@ def test_backend_choice(monkeypatch):
     assert attention._choose_backend("auto", q, k, v, prefix) == "torch"
     with pytest.raises(RuntimeError, match="'sdpa' is unavailable: inputs are not on CUDA"):
         attention._choose_backend("sdpa", q, k, v, prefix)
-    monkeypatch.setattr(attention, "_fused_unsupported_reason", lambda *a: None)  # as on CUDA
+    monkeypatch.setattr(attention.choice, "fused_unsupported_reason", lambda *a: None)  # as on CUDA
     monkeypatch.setattr(attention.sdpa_flash, "_flash_capable", lambda device: True)
-    monkeypatch.setattr(attention, "_flash_interface", lambda: None)
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: None)
     assert attention._choose_backend("auto", q, k, v, prefix) == "sdpa"
     with pytest.raises(RuntimeError, match="flash_attn is not installed"):
         attention._choose_backend("flash", q, k, v, prefix)
-    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
     assert attention._choose_backend("auto", q, k, v, prefix) == "flash"
     assert attention._choose_backend("sdpa", q, k, v, prefix) == "sdpa"
     assert attention._choose_backend("torch", q, k, v, prefix) == "torch"
-    monkeypatch.setattr(attention, "_flash_interface", lambda: None)
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: None)
     monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: None)
     assert attention._choose_backend("auto", q, k, v, prefix) == "torch"
 
@@ -516,7 +516,7 @@ def test_cpu_fused_kernels_match_plain_softmax_attention(monkeypatch, batch, tq,
     segments and a branch attending to itself; the reference is plain softmax attention in
     float64. The fused backward visits a prefix segment a few keys per call (shrunk here so
     the 300-key segment takes several) and adds into sinks like the blocked one."""
-    monkeypatch.setattr(attention, "_FUSED_BWD_CHUNK", 64)
+    monkeypatch.setattr(attention.cpu_flash, "FUSED_BWD_CHUNK", 64)
     torch.manual_seed(11)
     q = torch.randn(batch, 4, tq, 8, requires_grad=True)
     k = torch.randn(batch, 2, tk, 8, requires_grad=True)
@@ -542,9 +542,9 @@ def test_cpu_fused_kernels_match_plain_softmax_attention(monkeypatch, batch, tq,
 def test_cpu_fused_backward_is_used_for_float32(monkeypatch):
     """The fused backward really runs (a regression here would silently cost ~3x)."""
     calls = []
-    original = attention._cpu_flash_backward
+    original = attention.cpu_flash.backward
     monkeypatch.setattr(
-        attention, "_cpu_flash_backward", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        attention.cpu_flash, "backward", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
     q = torch.randn(1, 4, 5, 8, requires_grad=True)
     k = torch.randn(1, 2, 5, 8, requires_grad=True)
@@ -590,7 +590,7 @@ def test_reusing_a_kept_output_gives_the_same_output_and_gradients(case, dtype):
 
 
 def test_reuse_through_the_flash_wrapper_with_fake_kernel(monkeypatch):
-    monkeypatch.setattr(attention, "_flash_interface", lambda: _FakeFlashInterface)
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
     case = Case(1, 4, 2, 5, 5, 8, 8, (7, 0, 3), None)
     q, k, v, prefix = make_inputs(case)
     grad_out = torch.randn(1, 4, 5, 8, dtype=torch.float64)

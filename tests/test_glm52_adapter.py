@@ -525,7 +525,7 @@ def test_exact_prefix_gradients_go_into_the_buffer_without_temporaries(
     """Branch backward and the sweep add prefix gradients into ``dS`` in place: no tensor
     shaped like a layer's prefix latent is allocated (the buffer itself exists beforehand).
     Dense attention works in key blocks, made smaller than the prefix here."""
-    monkeypatch.setattr(attention, "_MAX_SCORE_ELEMENTS", 2048)
+    monkeypatch.setattr(attention.blocks, "MAX_SCORE_ELEMENTS", 2048)
     model = tiny_model("glm_moe_dsa", index_topk=topk)
     adapter = ls.adapt(model)
     prompt, response = _ids(101, 22), _ids(8, 23)

@@ -410,7 +410,7 @@ def test_async_rewards_past_their_timeout_fail_and_a_blocked_loop_is_replaced(ca
     assert set(result.failed) == {"async_sleeps", "async_own_timeout"}
     assert "took longer than its timeout of 0.3 s" in caplog.text
     assert "the judge's HTTP client gave up" in caplog.text  # its own error, as it was
-    monkeypatch.setattr(rewards, "LOOP_GRACE_SECONDS", 0.3)
+    monkeypatch.setattr(rewards.reward_set, "LOOP_GRACE_SECONDS", 0.3)
     blocked = RewardSet([async_blocks_its_loop, async_quick], timeouts=0.2)
     first_loop = blocked._loop
     result = blocked(["x"], [S(i=2)], completion_ids=ids_for(1))

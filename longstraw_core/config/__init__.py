@@ -14,6 +14,8 @@ Import from here; the modules hold:
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
   ``offload_policy``, and what ``eval`` resolves to (``eval_data``, ``eval_generations``,
   ``eval_max_new_tokens``).
+- ``probes``: what ``validate`` reads outside the config: paths, the tokenizer, the reward
+  functions' imports, the data's columns.
 - ``model_tables``: ``lora_targets`` (defaults from the model families), ``model_facts``.
 """
 

@@ -57,7 +57,7 @@ def load_config(
     if check_paths:  # a Hub id as model.path / tokenizer.path: its snapshot directory
         cfg = hub.resolve_paths(cfg)
     # A reward module beside the config file imports (after the import path, before the
-    # working directory): reward_imports.
+    # working directory): rewards.imports.
     beside = [Path(path).resolve().parent] if path is not None else []
     validate(cfg, check_paths=check_paths, reward_dirs=beside)
     return cfg

@@ -12,6 +12,11 @@ key path and what is allowed. ``grpo_config`` and ``offload_policy`` build the r
 (so the position limit of a real checkpoint is not checked either). The shipped 8- and
 32-GPU configs point at placeholder paths (``/models/...``) that a user edits; with path
 checks on they fail with ``model.path: ... does not exist``, as they should.
+
+What the check reads outside the config (paths, the reward functions' imports, the data's
+columns) is in ``probes``. This module stays one (over 500 lines) on purpose: it is one job,
+the rules over the config's own values, one function per section in the order ``validate``
+runs them, sharing ``_check_choice`` and ``_check_range``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from typing import Any
 
 from longstraw_core.adapters import registry
 from longstraw_core.config.model_tables import ModelFacts, lora_targets, model_facts
+from longstraw_core.config.probes import (
+    check_exists,
+    check_reward_columns,
+    check_reward_resolves,
+    check_source_paths,
+    check_train_paths,
+)
 from longstraw_core.config.schema import (
     ATTN_IMPLEMENTATIONS,
     BUILTIN_TOKENIZER_SIZE,
@@ -51,20 +63,8 @@ from longstraw_core.quantization import (
     QUANTIZATIONS,
     require_bitsandbytes,
 )
-from longstraw_core.reward_imports import RewardNameError
-from longstraw_core.rewards import (
-    TRL_ARGUMENTS,
-    resolve_reward,
-    sample_columns,
-    signature_problem,
-)
 from longstraw_core.tasks import TASKS
-from longstraw_core.tokenizer import (
-    has_tokenizer_files,
-    is_builtin,
-    model_without_tokenizer,
-    tokenizer_source,
-)
+from longstraw_core.tokenizer import tokenizer_source
 
 
 def validate(
@@ -134,9 +134,7 @@ def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
             f"{', '.join(sorted(registry.tiny_configs()))})",
         )
     if check_paths:
-        _check_exists("model.path", model.path, directory=True)
-        _check_tokenizer(cfg.tokenizer.path, model.path)
-        _check_exists("data.path", cfg.data.path, directory=False)
+        check_source_paths(cfg)
     if model.tiny is not None:
         _check_choice("model.tiny", model.tiny, sorted(registry.tiny_configs()))
     elif model.tiny_overrides:
@@ -146,26 +144,6 @@ def _check_sources(cfg: RunConfig, check_paths: bool) -> None:
         )
     _check_choice("model.dtype", model.dtype, DTYPES)
     _check_choice("model.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
-
-
-def _check_tokenizer(path: str | None, model_path: str | None) -> None:
-    """``tokenizer.path``: a directory, ``builtin:bytes``, or null for the model's own, which
-    ``model.path`` must then hold (byte ids would silently not be the model's token ids)."""
-    if is_builtin(path):
-        return
-    _check_exists("tokenizer.path", path, directory=True)
-    if path is None and model_path is not None and not has_tokenizer_files(model_path):
-        raise ConfigError("tokenizer.path", model_without_tokenizer(model_path))
-
-
-def _check_exists(key: str, path: str | None, *, directory: bool) -> None:
-    if path is None:
-        return
-    target = Path(path).expanduser()
-    if not target.exists():
-        raise ConfigError(key, f"{path!r} does not exist (edit the placeholder path?)")
-    if directory and not target.is_dir():
-        raise ConfigError(key, f"{path!r} is not a directory")
 
 
 def _check_lora(cfg: RunConfig, facts: ModelFacts) -> None:
@@ -339,38 +317,14 @@ def _check_rewards(cfg: RunConfig, check_paths: bool, reward_dirs: Sequence[str 
     if not cfg.rewards:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
     for i, spec in enumerate(cfg.rewards):
-        try:
-            resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs, search_dirs=reward_dirs)
-        except RewardNameError as exc:
-            raise ConfigError(f"rewards[{i}].{exc.field}", str(exc)) from None
+        check_reward_resolves(i, spec, reward_dirs)
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
         timeout = spec.timeout_seconds
         _check_range(
             f"rewards[{i}].timeout_seconds", timeout, timeout is None or timeout > 0,
             "seconds > 0, or null for no limit",
         )  # fmt: skip
-    _check_reward_columns(cfg, cfg.data, "data", check_paths)
-
-
-def _check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_paths: bool) -> None:
-    """TRL's keyword call binds every reward function with the columns of ``data``'s records
-    (``key``: its config section, named in the error)."""
-    columns = _data_columns(data, check_paths)
-    taken = [c for c in columns or () if c in TRL_ARGUMENTS]
-    if taken:
-        raise ConfigError(
-            f"{key}.path",
-            f"the records have the field(s) {', '.join(taken)}, which TRL passes reward "
-            "functions itself: rename them",
-        )
-    for i, spec in enumerate(cfg.rewards):
-        name, fn = resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs)
-        problem = signature_problem(fn, columns)
-        if problem:
-            attr = spec.name.replace(":", ".").rpartition(".")[2]
-            shown = spec.name if name == attr else f"{spec.name} (function {name})"
-            where = "" if key == "data" else f" on the {key} records"
-            raise ConfigError(f"rewards[{i}].name", f"{shown} {problem}{where}")
+    check_reward_columns(cfg, cfg.data, "data", check_paths)
 
 
 def eval_data(cfg: RunConfig) -> DataSection:
@@ -428,7 +382,7 @@ def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool, check_rewa
         )
     data = eval_data(cfg)
     if check_paths and cfg.eval.data.path is not None:
-        _check_exists("eval.data.path", data.path, directory=False)
+        check_exists("eval.data.path", data.path, directory=False)
     _check_data_section(data, "eval.data")
     if data.task is not None and ev.samples is None:
         raise ConfigError(
@@ -440,7 +394,7 @@ def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool, check_rewa
     _check_positions(cfg, facts, data, "eval.data", new, "eval" if ev.max_new_tokens else "rollout")
     _check_eval_within_plan(cfg, data, new)
     if check_rewards:
-        _check_reward_columns(cfg, data, "eval.data", check_paths)
+        check_reward_columns(cfg, data, "eval.data", check_paths)
 
 
 def _check_eval_within_plan(cfg: RunConfig, data: DataSection, new: int) -> None:
@@ -462,33 +416,6 @@ def _check_eval_within_plan(cfg: RunConfig, data: DataSection, new: int) -> None
                 f"(memory.gpu_mem={cfg.memory.gpu_mem}) checks the training step, so eval may "
                 f"not need more; lower it to at most {train_value} (or set memory.check=false)",
             )
-
-
-# A task's columns do not depend on its length: a short sample tells them, quickly.
-_COLUMN_PROBE_TOKENS = 4096
-
-
-def _data_columns(data: DataSection, check_paths: bool) -> tuple[str, ...] | None:
-    """The dataset columns the reward functions will get: those of the run's first sample
-    (``rewards.sample_columns``). None when they cannot be known yet: ``check_paths=False``
-    with ``data.path``, or data the scan will refuse anyway (it names the record then)."""
-    from longstraw_core.data import DataError, first_sample  # lazily, as in _check_data
-    from longstraw_core.tasks import sample_at
-    from longstraw_core.tokenizer import load_tokenizer
-
-    try:
-        if data.task is not None:
-            sample = sample_at(
-                data.task, load_tokenizer(None), min(data.prompt_tokens, _COLUMN_PROBE_TOKENS),
-                data.seed, 0, depth=data.depth, **data.task_kwargs,
-            )  # fmt: skip
-        elif check_paths:
-            sample = first_sample(data.path, split=data.split)
-        else:
-            return None
-    except (DataError, ValueError, OSError):
-        return None
-    return tuple(sample_columns(sample))
 
 
 def _check_optim(optim: OptimSection, train: TrainSection) -> None:
@@ -521,14 +448,8 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
     _check_range("train.max_skipped_steps", skips, skips >= 0, "an int >= 0 (0: stop at the first)")
     if not train.output_dir:
         raise ConfigError("train.output_dir", "empty; a directory for checkpoints and logs")
-    if check_paths and Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
-        raise ConfigError(
-            "train.output_dir",
-            f"{train.output_dir!r} is a file, not a directory; name a directory for "
-            "checkpoints and logs",
-        )
-    if check_paths and train.resume_from not in (None, "latest"):
-        _check_exists("train.resume_from", train.resume_from, directory=True)
+    if check_paths:
+        check_train_paths(train)
 
 
 def _check_iterations(cfg: RunConfig) -> None:

@@ -37,10 +37,10 @@ def fused_backward_scratch(kv_heads: int, rows: int, head_dim: int, keys: int) -
 def blocked_scratch(
     kv_heads: int, rows: int, dk: int, dv: int, keys: int, state_bytes: int, backward: bool
 ) -> int:
-    """``attention._segment_forward`` / ``_segment_backward``'s pure-torch loop over blocks
-    of keys, as ``attention._block_length`` sizes them (a block's scores and K/V under the
-    ``score_elements`` budget). Forward holds a block's scores, shifted scores and
-    probabilities, backward also the probabilities' gradients; from the second block on,
+    """``attention.torch_backend._segment_forward`` / ``_segment_backward``'s pure-torch loop
+    over blocks of keys, as ``attention.blocks.block_length`` sizes them (a block's scores and
+    K/V under the ``score_elements`` budget). Forward holds a block's scores, shifted scores
+    and probabilities, backward also the probabilities' gradients; from the second block on,
     the previous block's tensors stay bound until the new ones replace them. Blocks of a
     16-bit state are cast to float32 as they are read."""
     if keys <= 0:

@@ -1,0 +1,196 @@
+"""The torch backend: online-softmax attention per segment, key block by key block, its
+FlashAttention-style backward, and their ``autograd.Function`` (``_TorchSegmentedAttention``).
+Pure PyTorch, any device, dtype and head dims; PyTorch's fused CPU kernels take a segment's
+forward and backward where they can (``cpu_flash``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from longstraw_core.attention import cpu_flash
+from longstraw_core.attention.blocks import (
+    block_length,
+    block_scores,
+    branch_query_positions,
+    fold_batch,
+    group_rows,
+    key_blocks,
+    load_block,
+    store,
+    unfold_batch,
+)
+from longstraw_core.attention.common import (
+    N_LEADING_ARGS,
+    AttentionOutput,
+    accumulation_dtype,
+    merge,
+    unflatten_segments,
+)
+
+
+def _segment_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block_size: int | None,
+    query_positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax attention of ``q [..., R, Dk]`` over one non-empty segment.
+
+    Returns ``(out [..., R, Dv], lse [..., R])`` in the dtype of ``q``.
+    """
+    fast = cpu_flash.forward(q, k, v, scale, query_positions, block_size)
+    if fast is not None:
+        return fast
+    block = block_length(block_size, q, k, v)
+    row_max = q.new_full(q.shape[:-1], float("-inf"))
+    row_sum = q.new_zeros(q.shape[:-1])
+    acc = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    for start in key_blocks(k.shape[-2], block):
+        scores = block_scores(q, load_block(k, start, block, q), scale, query_positions, start)
+        new_max = torch.maximum(row_max, scores.amax(-1))
+        # NOTE: a row with no visible key yet keeps max -inf; shift by 0 to avoid inf - inf.
+        shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+        decay = torch.exp(row_max - shift)
+        probs = torch.exp(scores - shift.unsqueeze(-1))
+        row_sum = row_sum * decay + probs.sum(-1)
+        acc = acc * decay.unsqueeze(-1) + probs @ load_block(v, start, block, q)
+        row_max = new_max
+    return acc / row_sum.unsqueeze(-1), row_max + torch.log(row_sum)
+
+
+def _segment_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_sum: torch.Tensor,
+    scale: float,
+    block_size: int | None,
+    query_positions: torch.Tensor | None,
+    need_k: bool,
+    need_v: bool,
+    sinks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """FlashAttention backward over one segment, recomputing probabilities per key block.
+
+    ``dK``/``dV`` sum over every query row of the layout, hence over the GQA group (and the
+    batch for folded prefix rows). They are written block by block into tensors shaped and
+    placed like ``k``/``v``, or added into the ``sinks`` buffers when those are given.
+    ``out``/``lse`` are the *merged* results over every segment, so each segment's share
+    of the gradients is exact (the ring-attention identity).
+    """
+    if cpu_flash.usable(q, k, v, query_positions, block_size):
+        return cpu_flash.backward(
+            q, k, v, d_out, out, lse, scale, query_positions, need_k, need_v, sinks
+        )
+    block = block_length(block_size, q, k, v)
+    d_q = torch.zeros_like(q)
+    d_k = torch.empty_like(k) if need_k else None
+    d_v = torch.empty_like(v) if need_v else None
+    sink_k, sink_v = sinks
+    for start in key_blocks(k.shape[-2], block):
+        k_block = load_block(k, start, block, q)
+        scores = block_scores(q, k_block, scale, query_positions, start)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        if d_v is not None or sink_v is not None:
+            store(d_v, sink_v, start, block, probs.transpose(-1, -2) @ d_out)
+        d_probs = d_out @ load_block(v, start, block, q).transpose(-1, -2)
+        d_scores = probs * (d_probs - d_sum.unsqueeze(-1)) * scale
+        d_q += d_scores @ k_block
+        if d_k is not None or sink_k is not None:
+            store(d_k, sink_k, start, block, d_scores.transpose(-1, -2) @ q)
+    return d_q, d_k, d_v
+
+
+def _torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block_size: int | None,
+    flat_prefix: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend's forward: ``out [B, H, Tq, Dv]`` in the dtype of ``q`` and the
+    merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype)."""
+    batch, heads, tq, _ = q.shape
+    q_rows = group_rows(q, k.shape[1]).to(accumulation_dtype(q.dtype))
+    positions = branch_query_positions(q, k)
+    out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+    q_folded = fold_batch(q_rows)
+    for k_seg, v_seg in unflatten_segments(flat_prefix):
+        if k_seg.shape[1] == 0:
+            continue
+        seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
+        out, lse = merge(out, lse, unfold_batch(seg_out, batch), unfold_batch(seg_lse, batch))
+    return out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1]), lse
+
+
+class _TorchSegmentedAttention(torch.autograd.Function):
+    """Pure-torch segmented attention; see ``segmented_attention`` for the arguments."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        block_size: int | None,
+        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+        reuse: AttentionOutput | None,
+        keep: list[AttentionOutput] | None,
+        *flat_prefix: torch.Tensor,
+    ) -> torch.Tensor:
+        batch, heads, tq, _ = q.shape
+        if reuse is not None:  # lse in grouped rows, as _torch_attention returns it
+            result = reuse.out.to(q.dtype, copy=True)
+            lse = group_rows(reuse.lse[..., None], k.shape[1])[..., 0]
+        else:
+            result, lse = _torch_attention(q, k, v, scale, block_size, flat_prefix)
+        if keep is not None:
+            keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
+        ctx.save_for_backward(q, k, v, result, lse, *flat_prefix)
+        ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, result, lse, *flat_prefix = ctx.saved_tensors
+        needs, scale, block_size = ctx.needs_input_grad, ctx.scale, ctx.block_size
+        batch, kv_heads = q.shape[0], k.shape[1]
+        q_rows = group_rows(q, kv_heads).to(lse.dtype)
+        d_out = group_rows(d_result, kv_heads).to(lse.dtype)
+        out = group_rows(result, kv_heads).to(lse.dtype)
+        d_sum = (d_out * out).sum(-1)
+
+        positions = branch_query_positions(q, k)
+        d_q, d_k, d_v = _segment_backward(
+            q_rows, k, v, d_out, out, lse, d_sum, scale, block_size, positions,
+            needs[1], needs[2],
+        )  # fmt: skip
+        q_f, d_out_f, out_f, lse_f, d_sum_f = (
+            fold_batch(x) for x in (q_rows, d_out, out, lse, d_sum)
+        )
+        prefix_grads: list[torch.Tensor | None] = []
+        for i, (k_seg, v_seg) in enumerate(unflatten_segments(flat_prefix)):
+            need_k, need_v = needs[N_LEADING_ARGS + 2 * i : N_LEADING_ARGS + 2 * i + 2]
+            sinks = ctx.sinks[i]
+            if needs[0] or need_k or need_v or any(sink is not None for sink in sinks):
+                seg_d_q, seg_d_k, seg_d_v = _segment_backward(
+                    q_f, k_seg, v_seg, d_out_f, out_f, lse_f, d_sum_f, scale, block_size, None,
+                    need_k, need_v, sinks,
+                )  # fmt: skip
+                d_q += unfold_batch(seg_d_q, batch)
+                prefix_grads += [seg_d_k, seg_d_v]
+            else:
+                prefix_grads += [None, None]
+        d_q = d_q.to(q.dtype).reshape(q.shape) if needs[0] else None
+        return d_q, d_k, d_v, *([None] * (N_LEADING_ARGS - 3)), *prefix_grads
