@@ -55,9 +55,8 @@ def agent_lookup(
     tolerance: float = 0.01,
     id: str | None = None,
 ) -> Sample:
-    """The vault lookup (module docstring); the answer is the queried record's code."""
-    if not chat:
-        raise ValueError("agent_lookup: tools need chat prompts (the template renders them)")
+    """The vault lookup (module docstring); the answer is the queried record's code. Tool
+    calls are parsed from chat turns only (TRL's rule): ``chat=False`` gives the plain text."""
     if not 0 <= num_distractors < len(SUBJECTS):
         raise ValueError(
             f"agent_lookup: num_distractors must be in [0, {len(SUBJECTS) - 1}], got "
