@@ -10,8 +10,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from longstraw_core import tasks
+from longstraw_core.rewards import sample_columns
 from longstraw_core.tasks import (
     TASKS,
+    VaultEnvironment,
+    agent_lookup,
+    final_answer_match,
     kv_chain,
     make_task_stream,
     multi_needle,
@@ -118,7 +122,17 @@ def parse_vars(text: str) -> str:
     return ", ".join(holders)
 
 
+def parse_agent_key(text: str) -> str:
+    """The agent task's parser finds the vault key; its code is the lookup tool's to give."""
+    (subject,) = re.findall(r"What is the secret code of the (\w+) record\?", text)
+    (key,) = re.findall(
+        rf"the {subject} record was stored in the vault under the key (\S+)\.", text
+    )
+    return key
+
+
 PARSERS = {
+    "agent_lookup": parse_agent_key,
     "passkey_retrieval": parse_passkey,
     "uuid_retrieval": parse_uuid,
     "multi_needle": parse_multi,
@@ -129,7 +143,13 @@ PARSERS = {
 
 def check(sample, tokenizer, target):
     text = render_prompt(tokenizer, sample.prompt)
-    assert PARSERS[sample.meta["task"]](text) == sample.answer
+    found = PARSERS[sample.meta["task"]](text)
+    if sample.meta["task"] == "agent_lookup":  # the key: the code is only the tool's
+        assert sample.answer not in text
+        vault = VaultEnvironment()
+        vault.reset(**sample_columns(sample))  # TRL's reset(**row)
+        found = vault.lookup(found)
+    assert found == sample.answer
     n = count_prompt_tokens(tokenizer, sample.prompt)
     assert n == sample.meta["prompt_tokens"]
     assert abs(n - target) <= 0.01 * target, (n, target)
@@ -267,3 +287,47 @@ def test_filler_cannot_be_mistaken_for_needles():
     assert all(w.isalpha() and w.islower() for w in words)
     assert not words & set(tasks.KEY_WORDS)
     assert not words & {"key", "pass", "var", "value", "uuid", "magic", "special", "holds"}
+
+
+# --------------------------------------------------------------------------- the agent task
+
+
+def test_agent_lookup_needs_the_tool_and_rewards_only_the_final_answer(builtin):
+    s = agent_lookup(builtin, 4096, depth=0.2, seed=3, num_distractors=5)
+    check(s, builtin, 4096)
+    vault, key = s.meta["vault"], s.meta["key"]
+    assert len(vault) == 6 and vault[key] == s.answer
+    text = s.prompt[0]["content"]
+    assert all(k in text and code not in text for k, code in vault.items())
+    env = VaultEnvironment()
+    assert env.reset(**sample_columns(s)) is None  # no observation: the prompt is complete
+    assert env.get_reward() == 0.0
+    other = next(k for k in vault if k != key)
+    assert env.lookup(other) == vault[other] and env.get_reward() == 0.0
+    with pytest.raises(KeyError, match="no record"):
+        env.lookup("no-such-key")
+    assert env.lookup(f" {key} ") == s.answer and env.get_reward() == 1.0
+    env.reset(**sample_columns(s))
+    assert env.get_reward() == 0.0  # reset clears the branch's calls
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}
+    result = {"role": "tool", "name": "lookup", "content": s.answer}
+    answered = [call, result, {"role": "assistant", "content": f"<answer> {s.answer} </answer>"}]
+    completions = [
+        answered,
+        [call, result],  # ended on the tool's result: the code is there, but not answered
+        [call, result, {"role": "assistant", "content": s.answer}],  # no tags
+        [call, result, {"role": "assistant", "content": "<answer>123</answer>"}],
+        f"<answer>{s.answer}</answer>",  # a plain-text completion
+    ]
+    scores = final_answer_match(completions, [s.answer] * 5)
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert final_answer_match([answered], [""]) == [None]
+
+
+def test_agent_lookup_in_the_registry_and_deterministic(builtin):
+    a = sample_at("agent_lookup", builtin, 2048, seed=1, index=4)
+    assert a == sample_at("agent_lookup", builtin, 2048, seed=1, index=4)
+    assert a.meta["subject"] in a.prompt[0]["content"]
+    with pytest.raises(ValueError, match="num_distractors"):
+        agent_lookup(builtin, 2048, num_distractors=99)

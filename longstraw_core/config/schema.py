@@ -158,6 +158,16 @@ class RolloutSection:
     # A response ends at the token that completes one of these strings (kept, like an EOS);
     # e.g. ["</answer>"] stops a branch once it has answered. []: only EOS ends a response.
     stop: list[str] = field(default_factory=list)
+    # Agents (longstraw_core.tools), TRL's tools and environment_factory: functions the model
+    # may call, as module:function (type hints and a Google-style docstring: their schema);
+    # an environment class (module:Class) built once per branch, whose public methods are
+    # tools, reset(**row) is called with the sample's columns and get_reward() is an extra
+    # reward; tool rounds per branch (TRL's max_tool_calling_iterations; null: no limit); and
+    # how long a tool call may run before it fails with {"error": ...} (null: no limit).
+    tools: list[str] = field(default_factory=list)
+    environment: str | None = None
+    max_tool_calling_iterations: int | None = None
+    tool_timeout_seconds: float | None = 60.0  # tools.DEFAULT_TIMEOUT_SECONDS
 
 
 def _grpo_section() -> type:

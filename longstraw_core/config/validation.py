@@ -65,6 +65,7 @@ from longstraw_core.quantization import (
 )
 from longstraw_core.tasks import TASKS
 from longstraw_core.tokenizer import tokenizer_source
+from longstraw_core.tools import check_config as check_tools
 
 
 def validate(
@@ -86,6 +87,7 @@ def validate(
     _check_quantization(cfg)
     _check_data(cfg, facts)
     _check_rollout(cfg.rollout)
+    check_tools(cfg, reward_dirs, imports=check_rewards)
     grpo_config(cfg)
     if check_rewards:
         _check_rewards(cfg, check_paths, reward_dirs)

@@ -22,10 +22,13 @@ Import from here; the modules hold one job each:
 - ``sample``: ``Sample`` and what every generator builds with (seeded keys, numbers,
   variable names, needle depths; ``make_sample``, ``fit_multi``).
 - ``generators``: the task families, one function each.
+- ``agent``: the agent task (``agent_lookup``), its environment (``VaultEnvironment``, the
+  ``lookup`` tool) and its reward (``final_answer_match``).
 - ``streams``: the registry ``TASKS`` and the deterministic streams (``sample_at``,
   ``make_task_stream``).
 """
 
+from longstraw_core.tasks.agent import VaultEnvironment, agent_lookup, final_answer_match
 from longstraw_core.tasks.generators import (
     kv_chain,
     multi_needle,
@@ -46,6 +49,9 @@ __all__ = [
     "Depth",
     "Sample",
     "TaskFn",
+    "VaultEnvironment",
+    "agent_lookup",
+    "final_answer_match",
     "kv_chain",
     "make_task_stream",
     "multi_needle",

@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from longstraw_core.tasks.agent import agent_lookup
 from longstraw_core.tasks.generators import (
     kv_chain,
     multi_needle,
@@ -27,6 +28,7 @@ TASKS: dict[str, TaskFn] = {
     "multi_needle": multi_needle,
     "kv_chain": kv_chain,
     "variable_tracking": variable_tracking,
+    "agent_lookup": agent_lookup,
 }
 
 

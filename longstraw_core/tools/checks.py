@@ -1,0 +1,42 @@
+"""The config check of the tool keys (``rollout.tools``, ``rollout.environment``,
+``rollout.max_tool_calling_iterations``, ``rollout.tool_timeout_seconds``), run by
+``config.validation.validate`` at load, before any weight or data is touched."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from longstraw_core.config.schema import ConfigError
+from longstraw_core.tools.loading import ToolLoadError, ToolSet
+
+if TYPE_CHECKING:
+    from longstraw_core.config.schema import RunConfig
+
+
+def check_config(
+    cfg: RunConfig, search_dirs: Sequence[str | Path] = (), *, imports: bool = True
+) -> None:
+    """Raise ``ConfigError`` for a bad tool setting; ``imports=False`` leaves the tools
+    unimported (as ``check_rewards=False`` does the reward functions)."""
+    r = cfg.rollout
+    iterations = r.max_tool_calling_iterations
+    if iterations is not None and (isinstance(iterations, bool) or iterations < 0):
+        raise ConfigError(
+            "rollout.max_tool_calling_iterations",
+            f"{iterations!r} is invalid; allowed: an int >= 0 (tool rounds per branch), or null "
+            "for no limit",
+        )
+    timeout = r.tool_timeout_seconds
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(
+            "rollout.tool_timeout_seconds",
+            f"{timeout!r} is invalid; allowed: seconds > 0, or null for no limit",
+        )
+    if imports:
+        try:
+            ToolSet.load(r, search_dirs)
+        except ToolLoadError as exc:
+            raise ConfigError(exc.key, str(exc)) from None
