@@ -301,9 +301,13 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
         ref_logps=ref, truncated=TRUNC, loss_masks=TOOL, chunk_size=CHUNK,
     )  # fmt: skip
     grads = grads_of(model)
-    # TRL's log-probs are float32 (its fused head's kernel): float32's agreement
-    assert result.loss == pytest.approx(expected_loss.item(), rel=1e-6, abs=1e-9)
-    assert_same_grads(grads, expected, rtol=1e-6)
+    # TRL's log-probs are float32 (its fused head's kernel): float32's agreement. The
+    # transformers qwen3_5 model TRL runs also computes its gated delta rule in float32
+    # whatever the model's dtype: 3e-6 off here, and as far off unmasked (all-ones masks:
+    # 5e-5 in the loss, 5e-6 in the gradients).
+    rtol = 2e-5 if family == "qwen3_5_text" else 1e-6
+    assert result.loss == pytest.approx(expected_loss.item(), rel=rtol, abs=1e-9)
+    assert_same_grads(grads, expected, rtol=rtol)
     skip = ("vespo/phi_seq_mean",) if mask_truncated else ()
     assert_metrics_equal_trl(result.branch_stats, expected_metrics, skip=skip, rel=1e-5, abs_=1e-6)
     assert result.entropy == pytest.approx(expected_metrics["entropy"], rel=1e-6)
@@ -405,8 +409,11 @@ def test_all_ones_masks_are_the_unmasked_step_bit_for_bit(qwen3, gradient):
         runs.append((result, grads_of(qwen3)))
     (first, first_grads), *others = runs
     for result, grads in others:
-        timeless = lambda m: {k: v for k, v in m.items() if not k.endswith("_seconds")}  # noqa: E731
-        assert timeless(result.metrics()) == timeless(first.metrics())
+
+        def values(m):  # times and the process's peak memory vary from run to run
+            return {k: v for k, v in m.items() if not k.endswith(("_seconds", "peak_memory_bytes"))}
+
+        assert values(result.metrics()) == values(first.metrics())
         assert grads.keys() == first_grads.keys()
         assert all(torch.equal(grads[k], first_grads[k]) for k in grads)
 
@@ -441,7 +448,10 @@ def test_an_all_zero_mask_follows_trl_arithmetic(
 @pytest.mark.parametrize(
     ("masks", "message"),
     [
-        ([[1] * 5, None, None, None], r"loss_masks\[0\] has shape \(5,\), but responses\[0\] has 6"),
+        (
+            [[1] * 5, None, None, None],
+            r"loss_masks\[0\] has shape \(5,\), but responses\[0\] has 6",
+        ),
         ([None, [1, 2, 0, 1], None, None], r"loss_masks\[1\] holds \[2\]"),
         ([None, None, [1, 0.5, 1, 1, 1, 1, 1], None], r"loss_masks\[2\] holds \[0.5\]"),
         ([None, None, None, [-1, 1, 1]], r"loss_masks\[3\] holds \[-1\]"),
@@ -480,7 +490,12 @@ def test_masks_add_no_per_branch_copy_to_the_replay(qwen3):
     for run, masks in enumerate((None, TOOL)):
         results.append(
             ls.grpo_step(
-                adapter, prompt, responses, REWARDS, config=config, loss_masks=masks,
+                adapter,
+                prompt,
+                responses,
+                REWARDS,
+                config=config,
+                loss_masks=masks,
                 chunk_size=CHUNK,
             )  # fmt: skip
         )
