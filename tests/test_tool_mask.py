@@ -478,27 +478,19 @@ def test_masks_add_no_per_branch_copy_to_the_replay(qwen3):
     config = ls.GRPOConfig(loss_type="dapo", gradient="exact", num_generations=G)
     prompt, responses, _ = branches()
     adapter = ls.adapt(qwen3)
-    scored: list[list[int]] = [[], []]
+    scored: list[list[int]] = []
     score = adapter.score
 
     def counting_score(state, response, **kwargs):
-        scored[run].append(len(response))
+        scored[-1].append(len(response))
         return score(state, response, **kwargs)
 
     adapter.score = counting_score
     results = []
-    for run, masks in enumerate((None, TOOL)):
-        results.append(
-            ls.grpo_step(
-                adapter,
-                prompt,
-                responses,
-                REWARDS,
-                config=config,
-                loss_masks=masks,
-                chunk_size=CHUNK,
-            )  # fmt: skip
-        )
+    for masks in (None, TOOL):
+        scored.append([])
+        kwargs = {"config": config, "loss_masks": masks, "chunk_size": CHUNK}
+        results.append(ls.grpo_step(adapter, prompt, responses, REWARDS, **kwargs))
         grads_of(qwen3)
     plain, masked = results
     assert scored[0] == scored[1] == LENGTHS
