@@ -44,7 +44,13 @@ import torch.distributed as dist
 
 from longstraw_core.distributed import step_reward_std, sum_over_ranks
 from longstraw_core.grpo_config import GRPOConfig
-from longstraw_core.losses import ADVANTAGE_STD_EPS, group_advantages, normaliser_share
+from longstraw_core.losses import (
+    ADVANTAGE_STD_EPS,
+    check_loss_masks,
+    group_advantages,
+    loss_mask_counts,
+    normaliser_share,
+)
 
 if TYPE_CHECKING:
     from longstraw_core.replay import GRPOStepResult
@@ -64,13 +70,15 @@ class CollectedGroup:
     """One rolled-out group, kept for the updates of its generation: the prompt's token ids
     (not its state), the responses and their rewards, and after its first replay the
     policy's and reference's per-token log-probs (the later updates' ``old_logps`` and
-    ``ref_logps``)."""
+    ``ref_logps``). ``loss_masks``: the responses' loss masks (``losses.check_loss_masks``:
+    bool tensors, None for all ones), None for none."""
 
     prompt_ids: torch.Tensor
     responses: list[torch.Tensor]
     rewards: list[float]
     truncated: list[bool]
     share: int  # its part of the step's loss normaliser (losses.normaliser_share)
+    loss_masks: list[torch.Tensor | None] | None = None
     old_logps: list[torch.Tensor | None] | None = None
     ref_logps: list[torch.Tensor | None] | None = None
     loss: float = 0.0  # its part of the step's loss in its latest replay
@@ -116,16 +124,23 @@ class GenerationBatch:
         responses: Sequence[torch.Tensor],
         rewards: Sequence[float],
         truncated: Sequence[bool],
+        loss_masks: Sequence[torch.Tensor | Sequence[int] | None] | None = None,
     ) -> Share | None:
         """Keep a rolled-out group; the ``Share`` to replay it with now, or None when its
         replay waits for ``finish`` (``defers_replay``). A collective: one small all-reduce
-        (two more on the first call with ``scale_rewards="batch"``)."""
+        (two more on the first call with ``scale_rewards="batch"``). ``loss_masks``: the
+        responses' loss masks (``grpo_step``'s, e.g. a rollout's ``out.loss_masks``), which
+        the step's token normaliser counts and every replay of the group passes on."""
         if self.finished or len(self.groups) == self.prompts:
             raise RuntimeError(f"add called after the step's {self.prompts} groups were in")
-        share = normaliser_share([len(r) for r in responses], truncated, self.config)
+        lengths = [len(r) for r in responses]
+        masks = None if loss_masks is None else check_loss_masks(loss_masks, lengths)
+        counts = lengths if masks is None else loss_mask_counts(masks, lengths)
+        share = normaliser_share(counts, truncated, self.config)
         group = CollectedGroup(
-            prompt_ids, list(responses), [float(r) for r in rewards], list(truncated), share
-        )
+            prompt_ids, list(responses), [float(r) for r in rewards], list(truncated), share,
+            masks,
+        )  # fmt: skip
         self.groups.append(group)
         self._replayed.append(0)
         self._scales.append(0.0)
@@ -185,9 +200,9 @@ class GenerationBatch:
         return Share(self._scale(self.groups[k].share, self._final_total), self._final_std)
 
     def replay_kwargs(self, k: int) -> dict[str, Any]:
-        """``grpo_step``'s keywords for group ``k``'s next replay: its truncation flags, the
-        share to use (provisional before ``finish``), and from the second replay on the first
-        one's log-probs as ``old_logps`` and ``ref_logps``."""
+        """``grpo_step``'s keywords for group ``k``'s next replay: its truncation flags and
+        loss masks, the share to use (provisional before ``finish``), and from the second
+        replay on the first one's log-probs as ``old_logps`` and ``ref_logps``."""
         group = self.groups[k]
         if self.finished:
             share = self.share(k)
@@ -198,6 +213,7 @@ class GenerationBatch:
         self._scales[k] = share.loss_scale
         return {
             "truncated": group.truncated,
+            "loss_masks": group.loss_masks,
             "loss_scale": share.loss_scale,
             "reward_std": share.reward_std,
             "old_logps": group.old_logps,

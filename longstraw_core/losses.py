@@ -17,9 +17,16 @@ reads a sequence-level quantity, ``phi`` of the branch's summed log-ratio ``w_i`
 branch i's own tokens, and TRL detaches it: it is computed from the branch's log-probs
 within its own replay, with no gradient (``dapo``'s weights).
 
+Tool masks (TRL's ``tool_mask``: 1 for the policy's own tokens, 0 for a tool's result inside
+a response) keep that form too: TRL's loss mask is ``completion_mask * tool_mask``, so a
+branch's mask ``m_i`` multiplies its per-token terms (``per_token_loss(mask=...)``), the
+sequence-level ratio and vespo's ``w_i`` sum over ``m_i``'s tokens only, and the weights read
+``sum_t m_it`` where they read lengths (``loss_weights(loss_tokens=...)``). The masked-out
+tokens are still replayed: the later tokens attend to them.
+
 Not supported (rejected by ``GRPOConfig``): ``top_entropy_quantile < 1`` (its threshold is a
-quantile over all of the group's tokens), tool masks inside a response, vLLM
-importance-sampling correction, off-policy masking.
+quantile over all of the group's tokens), vLLM importance-sampling correction, off-policy
+masking.
 """
 
 import math
@@ -27,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from longstraw_core.fake import is_fake
+from longstraw_core.fake import is_fake, known_float
 from longstraw_core.grpo_config import GRPOConfig, normalize_scale_rewards
 
 ADVANTAGE_STD_EPS = 1e-4  # TRL's constant: (R - mean) / (std + 1e-4)
@@ -88,8 +95,15 @@ def loss_weights(
     completion_lengths: Sequence[int],
     truncated: Sequence[bool] | None,
     config: GRPOConfig,
+    *,
+    loss_tokens: Sequence[int] | None = None,
 ) -> list[float]:
     """Per-branch multiplier w_i of the summed per-token loss; fixed before replay.
+
+    ``loss_tokens``: how many of each response's tokens enter the loss (the ones of its tool
+    mask, ``loss_mask_counts``); None: all of them. The weights below read these counts
+    where they say ``|o_i|`` and "tokens", as TRL's ``mask.sum()`` does; ``completion_lengths``
+    stay the responses' lengths (dr_grpo's bound).
 
     grpo, sapo: 1 / (G * max(|o_i|, 1)); luspo: 1 / G; dr_grpo: 1 / (G * max_completion_length);
     bnpo, dapo, cispo, vespo: 1 / max(active tokens in the group, 1). With
@@ -103,13 +117,19 @@ def loss_weights(
     G = len(lengths)
     if G == 0 or min(lengths) < 0:
         raise ValueError(f"completion_lengths must be >= 0 for >= 1 branch, got {lengths}")
+    counts = lengths if loss_tokens is None else [int(n) for n in loss_tokens]
+    if len(counts) != G or any(not 0 <= c <= n for c, n in zip(counts, lengths, strict=True)):
+        raise ValueError(
+            f"loss_tokens {counts} must give one count in [0, length] per response of "
+            f"completion_lengths {lengths}"
+        )
     if truncated is None:
         truncated = [False] * G
     if len(truncated) != G:
         raise ValueError(f"truncated has {len(truncated)} entries for {G} completion_lengths")
     active = [not (config.mask_truncated_completions and bool(t)) for t in truncated]
     if config.loss_type in ("grpo", "sapo"):
-        return [1.0 / (G * max(n, 1)) if a else 0.0 for n, a in zip(lengths, active, strict=True)]
+        return [1.0 / (G * max(n, 1)) if a else 0.0 for n, a in zip(counts, active, strict=True)]
     if config.loss_type == "luspo":
         return [1.0 / G if a else 0.0 for a in active]
     if config.loss_type == "dr_grpo":
@@ -120,8 +140,64 @@ def loss_weights(
                 "normaliser"
             )
         return [1.0 / (G * cap) if a else 0.0 for a in active]
-    total = sum(n for n, a in zip(lengths, active, strict=True) if a)
+    total = sum(n for n, a in zip(counts, active, strict=True) if a)
     return [1.0 / max(total, 1) if a else 0.0 for a in active]
+
+
+def check_loss_masks(
+    loss_masks: Sequence[torch.Tensor | Sequence[int] | None] | None,
+    lengths: Sequence[int],
+) -> list[torch.Tensor | None]:
+    """The responses' loss masks (TRL's ``tool_mask``), checked: one per response, each None
+    or a 1-D tensor or int list of that response's length holding only 0 and 1. Returns them
+    as bool tensors (on the device they came on), None for an all-ones mask (the unmasked
+    computation, bit for bit) and for every entry of a None ``loss_masks``. A mask of zeros
+    is allowed, as in TRL: the response then has no loss (its denominators are clamped at 1).
+    """
+    if loss_masks is None:
+        return [None] * len(lengths)
+    if isinstance(loss_masks, (torch.Tensor, str)) or not isinstance(loss_masks, Sequence):
+        raise ValueError(
+            "loss_masks must be a list with one entry per response (a 1-D 0/1 tensor or int "
+            f"list of its length, or None), got {type(loss_masks).__name__}"
+        )
+    if len(loss_masks) != len(lengths):
+        raise ValueError(f"loss_masks has {len(loss_masks)} entries for {len(lengths)} responses")
+    masks: list[torch.Tensor | None] = []
+    for index, (mask, length) in enumerate(zip(loss_masks, lengths, strict=True)):
+        if mask is None:
+            masks.append(None)
+            continue
+        try:
+            values = torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(
+                f"loss_masks[{index}] must be a 1-D 0/1 tensor or int list, got {mask!r}"
+            ) from error
+        if values.ndim != 1 or len(values) != length:
+            raise ValueError(
+                f"loss_masks[{index}] has shape {tuple(values.shape)}, but responses[{index}] has "
+                f"{length} tokens: a loss mask has one 0/1 value per response token"
+            )
+        if values.is_complex() or not bool(((values == 0) | (values == 1)).all()):
+            bad = [v for v in values.tolist() if v not in (0, 1)][:3]
+            raise ValueError(
+                f"loss_masks[{index}] holds {bad}: a loss mask holds only 0 (a token left out of "
+                "the loss, e.g. a tool's result) and 1 (the policy's own token)"
+            )
+        flags = values == 1
+        masks.append(None if bool(flags.all()) else flags)
+    return masks
+
+
+def loss_mask_counts(masks: Sequence[torch.Tensor | None], lengths: Sequence[int]) -> list[int]:
+    """How many tokens of each response enter the loss: its loss mask's ones, or its length
+    (no mask). TRL's completion lengths with a ``tool_mask``, and ``loss_weights``'
+    ``loss_tokens``."""
+    return [
+        int(length) if mask is None else int(mask.sum())
+        for mask, length in zip(masks, lengths, strict=True)
+    ]
 
 
 def normaliser_share(
@@ -130,7 +206,9 @@ def normaliser_share(
     """This group's part of the step's loss normaliser: its active tokens for the
     token-normalised losses, its responses for the others (truncated ones included, as TRL's
     mean over the batch counts them). A group's loss times ``share / step total`` is its
-    part of TRL's loss over the step's whole batch."""
+    part of TRL's loss over the step's whole batch. With tool masks pass each response's
+    count of masked-in tokens (``loss_mask_counts``) as its length: TRL's ``num_items_in_batch``
+    is the sum of its loss mask."""
     if config.loss_type in RESPONSE_NORMALISED:
         return len(completion_lengths)
     flags = [False] * len(completion_lengths) if truncated is None else list(truncated)
@@ -147,10 +225,11 @@ def _check_branch(
     old_logps: torch.Tensor | None,
     ref_logps: torch.Tensor | None,
     config: GRPOConfig,
+    mask: torch.Tensor | None = None,
 ) -> None:
     if logps.ndim != 1 or not logps.is_floating_point():
         raise ValueError(f"logps must be a 1-D float tensor [R], got {logps.dtype} {logps.shape}")
-    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("mask", mask)):
         if t is not None and t.shape != logps.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logps {tuple(logps.shape)}")
     if config.beta != 0.0 and ref_logps is None:
@@ -163,15 +242,22 @@ def per_token_loss(
     ref_logps: torch.Tensor | None,
     advantage: float | torch.Tensor,
     config: GRPOConfig,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One branch's [R] per-token loss (policy term + beta * KL), TRL's formulas.
 
     ``old_logps=None`` means on-policy (ratio 1, gradient of the ratio kept), as TRL does with
     ``logps.detach()``. ``ref_logps`` is read only when ``beta != 0``. The stats are detached
     sums, so ``reduce_branch_stats`` can rebuild TRL's group-level metrics exactly.
+
+    ``mask``: the branch's loss mask [R] (TRL's ``completion_mask * tool_mask``: 0 on a tool's
+    result tokens), or None (all ones: the unmasked computation, bit for bit). As in TRL the
+    per-token loss is multiplied by it, the sequence-level ratio and vespo's weight sum over
+    its tokens, and the stats count only them.
     """
-    _check_branch(logps, old_logps, ref_logps, config)
-    n = logps.shape[0]
+    _check_branch(logps, old_logps, ref_logps, config, mask)
+    n = logps.shape[0] if mask is None else int(known_float(mask.sum(), logps.shape[0]))
+    m = None if mask is None else mask.detach().to(device=logps.device, dtype=logps.dtype)
     old = logps.detach() if old_logps is None else old_logps.detach()
     # At least float32, as TRL keeps advantages (a bf16 advantage would lose ~3 digits), and
     # the advantage's own dtype when wider: grpo_step's are float64, like its rewards. Shape
@@ -185,7 +271,8 @@ def per_token_loss(
         log_weights = log_ratio
     else:  # GSPO: mean log-ratio over this branch's own tokens, so still per-branch.
         # Summed in the log-probs' dtype, divided in the advantage's, as TRL's masked mean.
-        log_weights = log_ratio.sum() / adv.new_tensor(float(max(n, 1)))
+        masked_ratio = log_ratio if m is None else log_ratio * m
+        log_weights = masked_ratio.sum() / adv.new_tensor(float(max(n, 1)))
     coef_1 = torch.exp(log_weights)
 
     kl = None
@@ -195,11 +282,13 @@ def per_token_loss(
         if config.use_bias_correction_kl:
             kl = kl * coef_1  # before delta clamps coef_1, as in TRL
 
-    loss, flags, extra = _policy_term(logps, log_ratio, coef_1, adv, config)
+    loss, flags, extra = _policy_term(logps, log_ratio, coef_1, adv, config, m)
     if kl is not None:
         loss = loss + config.beta * kl
-    stats = _branch_stats(n, log_weights.numel(), flags, kl, logps.device)
-    return loss.expand_as(logps), stats | extra
+    clip_denom = n if config.importance_sampling_level == "token" else 1
+    stats = _branch_stats(n, clip_denom, flags, kl, logps.device, m)
+    loss = loss.expand_as(logps)
+    return (loss if m is None else loss * m), stats | extra
 
 
 def _policy_term(
@@ -208,9 +297,10 @@ def _policy_term(
     coef_1: torch.Tensor,
     adv: torch.Tensor,
     config: GRPOConfig,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The loss type's per-token policy term, the flags TRL's clip metrics count, and any
-    extra statistic (vespo's weight)."""
+    extra statistic (vespo's weight, from the ``mask``'s tokens)."""
     eps_high = config.effective_epsilon_high
     if config.loss_type == "cispo":
         clamped = torch.clamp(coef_1, max=eps_high).detach()
@@ -223,7 +313,7 @@ def _policy_term(
         gate = torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau
         return -gate * adv, {}, {}
     if config.loss_type == "vespo":
-        phi = _vespo_weight(log_ratio.detach(), adv, config)
+        phi = _vespo_weight(log_ratio.detach(), adv, config, mask)
         return -phi * adv * logps, {}, {"vespo_phi": phi.detach().sum(dtype=torch.float32)}
     # grpo, bnpo, dr_grpo, dapo, luspo: PPO's clipped surrogate.
     coef_2 = torch.clamp(coef_1, 1 - config.epsilon_low, 1 + eps_high)
@@ -239,12 +329,18 @@ _VESPO_LOG_MIN = math.log(1e-8)  # TRL's lower clamp of log w (w >= 1e-8)
 
 
 @torch.no_grad()
-def _vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOConfig) -> torch.Tensor:
+def _vespo_weight(
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    config: GRPOConfig,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """VESPO's gamma weight phi(w) = e^lambda * w^k * e^(-lambda * w) of the branch's
-    sequence ratio w = exp(sum_t clamp(log r_t, -20, 20)), with log w clamped to
-    [log 1e-8, 20]; (k, lambda) by the advantage's sign (A >= 0: the positive pair), lambda
-    at least 1e-4. A constant of the replay (no gradient), shape [1]."""
-    log_w = torch.clamp(log_ratio.clamp(-20.0, 20.0).sum(), _VESPO_LOG_MIN, 20.0)
+    sequence ratio w = exp(sum_t m_t clamp(log r_t, -20, 20)) (``mask`` m, or all ones), with
+    log w clamped to [log 1e-8, 20]; (k, lambda) by the advantage's sign (A >= 0: the positive
+    pair), lambda at least 1e-4. A constant of the replay (no gradient), shape [1]."""
+    clamped = log_ratio.clamp(-20.0, 20.0)
+    log_w = torch.clamp((clamped if mask is None else clamped * mask).sum(), _VESPO_LOG_MIN, 20.0)
     positive = adv >= 0  # a tensor condition: no host sync, and dry runs' fake tensors pass
     k = torch.where(positive, adv.new_tensor(config.vespo_k_pos), config.vespo_k_neg)
     lam = torch.where(positive, adv.new_tensor(config.vespo_lambda_pos), config.vespo_lambda_neg)
@@ -259,13 +355,20 @@ def _branch_stats(
     clipped: dict[str, torch.Tensor],
     kl: torch.Tensor | None,
     device: torch.device,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Detached sums over the branch's tokens, or its ``mask``'s (a sequence-level flag,
+    shape [1], is one value per branch: TRL does not mask it)."""
+
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return x if mask is None or x.numel() == 1 else x * mask
+
     # float32 sums: exact counts up to 2**24 tokens per branch, no host sync per branch.
-    stats = {k: v.detach().sum(dtype=torch.float32) for k, v in clipped.items()}
+    stats = {k: masked(v.detach()).sum(dtype=torch.float32) for k, v in clipped.items()}
     stats["clip_denom"] = torch.tensor(float(clip_denom), device=device)
     stats["num_tokens"] = torch.tensor(float(n), device=device)
     if kl is not None:
-        stats["kl_sum"] = kl.detach().sum(dtype=torch.float32)
+        stats["kl_sum"] = masked(kl.detach()).sum(dtype=torch.float32)
     return stats
 
 
@@ -276,9 +379,11 @@ def branch_loss(
     advantage: float | torch.Tensor,
     weight: float,
     config: GRPOConfig,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This branch's share ``w_i * sum_t l_it`` of the group loss; call backward() on it."""
-    per_token, stats = per_token_loss(logps, old_logps, ref_logps, advantage, config)
+    """This branch's share ``w_i * sum_t m_it l_it`` of the group loss; call backward() on it.
+    ``mask``: its loss mask (``per_token_loss``), None for all ones."""
+    per_token, stats = per_token_loss(logps, old_logps, ref_logps, advantage, config, mask)
     acc_dtype = torch.promote_types(per_token.dtype, torch.float32)  # no bf16 token sums
     return per_token.sum(dtype=acc_dtype) * weight, stats
 

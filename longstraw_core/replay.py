@@ -25,7 +25,14 @@ from longstraw_core.adapters.base import ModelAdapter, as_token_ids
 from longstraw_core.exact import StateGrad, new_state_grad
 from longstraw_core.fake import known_float, real_values
 from longstraw_core.grpo_config import GRPOConfig
-from longstraw_core.losses import branch_loss, group_advantages, loss_weights, reduce_branch_stats
+from longstraw_core.losses import (
+    branch_loss,
+    check_loss_masks,
+    group_advantages,
+    loss_mask_counts,
+    loss_weights,
+    reduce_branch_stats,
+)
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.state import PrefixState
 
@@ -61,7 +68,9 @@ class GRPOStepResult(Mapping[str, Any]):
 
     ``loss`` is the group's loss (not multiplied by ``loss_scale``); ``advantages`` one per
     response; ``group_reward_mean``/``group_reward_std`` describe the scorable (non-NaN)
-    rewards as given (a reward set reports TRL's ``reward``/``reward_std`` itself).
+    rewards as given; ``completion_tokens`` and ``completion_length_mean`` count the tokens
+    of the loss masks (TRL's ``completions/mean_length`` with a ``tool_mask``), every token
+    without them (a reward set reports TRL's ``reward``/``reward_std`` itself).
     ``prefill_seconds`` is 0.0 and left out of ``metrics()`` when a ``state`` was passed
     (``prefilled`` is False): the prefill was the caller's. ``branch_stats``: TRL's clip
     ratios and ``kl`` (``losses.reduce_branch_stats``; empty when no branch was replayed).
@@ -163,6 +172,7 @@ def grpo_step(
     ref_logps: Sequence[torch.Tensor | None] | None = None,
     state: PrefixState | None = None,
     truncated: Sequence[bool] | None = None,
+    loss_masks: Sequence[torch.Tensor | Sequence[int] | None] | None = None,
     chunk_size: int = 4096,
     loss_scale: float = 1.0,
     reward_std: float | None = None,
@@ -184,7 +194,14 @@ def grpo_step(
     the reference does not change, so it is scored once per rollout). ``state`` reuses a
     prefill of ``prompt_ids`` (from rollout); otherwise the prompt is prefilled here.
     ``truncated`` marks responses cut at the length limit (for
-    ``mask_truncated_completions``). No optimizer step is taken. ``offload`` places the prefix
+    ``mask_truncated_completions``). ``loss_masks``: one per response, its loss mask (TRL's
+    ``tool_mask``): a 1-D 0/1 tensor or int list of the response's length, 1 on the policy's
+    own tokens, 0 on tokens it did not sample (a tool's result), or None (all ones, as is a
+    None ``loss_masks``). The whole response is replayed (its later tokens attend to the
+    tool's), but only its masked-in tokens enter the loss, the normalisers, the entropy, the
+    KL and clip metrics and the completion lengths, exactly as TRL's ``completion_mask *
+    tool_mask``; a response with no masked-in token is not replayed (it has no loss and no
+    gradient). All-ones masks give the unmasked step bit for bit. No optimizer step is taken. ``offload`` places the prefix
     state of a prefill made here (the policy's and the reference's; see
     ``longstraw_core.offload``); a given ``state`` keeps the placement it was prefilled with.
 
@@ -224,6 +241,8 @@ def grpo_step(
     given_ref_logps = None if ref_logps is None else _check_logps(ref_logps, responses, "ref_logps")
     if truncated is not None and len(truncated) != len(responses):
         raise ValueError(f"truncated has {len(truncated)} entries for {len(responses)} responses")
+    with real_values():
+        masks = check_loss_masks(loss_masks, [len(r) for r in responses])
     if config.beta != 0.0 and ref_adapter is None and given_ref_logps is None:
         raise ValueError(
             f"config.beta={config.beta} needs a reference policy: pass ref_adapter "
@@ -241,7 +260,8 @@ def grpo_step(
 
     names.reset_peak_memory(adapter.device)
     lengths = [len(response) for response in responses]
-    weights = loss_weights(lengths, truncated, config)
+    counts = loss_mask_counts(masks, lengths)
+    weights = loss_weights(lengths, truncated, config, loss_tokens=counts)
     timings = {"ref_seconds": 0.0, "prefill_seconds": 0.0, "replay_seconds": 0.0}
     timings["sweep_seconds"] = 0.0
     prefilled = state is None
@@ -268,12 +288,13 @@ def grpo_step(
     contributing = [
         index
         for index in range(len(responses))
-        if not _contributes_nothing(weights[index], advantage_values[index], config)
+        if counts[index]
+        and not _contributes_nothing(weights[index], advantage_values[index], config)
     ]
     if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
         total_loss, entropy_sum, branch_stats, idle = _replay_on_stages(
             adapter, state, responses, contributing, old_logps, ref_logps, advantages,
-            weights, config, loss_scale, state_grad, policy_logps,
+            weights, config, loss_scale, state_grad, policy_logps, masks,
         )  # fmt: skip
         replayed, contributing = len(contributing), []
     for index in adapter.in_step(contributing):
@@ -286,12 +307,13 @@ def grpo_step(
             temperature=config.temperature,
         )  # fmt: skip
         loss, stats = branch_loss(
-            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
-        )
+            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config,
+            masks[index],
+        )  # fmt: skip
         (loss * loss_scale).backward()  # frees this branch's graph before the next one
         policy_logps[index] = logps.detach()
         total_loss += known_float(loss)
-        entropy_sum += known_float(entropy.sum())
+        entropy_sum += known_float(_masked_sum(entropy, masks[index]))
         branch_stats.append(stats)
         replayed += 1
     timings["replay_seconds"] = time.perf_counter() - started
@@ -310,8 +332,8 @@ def grpo_step(
         group_reward_std=reward_std,
         entropy=entropy_sum / replayed_tokens if replayed_tokens else math.nan,
         prompt_tokens=state.prompt_length,
-        completion_tokens=sum(lengths),
-        completion_length_mean=sum(lengths) / len(lengths),
+        completion_tokens=sum(counts),
+        completion_length_mean=sum(counts) / len(counts),
         branches_replayed=replayed,
         state_bytes=state.nbytes(),
         state_grad_bytes=state_grad.nbytes() if state_grad is not None else 0,
@@ -338,13 +360,15 @@ def _replay_on_stages(
     loss_scale: float,
     state_grad: StateGrad | None,
     policy_logps: list[torch.Tensor | None],
+    masks: list[torch.Tensor | None],
 ) -> tuple[float, float, list[dict[str, Any]], int]:
     """The replay loop on pipeline stages: every contributing branch is replayed in pieces
     through the stages' schedule (``ModelAdapter.replay_branches``), its loss computed and
     backpropagated on the last stage; replicas sharded together pad with idle branches
     (``in_step``). Returns the group's loss, the entropy sum and the branches' stats, which
     the last stage sends to every stage, and the number of idle branches; the last stage
-    also fills ``policy_logps``. The values stay on the device until the replay ends: reading
+    also fills ``policy_logps``. The loss masks apply there, on the last stage, as in
+    ``grpo_step``'s own loop. The values stay on the device until the replay ends: reading
     one back per branch would stall the last stage's queue between branches."""
     losses, entropies, stats = [], [], []
     items = list(adapter.in_step(contributing))
@@ -352,11 +376,12 @@ def _replay_on_stages(
     def loss_of(m: int, logps: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         index = items[m]
         loss, branch_stats = branch_loss(
-            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config
-        )
+            logps, old_logps[index], ref_logps[index], advantages[index], weights[index], config,
+            masks[index],
+        )  # fmt: skip
         policy_logps[index] = logps.detach()
         losses.append(loss.detach())
-        entropies.append(entropy.sum())
+        entropies.append(_masked_sum(entropy, masks[index]))
         stats.append({key: value.detach() for key, value in branch_stats.items()})
         return loss * loss_scale
 
@@ -370,6 +395,13 @@ def _replay_on_stages(
     )
     loss, entropy, stats = adapter.stage.link.objects_from_last(totals)
     return loss, entropy, stats, len(items) - len(contributing)
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The sum of a branch's per-token ``values`` over its loss mask (TRL's ``x * mask``)."""
+    if mask is None:
+        return values.sum()
+    return (values * mask.to(device=values.device, dtype=values.dtype)).sum()
 
 
 def _contributes_nothing(weight: float, advantage: float, config: GRPOConfig) -> bool:

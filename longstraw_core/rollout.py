@@ -86,13 +86,18 @@ class RolloutOutput:
     (kept) or at ``max_new_tokens``. ``logps``: per-token behaviour log-probs (float32, or
     float64 for a float64 model), one tensor per response. ``truncated``: whether each
     response hit ``max_new_tokens`` without an EOS or a stop string. ``stats``: timing and
-    throughput (see ``rollout``).
+    throughput (see ``rollout``). ``loss_masks``: per response, its loss mask (TRL's
+    ``tool_mask``: 1 on the tokens the policy sampled, 0 on those it did not, a tool's result
+    appended to the branch), or None for none (every token is the policy's, as in every
+    rollout without tools); pass it on as ``grpo_step(loss_masks=...)`` and
+    ``GenerationBatch.add(loss_masks=...)``.
     """
 
     responses: list[torch.Tensor]
     logps: list[torch.Tensor]
     truncated: list[bool]
     stats: dict[str, float | int] = field(default_factory=dict)
+    loss_masks: list[torch.Tensor | None] | None = None
 
 
 def rollout(

@@ -63,6 +63,7 @@ class Case:
     fsdp: bool = False  # FSDP2 shards each stage over its replicas (which then average)
     temperature: float = 1.0  # GRPOConfig.temperature: the last stage's head divides by it
     pieces: int | None = None  # pieces per replayed branch (None: the schedule's choice)
+    loss_masks: bool = False  # tool masks (TRL's tool_mask) inside the responses
 
 
 CASES = {
@@ -70,6 +71,10 @@ CASES = {
     "qwen3-exact": Case("qwen3", "exact", temperature=0.7),
     "qwen3-lora-exact": Case("qwen3", "exact", lora=True, checkpoint=True),
     "qwen3-lora-kl-detached": Case("qwen3", "detached", lora=True, beta=0.04, temperature=1.6),
+    # Loss masks: every third token a tool's, replayed but out of the loss (last stage's).
+    "qwen3-lora-kl-exact-masks": Case(
+        "qwen3", "exact", lora=True, beta=0.04, loss_masks=True, starts=(0, 2)
+    ),
     "qwen3-exact-kept-checkpointed": Case(
         "qwen3", "exact", keep_attention_outputs=True, activation_checkpointing=True
     ),
@@ -104,6 +109,19 @@ def step_groups(step: int, count: int) -> list[Group]:
         [(37, [3, 5, 4], [0.2, 0.9, 0.0]), (10, [6, 2, 4], [0.5, 0.5, 0.5])],
     ][step]
     return random_groups(shapes, seed=100 + step)[:count]
+
+
+def loss_masks(case: Case, group: Group) -> list[list[int]] | None:
+    """The responses' loss masks for ``case.loss_masks``: 0 on every third token."""
+    if not case.loss_masks:
+        return None
+    return [[int(t % 3 != 1) for t in range(len(r))] for r in group.responses]
+
+
+def loss_tokens(case: Case, group: Group) -> list[int]:
+    """What the step's token normaliser counts of each response: its masked-in tokens."""
+    masks = loss_masks(case, group)
+    return [len(r) for r in group.responses] if masks is None else [sum(m) for m in masks]
 
 
 def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
@@ -173,11 +191,11 @@ def train_reference(case: Case, replicas: int) -> dict:
     losses, first_grads = [], {}
     for step in range(STEPS):
         groups = step_groups(step, replicas)
-        lengths = [[len(r) for r in group.responses] for group in groups]
+        lengths = [loss_tokens(case, group) for group in groups]
         for group, scale in zip(groups, group_loss_scales(lengths, config), strict=True):
             result = ls.grpo_step(
                 adapter, group.prompt, group.responses, group.rewards, config=config,
-                chunk_size=CHUNK_SIZE, loss_scale=scale,
+                chunk_size=CHUNK_SIZE, loss_scale=scale, loss_masks=loss_masks(case, group),
                 ref_adapter=ls.lora_reference(adapter) if case.beta else None,
             )  # fmt: skip
             losses.append(result.loss)
@@ -227,16 +245,14 @@ def train_staged(case: Case, stages: int, out: Path | None = None) -> dict:
     losses, first_grads, state_bytes = [], {}, 0
     for step in range(STEPS):
         group = step_groups(step, replicas)[replica]
-        (scale,) = group_loss_scales(
-            [[len(r) for r in group.responses]], config, group=replica_group(mesh)
-        )
+        (scale,) = group_loss_scales([loss_tokens(case, group)], config, group=replica_group(mesh))
         state = adapter.prefill(
             group.prompt, chunk_size=CHUNK_SIZE, offload=case.offload, **config.prefill_options()
         )
         state_bytes = max(state_bytes, state.nbytes())
         result = ls.grpo_step(
             adapter, group.prompt, group.responses, group.rewards, config=config, state=state,
-            chunk_size=CHUNK_SIZE, loss_scale=scale,
+            chunk_size=CHUNK_SIZE, loss_scale=scale, loss_masks=loss_masks(case, group),
             ref_adapter=ls.lora_reference(adapter) if case.beta else None,
         )  # fmt: skip
         losses.append((replica, step, result.loss))
