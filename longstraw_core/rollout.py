@@ -47,14 +47,26 @@ response is not truncated.
 Unlike ``generate``, a stop string is looked for in the response only, never across the
 prompt's end (vLLM's rule). Finished branches stay in the batch (their later tokens are
 masked) until every branch has finished or ``max_new_tokens`` is reached.
+
+Agents (``turns``, a ``TurnHandler``: ``longstraw_core.tools``): when a branch's turn ends (an
+EOS or a stop string), the handler is given the branch's tokens so far and may answer with
+tokens to append: the environment's turn (the tool results as the chat template renders
+them) and the header of the model's next turn. The branch then goes on: those tokens are fed
+to it one a decode step, as teacher-forced inputs that extend its own state without autograd
+(the prefix state is never written), and are marked 0 in ``out.loss_masks`` (TRL's
+``tool_mask``: they are scored by replay, as inputs later tokens read, but never enter the
+loss). They count against ``max_new_tokens``; what would overflow it is cut. Every branch
+whose turn ends at one step is handed over at once, so the handler runs their tools together.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -78,6 +90,17 @@ from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
 from longstraw_core.state import PrefixState
 
 
+class TurnHandler(Protocol):
+    """What the rollout asks of an agent's environment when branches end a turn."""
+
+    def after_turns(self, turns: Mapping[int, list[int]]) -> Mapping[int, Sequence[int]]:
+        """``turns``: branch index -> its response tokens so far, for every branch whose turn
+        ended at this decode step. Returns, for the branches that go on, the tokens to append
+        (the environment's turn and the model's next turn header); a branch left out (or
+        given no tokens) ends there."""
+        ...
+
+
 @dataclass
 class RolloutOutput:
     """The sampled group.
@@ -86,18 +109,16 @@ class RolloutOutput:
     (kept) or at ``max_new_tokens``. ``logps``: per-token behaviour log-probs (float32, or
     float64 for a float64 model), one tensor per response. ``truncated``: whether each
     response hit ``max_new_tokens`` without an EOS or a stop string. ``stats``: timing and
-    throughput (see ``rollout``). ``loss_masks``: per response, its loss mask (TRL's
-    ``tool_mask``: 1 on the tokens the policy sampled, 0 on those it did not, a tool's result
-    appended to the branch), or None for none (every token is the policy's, as in every
-    rollout without tools); pass it on as ``grpo_step(loss_masks=...)`` and
-    ``GenerationBatch.add(loss_masks=...)``.
+    throughput (see ``rollout``). ``loss_masks``: per response, 1 for the policy's own tokens
+    and 0 for tokens a ``TurnHandler`` appended (TRL's ``tool_mask``; all ones without one),
+    for ``grpo_step(..., loss_masks=)`` and ``GenerationBatch.add(loss_masks=)``.
     """
 
     responses: list[torch.Tensor]
     logps: list[torch.Tensor]
     truncated: list[bool]
     stats: dict[str, float | int] = field(default_factory=dict)
-    loss_masks: list[torch.Tensor | None] | None = None
+    loss_masks: list[torch.Tensor] = field(default_factory=list)
 
 
 def rollout(
@@ -117,6 +138,7 @@ def rollout(
     seed: int | None = 0,
     progress: bool | None = None,
     gather_parameters: bool = True,
+    turns: TurnHandler | None = None,
 ) -> RolloutOutput:
     """Sample ``num_generations`` responses to the prompt held by ``state``, in one batch.
 
@@ -144,6 +166,9 @@ def rollout(
             rollout and keep it (``ModelAdapter.parameters_gathered``: the unsharded model's
             memory while decoding) instead of once per decode step (config
             ``distributed.rollout_gather``). No effect unsharded.
+        turns: an agent's environment (``TurnHandler``): branches whose turn ends are handed
+            to it, and go on with the tokens it appends (see the module docstring). On
+            pipeline stages it runs on the last stage, which samples.
 
     Returns:
         ``RolloutOutput``; ``stats`` holds ``decode_seconds``, ``steps`` (batched decode
@@ -170,6 +195,7 @@ def rollout(
         generator,
         torch.promote_types(adapter.dtype, torch.float32),
         repetition_penalty != 1.0,
+        turns,
     )
     bar = tqdm(
         total=max_new_tokens,
@@ -194,6 +220,7 @@ def rollout(
     return RolloutOutput(
         responses=responses,
         logps=[group.logps[i, :n].clone() for i, n in enumerate(lengths_list)],
+        loss_masks=[group.policy[i, :n].long() for i, n in enumerate(lengths_list)],
         truncated=[not done for done in finished_list],
         stats={
             "decode_seconds": seconds,
@@ -229,6 +256,7 @@ class _Group:
         generator: torch.Generator,
         logps_dtype: torch.dtype,
         needs_prompt_tokens: bool,
+        turns: TurnHandler | None = None,
     ) -> None:
         device = eos.device
         self.size, self.temperature, self.processors = size, temperature, processors
@@ -251,6 +279,11 @@ class _Group:
         self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.noise: torch.Tensor | None = None
+        # Agents: who answers ended turns, each branch's tokens still to feed it, and which
+        # tokens are the policy's own (the rest were fed).
+        self.turns = turns
+        self.queued: list[deque[int]] = [deque() for _ in range(size)]
+        self.policy = torch.ones(size, max_new_tokens, dtype=torch.bool, device=device)
 
     def begin_step(self, vocab: int) -> None:
         """Draw the step's noise for every branch (sampling only)."""
@@ -281,6 +314,7 @@ class _Group:
         tokens = tokens.masked_fill(~finite, 0)  # what ends is decided by the finite check
         finished = self.finished[rows_]
         tokens = tokens.masked_fill(finished, self.pad_id)
+        fed = self._feed(rows, tokens) if self.turns is not None else None
         self.tokens[rows_, step] = tokens
         chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
         self.logps[rows_, step] = chosen.masked_fill(finished, 0.0)
@@ -288,9 +322,39 @@ class _Group:
         if self.stop is not None:
             ended |= self.stop(self.tokens[rows_, : step + 1], None)
         ended &= ~finished
+        if fed is not None:
+            self.policy[rows_, step] = ~fed
+            ended &= ~fed  # a fed turn's own end token ends nothing
+            ended = self._hand_over(rows, step, ended)
         self.lengths[rows_] = torch.where(ended, step + 1, self.lengths[rows_])
         self.finished[rows_] = finished | ended
         return tokens
+
+    def _feed(self, rows: range, tokens: torch.Tensor) -> torch.Tensor:
+        """Put each branch's next queued token in place of its sample, in place; return
+        which rows were fed."""
+        fed = [bool(self.queued[row]) for row in rows]
+        for i, row in enumerate(rows):
+            if fed[i]:
+                tokens[i] = self.queued[row].popleft()
+        return torch.tensor(fed, dtype=torch.bool, device=tokens.device)
+
+    def _hand_over(self, rows: range, step: int, ended: torch.Tensor) -> torch.Tensor:
+        """Hand the branches whose turn ended at ``step`` to the turn handler; queue what it
+        appends (cut to the tokens left) and return which rows end for good."""
+        ending = [row for row, end in zip(rows, ended.tolist(), strict=True) if end]
+        if not ending:
+            return ended
+        left = self.tokens.shape[1] - (step + 1)
+        turns = {row: self.tokens[row, : step + 1].tolist() for row in ending}
+        appended = self.turns.after_turns(turns) if left > 0 else {}
+        still = ended.clone()
+        for row in ending:
+            more = list(appended.get(row, ()))[:left]
+            if more:
+                self.queued[row].extend(more)
+                still[row - rows.start] = False
+        return still
 
     def raise_if_nonfinite(self, step: int | str) -> None:
         raise NonFiniteError(
@@ -381,10 +445,11 @@ def _decode_on_stages(
 
 def _share_group(link: StageLink, group: _Group, steps: int) -> None:
     """The last stage's sampled group on every stage of the pipeline (one broadcast of the
-    tokens, lengths, ends and the non-finite flag, one of the log-probs)."""
+    tokens, which are the policy's, lengths, ends and the non-finite flag, one of the
+    log-probs)."""
     packed = torch.cat(
-        [group.tokens[:, :steps], group.lengths[:, None], group.finished[:, None].long(),
-         group.nonfinite.long().expand(group.size)[:, None]],
+        [group.tokens[:, :steps], group.policy[:, :steps].long(), group.lengths[:, None],
+         group.finished[:, None].long(), group.nonfinite.long().expand(group.size)[:, None]],
         dim=1,
     )  # fmt: skip
     packed = link.from_last(packed if link.is_last else None, like=packed)
@@ -393,9 +458,10 @@ def _share_group(link: StageLink, group: _Group, steps: int) -> None:
     if link.is_last:
         return
     group.tokens[:, :steps] = packed[:, :steps]
-    group.lengths.copy_(packed[:, steps])
-    group.finished.copy_(packed[:, steps + 1].bool())
-    group.nonfinite.copy_(packed[0, steps + 2].bool())
+    group.policy[:, :steps] = packed[:, steps : 2 * steps].bool()
+    group.lengths.copy_(packed[:, 2 * steps])
+    group.finished.copy_(packed[:, 2 * steps + 1].bool())
+    group.nonfinite.copy_(packed[0, 2 * steps + 2].bool())
     group.logps[:, :steps] = logps
 
 

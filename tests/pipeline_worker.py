@@ -308,6 +308,19 @@ def merge(parts: list[dict], replicas: int) -> dict:
 STOP_STRINGS = [chr(c) for c in range(ord("a"), ord("z") + 1)]  # any lower-case letter
 
 
+class ScriptedTurns:
+    """An agent's environment in miniature: every branch's first ended turn is answered with
+    ``reply`` (``rollout``'s ``TurnHandler``)."""
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply, self.answered = reply, set()
+
+    def after_turns(self, turns: dict[int, list[int]]) -> dict[int, list[int]]:
+        fresh = [row for row in turns if row not in self.answered]
+        self.answered.update(fresh)
+        return {row: self.reply for row in fresh}
+
+
 def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:
     """Greedy and sampled rollouts of ``prompt`` (the sampled ones end at varied lengths)."""
     state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
@@ -322,7 +335,15 @@ def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:
         adapter, state, num_generations=3, max_new_tokens=10, seed=7, top_k=40, min_p=0.05,
         repetition_penalty=1.3, stop_strings=STOP_STRINGS, tokenizer=load_tokenizer(None),
     )  # fmt: skip
+    # An agent's turns: on stages the last stage, which samples, feeds the replies.
+    turns = ls.rollout(
+        adapter, state, num_generations=3, max_new_tokens=12, eos_token_ids=list(range(0, 512, 5)),
+        seed=7, turns=ScriptedTurns([300, 301, 5]),
+    )  # fmt: skip
     return {
+        "turns": [r.tolist() for r in turns.responses],
+        "turns_masks": [m.tolist() for m in turns.loss_masks],
+        "turns_logps": [lp.tolist() for lp in turns.logps],
         "greedy": [r.tolist() for r in greedy.responses],
         "sampled": [r.tolist() for r in sampled.responses],
         "sampled_logps": [lp.tolist() for lp in sampled.logps],

@@ -458,3 +458,78 @@ def test_decode_checks_its_branch_cache() -> None:
         assert (logps[..., 0] - adapter.score(state, response)).abs().max() <= 1e-5
         with pytest.raises(RuntimeError, match="holds 3 of 3 positions and cannot take 1 more"):
             adapter.decode(state, cache, torch.zeros(2, 1, dtype=torch.long))
+
+
+class _ScriptedTurns:
+    """A turn handler that answers the first ``turns`` ended turns of every branch with fixed
+    tokens (an environment's reply and the next turn's header), as an agent's tools would."""
+
+    def __init__(self, reply: list[int], turns: int = 1) -> None:
+        self.reply, self.turns = reply, turns
+        self.seen: list[dict[int, list[int]]] = []
+        self.answered: dict[int, int] = {}
+
+    def after_turns(self, turns: dict[int, list[int]]) -> dict[int, list[int]]:
+        self.seen.append({row: list(tokens) for row, tokens in turns.items()})
+        out = {}
+        for row in turns:
+            if self.answered.get(row, 0) < self.turns:
+                self.answered[row] = self.answered.get(row, 0) + 1
+                out[row] = self.reply
+        return out
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_5_text", "glm_sparse"])
+def test_turns_append_the_environments_tokens_and_mask_them_out(case: str) -> None:
+    """A branch whose turn ends goes on with the handler's tokens, fed one a step: the
+    response holds them right after the turn's end token, ``loss_masks`` is 0 exactly there,
+    and every log-prob (the policy's after the reply too) equals ``score`` of the whole
+    response: the fed tokens extended the branch's own state as a prefill of them would."""
+    model = _model(case)
+    adapter = ls.adapt(model)
+    prompt = _ids(PROMPT_LENGTH, 2)
+    state = adapter.prefill(prompt, chunk_size=16)
+    before = [t.clone() for t in _state_tensors(state)]
+    eos = list(range(40))
+    reply = [300, 301, 302, 5]  # 5 is an EOS id: fed, it ends nothing
+    handler = _ScriptedTurns(reply, turns=2)
+    options = {"num_generations": 6, "max_new_tokens": 24, "eos_token_ids": eos}
+    out = ls.rollout(adapter, state, seed=5, turns=handler, **options)
+
+    assert handler.seen and all(
+        torch.equal(a, b) for a, b in zip(before, _state_tensors(state), strict=True)
+    )
+    fed_any = False
+    for row, (response, logps, mask) in enumerate(
+        zip(out.responses, out.logps, out.loss_masks, strict=True)
+    ):
+        assert mask.shape == response.shape and set(mask.tolist()) <= {0, 1}
+        expected = torch.ones_like(mask)
+        tokens = response.tolist()
+        # Walk the response: each policy turn ends at an EOS; the first two are followed by
+        # the reply (cut where the budget ends), the third ends the branch.
+        i, answered = 0, 0
+        while i < len(tokens):
+            if tokens[i] in eos and expected[i] == 1:
+                if answered == 2:
+                    assert i == len(tokens) - 1 and not out.truncated[row]
+                    break
+                answered += 1
+                fed = tokens[i + 1 : i + 1 + len(reply)]
+                assert fed == reply[: len(fed)]
+                expected[i + 1 : i + 1 + len(fed)] = 0
+                fed_any = fed_any or bool(fed)
+                i += len(fed)
+            i += 1
+        assert torch.equal(mask, expected)
+        with torch.no_grad():
+            scored = adapter.score(state, response)
+        assert (logps - scored).abs().max() <= LOGP_ATOL.get(case, 1e-5)
+    assert fed_any
+    # The handler saw each branch's tokens up to its ended turn, reply included later on.
+    assert all(tokens[-1] in eos for turns in handler.seen for tokens in turns.values())
+    # Without a handler: all-ones masks, and the same draws up to each branch's first end.
+    plain = ls.rollout(adapter, state, seed=5, **options)
+    for mask, response, first in zip(plain.loss_masks, plain.responses, out.responses, strict=True):
+        assert bool(mask.all()) and len(mask) == len(response)
+        assert torch.equal(first[: len(response)], response)
