@@ -15,6 +15,7 @@ branch's turns. One job per module:
 - ``branch``: ``ToolBranch``, one branch's loop state (tokens, loss mask, messages, counts),
   and ``tool_metrics``.
 - ``checks``: ``check_config``, the config check of the tool keys.
+- ``turns``: ``ToolTurns``, the rollout's turn handler over a group's branches.
 """
 
 from longstraw_core.tools.branch import ToolBranch, tool_metrics
@@ -37,6 +38,7 @@ from longstraw_core.tools.schemas import (
     template_kwargs,
     tool_schema,
 )
+from longstraw_core.tools.turns import ToolTurns
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
@@ -48,6 +50,7 @@ __all__ = [
     "ToolSchemaError",
     "ToolSet",
     "ToolSuffix",
+    "ToolTurns",
     "bound_tools",
     "check_config",
     "has_response_parser",
