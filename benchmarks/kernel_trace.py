@@ -75,6 +75,8 @@ def tracing(path: Path | None = None) -> Iterator[KernelTrace]:
 
     trace = KernelTrace(path)
     choose_backend, deltanet_kernels = attention._choose_backend, qwen36.deltanet_kernels
+    # Wherever it is called from: the package's name and the adapter's (which calls it).
+    deltanet_homes = (qwen36, qwen36.adapter)
 
     def counted_backend(backend: str, q: Any, k: Any, v: Any, segments: Any) -> str:
         chosen = choose_backend(backend, q, k, v, segments)
@@ -97,12 +99,14 @@ def tracing(path: Path | None = None) -> Iterator[KernelTrace]:
         return kernels
 
     attention._choose_backend = counted_backend
-    qwen36.deltanet_kernels = counted_deltanet
+    for home in deltanet_homes:
+        home.deltanet_kernels = counted_deltanet
     try:
         yield trace
     finally:
         attention._choose_backend = choose_backend
-        qwen36.deltanet_kernels = deltanet_kernels
+        for home in deltanet_homes:
+            home.deltanet_kernels = deltanet_kernels
         trace.write()
 
 

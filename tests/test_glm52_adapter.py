@@ -92,7 +92,7 @@ def test_small_blocks_and_a_one_token_prompt(monkeypatch: pytest.MonkeyPatch) ->
     """Tiny scratch budgets force every loop (key blocks and top-k merges, indexer heads,
     query blocks) through many iterations; a one-token prompt leaves the prefix empty, so the
     branch's own keys are all the indexer can pick from."""
-    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", 64)
+    monkeypatch.setattr(glm52.family, "_WORK_ELEMENTS", 64)
     model = tiny_model("glm_moe_dsa", index_topk=SPARSE_TOPK)
     adapter = ls.adapt(model)
     for prompt, response in ((_ids(45, 1), _ids(9, 2)), (_ids(1, 3), _ids(14, 4))):
@@ -182,7 +182,7 @@ def test_sparse_latent_attention_matches_masked_softmax_and_gradcheck(
     """The gathered sparse attention against plain masked softmax over prefix + span rows,
     and its backward (queries, span rows, prefix rows) against finite differences, with one
     query per block and with all queries in one block."""
-    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", work_elements)
+    monkeypatch.setattr(glm52.family, "_WORK_ELEMENTS", work_elements)
     generator = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -548,7 +548,7 @@ def test_sparse_latent_attention_adds_the_prefix_gradient_into_a_sink(
     monkeypatch: pytest.MonkeyPatch, work_elements: int
 ) -> None:
     """With a sink, the prefix rows' gradient is added into it (one query block or many)."""
-    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", work_elements)
+    monkeypatch.setattr(glm52.family, "_WORK_ELEMENTS", work_elements)
     generator = torch.Generator().manual_seed(1)
     heads, span, prefix_length, dim, value_dim, topk = 3, 5, 7, 6, 4, 4
     queries = torch.randn(1, heads, span, dim, dtype=torch.float64, generator=generator)

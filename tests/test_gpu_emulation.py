@@ -107,7 +107,7 @@ def _stand_in_bytes() -> tuple[int, int]:
 def test_the_chunk_stand_in_holds_what_fla_holds():
     """fla's own chunk kernel, measured by the CUDA allocator, against the stand-in's tracked
     bytes: what it keeps for backward, and the peak of forward + backward (within 10%)."""
-    fla = qwen36._fla_chunk_gated_delta_rule()
+    fla = qwen36.kernels._fla_chunk_gated_delta_rule()
     assert fla is not None, "flash-linear-attention is not installed"
     inputs = _delta_inputs("cuda")
     torch.cuda.synchronize()

@@ -391,8 +391,8 @@ def test_kernel_choice_and_fla_argument_handling(monkeypatch) -> None:
             output_final_state=output_final_state, **kwargs,
         )  # fmt: skip
 
-    monkeypatch.setattr(qwen36, "_fla_chunk_gated_delta_rule", lambda: fla_stand_in)
-    monkeypatch.setattr(qwen36, "_causal_conv1d_package", lambda: kernels.conv)
+    monkeypatch.setattr(qwen36.kernels, "_fla_chunk_gated_delta_rule", lambda: fla_stand_in)
+    monkeypatch.setattr(qwen36.kernels, "_causal_conv1d_package", lambda: kernels.conv)
     cuda = torch.device("cuda")  # only the choice is made; nothing runs on it
     assert qwen36.deltanet_kernels(deltanet, cuda, torch.float32).names == (
         "causal_conv1d",
@@ -429,10 +429,12 @@ def test_decode_steps_use_the_fused_recurrent_kernel_without_autograd(monkeypatc
         return kernel
 
     monkeypatch.setattr(
-        qwen36, "_fla_chunk_gated_delta_rule", lambda: stand_in("chunk", torch_kernels.delta_rule)
+        qwen36.kernels,
+        "_fla_chunk_gated_delta_rule",
+        lambda: stand_in("chunk", torch_kernels.delta_rule),
     )
     monkeypatch.setattr(
-        qwen36,
+        qwen36.kernels,
         "_fla_fused_recurrent_gated_delta_rule",
         lambda: stand_in("fused", torch_kernels.step),
     )
@@ -462,7 +464,7 @@ def test_decode_steps_use_the_fused_recurrent_kernel_without_autograd(monkeypatc
 def test_cuda_decode_step_matches_the_torch_recurrent_rule() -> None:
     """fla's fused recurrent kernel (decoding one token) against transformers' torch one, at
     GPU head dims (fla's kernels want 64 and up), bfloat16 inputs, float32 state."""
-    if qwen36._fla_fused_recurrent_gated_delta_rule() is None:
+    if qwen36.kernels._fla_fused_recurrent_gated_delta_rule() is None:
         pytest.skip("flash-linear-attention is not installed")
     dims = {"linear_key_head_dim": 64, "linear_value_head_dim": 64, "head_dim": 64}
     deltanet = tiny_model("qwen3_5_text", **dims).model.layers[0].linear_attn
@@ -493,7 +495,7 @@ def test_cuda_decode_step_matches_the_torch_recurrent_rule() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernels_match_the_torch_path() -> None:
-    if qwen36._fla_chunk_gated_delta_rule() is None:
+    if qwen36.kernels._fla_chunk_gated_delta_rule() is None:
         pytest.skip("flash-linear-attention is not installed")
     # fla's triton kernels are tuned for head dims of 16 and up
     dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32, "head_dim": 32}
@@ -509,8 +511,8 @@ def test_cuda_kernels_match_the_torch_path() -> None:
     with torch.no_grad():
         fast = adapter.score(adapter.prefill(prompt, chunk_size=128), response)
         with (
-            mock.patch.object(qwen36, "_fla_chunk_gated_delta_rule", lambda: None),
-            mock.patch.object(qwen36, "_causal_conv1d_package", lambda: None),
+            mock.patch.object(qwen36.kernels, "_fla_chunk_gated_delta_rule", lambda: None),
+            mock.patch.object(qwen36.kernels, "_causal_conv1d_package", lambda: None),
         ):
             slow = adapter.score(adapter.prefill(prompt, chunk_size=128), response)
     assert (fast - slow).abs().max() <= 0.1  # bfloat16

@@ -370,7 +370,7 @@ def test_the_prefix_is_never_copied(case: str, monkeypatch: pytest.MonkeyPatch) 
     """No op during rollout makes a tensor as large as one layer's prefix keys (or latent):
     every branch reads the prefix in place, never copied, expanded or joined with the branch.
     """
-    monkeypatch.setattr(glm52, "_WORK_ELEMENTS", 4096)  # indexer scratch below the latent
+    monkeypatch.setattr(glm52.family, "_WORK_ELEMENTS", 4096)  # indexer scratch below the latent
     model = _model(case)
     adapter = ls.adapt(model)
     state = adapter.prefill(_ids(400, 4), chunk_size=128)

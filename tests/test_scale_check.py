@@ -187,7 +187,7 @@ def test_each_kind_of_stage_is_worst_first_in_the_pipeline():
 def test_the_planners_sparse_attention_scratch_is_what_the_kernel_holds(
     monkeypatch: pytest.MonkeyPatch, blocks: int, backward: bool
 ):
-    """``glm52._SparseLatentAttention`` at GLM-5.2's widths (64 heads, a 576-wide latent,
+    """``glm52.mla._SparseLatentAttention`` at GLM-5.2's widths (64 heads, a 576-wide latent,
     top-2048) on fake tensors, its tracked scratch against ``plan.kernels``' formula, in
     blocks of 16 queries: one block, and several (the previous block's tensors bound while
     the next gathers)."""
@@ -199,7 +199,7 @@ def test_the_planners_sparse_attention_scratch_is_what_the_kernel_holds(
     heads, dim, value, topk, step = 64, 576, 512, 2048, 16
     tokens, prefix = step * blocks, 4096
     d = {"index_topk": topk, "heads": heads, "kv_rank": value, "rope_dim": dim - value}
-    monkeypatch.setattr(glm52, "_GPU_WORK_ELEMENTS", step * topk * 3 * (dim + heads))
+    monkeypatch.setattr(glm52.family, "_GPU_WORK_ELEMENTS", step * topk * 3 * (dim + heads))
     with FakeTensorMode(), gpu_emulation.gpu_kernels(), LiveTensorMemory() as memory:
         bf16 = torch.bfloat16
         queries = torch.empty(1, tokens, heads, dim, dtype=bf16, requires_grad=True)
@@ -207,7 +207,7 @@ def test_the_planners_sparse_attention_scratch_is_what_the_kernel_holds(
         latent = torch.empty(prefix, dim, dtype=bf16)
         positions = torch.empty(1, tokens, topk, dtype=torch.long)
         sink = torch.empty(prefix, dim)
-        apply = glm52._SparseLatentAttention.apply
+        apply = glm52.mla._SparseLatentAttention.apply
         before = memory.current
         with memory.phase("forward"):
             out = apply(queries, span, latent, positions, value, 0.1, sink)

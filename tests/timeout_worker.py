@@ -8,6 +8,8 @@ import json
 import sys
 import time
 
+import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 
 from longstraw_core import distributed
@@ -19,9 +21,9 @@ def main() -> None:
     accelerator = Accelerator(cpu=True, kwargs_handlers=[distributed.process_group_kwargs(minutes)])
     result = ranks.on_rank0(lambda: time.sleep(1.0) or "written")
     side = ranks._gloo_group(
-        distributed.dist.distributed_c10d._get_default_group(), distributed.world_timeout()
+        dist.distributed_c10d._get_default_group(), distributed.world_timeout()
     )
-    side_timeout = side._get_backend(distributed.torch.device("cpu")).options._timeout
+    side_timeout = side._get_backend(torch.device("cpu")).options._timeout
     print(
         json.dumps(
             {
@@ -33,7 +35,7 @@ def main() -> None:
         ),
         flush=True,
     )
-    distributed.dist.destroy_process_group()
+    dist.destroy_process_group()
     distributed.exit_ranks()
 
 

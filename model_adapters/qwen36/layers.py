@@ -1,0 +1,141 @@
+"""The Qwen3.6 blocks: gated full attention over an ``AttentionKV`` and Gated DeltaNet
+threading its conv and recurrent states (``RecurrentState``, ``BranchRecurrent``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longstraw_core.adapters.base import Span
+from longstraw_core.adapters.model_functions import RotaryFn
+from longstraw_core.state import AttentionKV, BranchKV, BranchRecurrent, RecurrentState
+from model_adapters.dense import attend_with_state
+from model_adapters.qwen36.kernels import DeltaNetKernels
+
+
+def run_gated_attention(
+    attention: nn.Module,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    record: AttentionKV,
+    span: Span,
+    apply_rotary: RotaryFn,
+    branch: BranchKV | None = None,
+    state_only: bool = False,
+) -> torch.Tensor | None:
+    """One gated full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
+
+    The sibling of ``dense.run_full_attention``: ``q_proj`` yields each head's query and its
+    output gate side by side, and the attention output is multiplied by ``sigmoid(gate)``
+    before ``o_proj``, as the model does. ``branch``: decoded branches' own keys/values.
+    ``state_only``: write the keys/values and return None (see ``writes_only``).
+    """
+    batch, length, _ = hidden.shape
+    head_dim = attention.head_dim
+    shape = (batch, length, -1, head_dim)
+    queries, gate = torch.chunk(
+        attention.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1
+    )
+    gate = gate.reshape(batch, length, -1)
+    queries = attention.q_norm(queries.view(shape))
+    keys = attention.k_norm(attention.k_proj(hidden).view(shape))
+    values = attention.v_proj(hidden).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+
+    output = attend_with_state(
+        queries, keys, values, record, span, attention.scaling, branch, state_only
+    )
+    if output is None:
+        return None
+    output = output.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
+    return attention.o_proj(output)
+
+
+def deltanet_projections(
+    deltanet: nn.Module, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mixed_qkv [B, conv_dim, T], z [B, T, v_heads, d_v], b, a [B, T, v_heads])``.
+
+    Qwen3.5 has one projection per output; Qwen3-Next packs them per key head into
+    ``in_proj_qkvz`` / ``in_proj_ba``, unpacked by the model's own method.
+    """
+    batch, length, _ = hidden.shape
+    if hasattr(deltanet, "in_proj_qkvz"):
+        query, key, value, z, b, a = deltanet.fix_query_key_value_ordering(
+            deltanet.in_proj_qkvz(hidden), deltanet.in_proj_ba(hidden)
+        )
+        mixed = torch.cat([x.reshape(batch, length, -1) for x in (query, key, value)], dim=-1)
+    else:
+        mixed = deltanet.in_proj_qkv(hidden)
+        z = deltanet.in_proj_z(hidden).reshape(batch, length, -1, deltanet.head_v_dim)
+        b, a = deltanet.in_proj_b(hidden), deltanet.in_proj_a(hidden)
+    return mixed.transpose(1, 2), z, b, a
+
+
+def run_gated_deltanet(
+    deltanet: nn.Module,
+    hidden: torch.Tensor,
+    record: RecurrentState,
+    span: Span,
+    kernels: DeltaNetKernels,
+    branch: BranchRecurrent | None = None,
+) -> torch.Tensor:
+    """One Gated DeltaNet block over ``hidden`` ``[B, T, hidden]``, starting from ``record``.
+
+    The conv runs over the stored ``kernel - 1`` inputs followed by the span (the same
+    left context the full sequence gives it) and keeps the span's outputs; the delta rule
+    starts from the stored recurrent state. A prefill chunk (``span.write``) stores the new
+    conv inputs and final state; a branch reads the record and leaves it as it was. With
+    ``branch`` (decoding ``B`` branches), each branch starts from its own states instead and
+    they are replaced by the ones it ends with.
+    """
+    batch, length, _ = hidden.shape
+    mixed_qkv, z, b, a = deltanet_projections(deltanet, hidden)
+    if branch is None:
+        conv_state, recurrent_state = record.read(span.start if span.write else None)
+        conv_state, recurrent_state = conv_state[None], recurrent_state[None]
+    else:
+        conv_state, recurrent_state = branch.conv, branch.recurrent
+    conv_input = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv], dim=-1)
+    conv_output = kernels.conv(
+        conv_input, deltanet.conv1d.weight.squeeze(1), deltanet.conv1d.bias,
+        activation=deltanet.activation,
+    )  # fmt: skip
+    mixed_qkv = conv_output[:, :, -length:].transpose(1, 2)
+    key_dim, value_dim = deltanet.key_dim, deltanet.value_dim
+    query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, deltanet.head_k_dim)
+    key = key.reshape(batch, length, -1, deltanet.head_k_dim)
+    value = value.reshape(batch, length, -1, deltanet.head_v_dim)
+
+    beta = b.sigmoid()
+    g = -deltanet.A_log.float().exp() * F.softplus(a.float() + deltanet.dt_bias)
+    # A decode step's one position takes the step kernel; with autograd (a branch replayed
+    # in pieces on pipeline stages) the chunked one, whose backward is the replay's.
+    decoding = branch is not None and not torch.is_grad_enabled()
+    delta_rule = kernels.rule_for(length) if decoding else kernels.delta_rule
+    output, final_state = delta_rule(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=recurrent_state,
+        output_final_state=span.write or branch is not None,
+        use_qk_l2norm_in_kernel=True,
+    )
+    kept = conv_input.shape[-1] - conv_state.shape[-1]
+    if span.write:
+        # A copy of the last kernel - 1 columns: exact mode's recompute hands them to the
+        # sweep, which keeps them to the chunk's backward, and a view would keep all of
+        # conv_input (the whole chunk) alive with them past a checkpointed layer's forward.
+        record.update(span.start, length, conv_input[0, :, kept:].clone(), final_state[0])
+    if branch is not None:
+        branch.update(conv_input[:, :, kept:], final_state)
+
+    output = deltanet.norm(
+        output.reshape(-1, deltanet.head_v_dim), z.reshape(-1, deltanet.head_v_dim)
+    )
+    return deltanet.out_proj(output.reshape(batch, length, -1))
