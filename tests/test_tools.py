@@ -210,6 +210,13 @@ TURNS = [
     "<answer>12</answer><|im_end|>",
     "<think>about it</think>\nThe answer.<|im_end|>",
     '<tool_call>\n{"name": bad json\n</tool_call><|im_end|>',  # malformed: plain text
+    # arguments typed by the schema; "x" is no integer: kept; unknown keys and tools untyped
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": "3", "b": "x", "c": "1"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "other", "arguments": {"a": "3"}}\n</tool_call><|im_end|>',
+    # arguments that are no object are kept (the call then fails when run); extra keys too
+    '<tool_call>\n{"name": "multiply", "arguments": "{\\"a\\": 3}"}\n</tool_call>\n'
+    '<tool_call>\n{"name": "fetch", "arguments": ["x"], "id": 1}\n</tool_call><|im_end|>',
+    "<tool_call>\n[1, 2]\n</tool_call><|im_end|>",  # no object: plain text
 ]
 
 
@@ -246,9 +253,13 @@ def test_fallback_round_trips_the_template_it_documents(byte_tok) -> None:
         "role": "assistant",
         "content": '<tool_call>\n{"name": "multiply"',
     }
+    # arguments are typed by the schema (transformers' rule); a JSON string is kept (TRL's)
+    schemas = [tool_schema(multiply)]
+    assert parse_hermes('<tool_call>{"name": "multiply", "arguments": {"a": "6", "b": 7}}</tool_call>',
+                        schemas)["tool_calls"] == [_call("multiply", a=6, b=7)]  # fmt: skip
     assert parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[
         "tool_calls"
-    ] == [_call("f", a=1)]
+    ] == [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
 
 
 # --------------------------------------------------------------------------- running
@@ -264,11 +275,12 @@ def test_errors_become_failures_with_trls_error_result() -> None:
         _call("nope"),
         _call("multiply", a=1),  # a missing argument
         {"type": "code", "name": "multiply"},
+        {"type": "function", "function": {"name": "multiply", "arguments": ""}},  # no mapping
     ]
     results = runner.run(calls, tools)
     assert [(r.name, r.failed) for r in results] == [
         ("multiply", False), ("fails", True), ("nope", True), ("multiply", True),
-        ("multiply", True), ("fetch", False),
+        ("multiply", True), ("multiply", True), ("fetch", False),
     ]  # fmt: skip
     assert results[0].message == {"role": "tool", "name": "multiply", "content": "6"}
     assert results[1].result == {"error": "broken on 1"}
@@ -276,7 +288,8 @@ def test_errors_become_failures_with_trls_error_result() -> None:
     assert results[2].result == {"error": "Tool nope not found."}
     assert "missing 1 required positional argument" in results[3].result["error"]
     assert results[4].result == {"error": "Unsupported tool call type: code"}
-    assert results[5].message["content"] == "<html>a</html>"
+    assert "argument after ** must be a mapping, not str" in results[5].result["error"]  # TRL's
+    assert results[6].message["content"] == "<html>a</html>"
     runner.close()
 
 

@@ -13,12 +13,16 @@ for, parsed from the decoded text (special tokens dropped)::
     optional <think>reasoning</think>, text, then one or more
     <tool_call>{"name": "lookup", "arguments": {"key": "teal-otter"}}</tool_call>
 
-Each block is a JSON object with a string ``name`` and an object ``arguments`` (a JSON string
-of an object is read too; missing: ``{}``). The message is ``{"role": "assistant",
-"content": <the text outside the blocks, stripped>, "tool_calls": [{"type": "function",
-"function": {"name": ..., "arguments": {...}}}, ...]}`` (plus ``reasoning_content`` when the
-think block holds text), as transformers' parser gives it for Qwen templates. A block that is
-not such JSON, or a ``<tool_call>`` never closed, makes the whole turn plain text: no call
+Each block is a JSON object with a string ``name``; it becomes the call's ``function`` as it
+is, as transformers' parser with TRL's Qwen response template (``qwen3_template``) makes it:
+``arguments`` missing or null is ``{}`` (TRL's clean-up); an object's string values are typed
+by the tool's schema (``"7"`` -> ``7`` for an integer parameter: transformers' own rule, which
+its parser applies from 5.15 on, with the ``tools`` it is given); any other value (a JSON
+string of an object, a list) is kept as it is, so the call fails when run (``{"error": ...}``),
+as in TRL. The message is ``{"role": "assistant", "content": <the text outside the blocks,
+stripped>, "tool_calls": [{"type": "function", "function": {"name": ..., "arguments":
+{...}}}, ...]}`` (plus ``reasoning_content`` when the think block holds text). A block that
+is not such JSON, or a ``<tool_call>`` never closed, makes the whole turn plain text: no call
 runs, as with TRL.
 """
 
@@ -31,6 +35,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+try:  # transformers' rule for typing a tool call's arguments by the tool's schema
+    from transformers.utils.chat_parsing.response_parser import _coerce, _schema_types
+except ImportError:
+    _coerce = _schema_types = None
+# Its parser applies it where ``parse_response`` takes ``tools`` (5.15 on); the fallback too.
+_TYPES_ARGUMENTS = (
+    _coerce is not None
+    and "tools" in inspect.signature(PreTrainedTokenizerBase.parse_response).parameters
+)
 
 Message = dict[str, Any]
 
@@ -59,7 +73,7 @@ def parse_turn(
     pre-wrote (an opened ``<think>``). ``tools``: the schemas, which type the arguments of
     templates that write them as text."""
     if not has_response_parser(tokenizer):
-        return parse_hermes(tokenizer.decode(list(ids), skip_special_tokens=True))
+        return parse_hermes(tokenizer.decode(list(ids), skip_special_tokens=True), tools)
     try:
         parsed = _own_parse(tokenizer, list(ids), list(prefix), tools)
         if parsed is None:
@@ -109,8 +123,9 @@ def _checked_calls(calls: Any) -> list[dict[str, Any]]:
     return calls
 
 
-def parse_hermes(text: str) -> Message:
-    """The fallback parser (module docstring) over decoded text."""
+def parse_hermes(text: str, tools: list[dict[str, Any]] | None = None) -> Message:
+    """The fallback parser (module docstring) over decoded text; ``tools``: the schemas that
+    type the arguments."""
     message: Message = {"role": "assistant"}
     think = _THINK.match(text)
     body = text[think.end() :] if think else text
@@ -121,7 +136,7 @@ def parse_hermes(text: str) -> Message:
         return message
     calls = []
     for block in _CALL.findall(body):
-        call = _hermes_call(block)
+        call = _hermes_call(block, _parameters(tools))
         if call is None:
             return {"role": "assistant", "content": text}
         calls.append({"type": "function", "function": call})
@@ -135,7 +150,19 @@ def parse_hermes(text: str) -> Message:
     return message
 
 
-def _hermes_call(block: str) -> dict[str, Any] | None:
+def _parameters(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Tool name -> its schema's ``properties``, as transformers' parser reads ``tools``."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            parameters = fn.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            out[fn["name"]] = properties if isinstance(properties, dict) else {}
+    return out
+
+
+def _hermes_call(block: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     try:
         call = json.loads(block)
     except json.JSONDecodeError:
@@ -143,13 +170,15 @@ def _hermes_call(block: str) -> dict[str, Any] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
     if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return None
-    return {"name": call["name"], "arguments": arguments}
+        call["arguments"] = {}
+    elif isinstance(arguments, dict) and _TYPES_ARGUMENTS:
+        properties = parameters.get(call["name"]) or {}
+        for key, value in arguments.items():  # transformers' _coerce_tool_calls
+            if key not in properties or not (types := _schema_types(properties[key])):
+                continue
+            if isinstance(value, str):
+                arguments[key] = _coerce(value, types)
+            elif isinstance(value, list) and "array" not in types:
+                arguments[key] = [_coerce(v, types) if isinstance(v, str) else v for v in value]
+    return call

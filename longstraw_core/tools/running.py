@@ -93,7 +93,9 @@ class ToolRunner:
                 results.append(_failed(name, f"Unsupported tool call type: {call.get('type')}"))
                 continue
             function = call.get("function", call)
-            name, arguments = function["name"], function.get("arguments") or {}
+            name, arguments = function["name"], function.get("arguments")
+            if arguments is None:  # TRL's clean-up; any other non-mapping fails when called
+                arguments = {}
             fn = tools.get(name)
             if fn is None:
                 results.append(_failed(name, f"Tool {name} not found."))
