@@ -16,7 +16,7 @@
   resume), the step loop (data positions, eval, logging, checkpoints, stop signals),
   ``save_checkpoint`` and ``cleanup``; with ``StepBookkeeping``'s ``optimizer_step`` (clip,
   non-finite guard), ``step_metrics``, ``skip_rollout``, ``start_step`` / ``note_peak``,
-  and the loop's helpers ``prompt_ids``, ``rollout_seed`` and ``sampling``.
+  and the loop's helpers ``prompt_ids``, ``prefill``, ``rollout_seed`` and ``sampling``.
 - ``main``: the command line (``--config``, ``key=value`` overrides), config and memory-plan
   checks, one-line errors and exit codes.
 - ``Rollout`` and ``state_bytes``: one scored group as ``step_metrics`` reads it.
