@@ -161,6 +161,36 @@ def recipe_in_process(recipe: str, config: str, output_dir: Path, *overrides: st
     return run
 
 
+@pytest.mark.parametrize(
+    ("recipe", "config", "reader", "overrides", "expected"),
+    [
+        ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml", "deltanet_knobs",
+         ["grpo.recurrent_checkpoints=cpu", "grpo.keep_attention_outputs=true",
+          "offload.recurrent=cpu"],
+         {"grpo.recurrent_checkpoints": "cpu", "grpo.keep_attention_outputs": True,
+          "offload.recurrent": "cpu", "offload.attention": "device", "deltanet_kernels": "torch"}),
+        ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", "dsa_knobs",
+         ["model.tiny_overrides.index_topk=32", "offload.latent=cpu"],
+         {"index_topk": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+          "n_shared_experts": 1, "offload.latent": "cpu", "offload.resident_layers": 2}),
+    ],
+)  # fmt: skip
+def test_each_recipe_reads_its_familys_knobs(tmp_path, recipe, config, reader, overrides, expected):
+    """A recipe's knob reader shows the settings its model family adds, as the run set up has
+    them (a renamed config key or model field fails here)."""
+    spec = importlib.util.spec_from_file_location(f"{recipe[:-3]}_knobs", ROOT / "recipes" / recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = load_config(ROOT / config, [*FAST, "tracking.wandb=false", *overrides,
+                                      f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
+    run = module.Recipe(cfg)
+    run.setup()
+    try:
+        assert getattr(module, reader)(run) == expected
+    finally:
+        run.cleanup()
+
+
 def test_trl_standard_jsonl_trains_unchanged(tmp_path):
     """Plain-text prompts (no chat template, as TRL) with a `solution` column, as JSONL, with
     the generation options TRL has (min_p, repetition_penalty, stop strings)."""
