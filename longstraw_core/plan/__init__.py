@@ -61,6 +61,7 @@ estimate's GPU figures from flags, defaults or ``make gpu-check``'s measurements
 ``docs/tools/paper_tables.py``.
 """
 
+from longstraw_core.adapters.family import Preset
 from longstraw_core.plan.advice import (
     MemoryPlanError,
     check_fits,
@@ -69,7 +70,7 @@ from longstraw_core.plan.advice import (
     rollout_gathers_once,
 )
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
-from longstraw_core.plan.model import LayerSpec, ModelSpec, Preset, Workload
+from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
 from longstraw_core.plan.sources import (
     Scenario,
