@@ -48,8 +48,8 @@ from longstraw_core.adapters.model_functions import RotaryFn, model_function
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import accumulation_dtype, segmented_attention
 from longstraw_core.fake import is_fake, representative
+from longstraw_core.kinds.latent import BranchLatent, LatentKV
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import BranchLatent, LatentKV
 from model_adapters.dense import MLP_TARGETS
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------

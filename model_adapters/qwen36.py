@@ -61,14 +61,10 @@ from longstraw_core.adapters.base import ModelAdapter, Span, as_token_ids
 from longstraw_core.adapters.family import ModelFamily, Preset
 from longstraw_core.adapters.model_functions import RotaryFn, model_function, model_rotary_function
 from longstraw_core.adapters.registry import register_adapter
+from longstraw_core.kinds.attention import AttentionKV, BranchKV
+from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import (
-    AttentionKV,
-    BranchKV,
-    BranchRecurrent,
-    PrefixState,
-    RecurrentState,
-)
+from longstraw_core.state import PrefixState
 from model_adapters.dense import ATTENTION_TARGETS, MLP_TARGETS, TINY_DENSE, attend_with_state
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------

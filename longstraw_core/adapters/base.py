@@ -52,9 +52,10 @@ from longstraw_core.adapters.validation import (
     check_state,
     check_temperature,
 )
-from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.exact import StateGrad, exact_state
+from longstraw_core.kinds.base import LayerState, Produced
 from longstraw_core.offload import OffloadPolicy, stream_layers
-from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
+from longstraw_core.state import BranchCache, BranchRecord, PrefixState
 
 __all__ = [
     "Item",

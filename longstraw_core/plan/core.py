@@ -245,23 +245,31 @@ class MemoryParts(InFlight):
         if not self.exact:
             return 0, 0
         chunks = math.ceil(self.work.stored / self.work.chunk_size)
-        size = chunks * sum(layer.checkpoint for layer in self.spec.layers)
-        on_cpu = self.work.checkpoints == "cpu" or self.work.offloads("linear_attention")
-        return (0, size) if on_cpu else (size, 0)
+        device = cpu = 0
+        for layer in self.spec.layers:  # the kinds that keep checkpoints (recurrent)
+            size = chunks * layer.checkpoint
+            if self.work.checkpoints == "cpu" or self.work.offloads(layer.record):
+                cpu += size  # an offloaded record keeps them beside it
+            else:
+                device += size
+        return device, cpu
 
     def kept_outputs(self) -> tuple[int, int]:
         """(device, cpu) bytes of the attention outputs and log-sum-exps prefill keeps for
         the sweep (``keep_attention_outputs``): every full-attention layer but the last,
-        which only writes its state. They live where the layer's state lives."""
+        which only writes its state (``KindPlan.kept_output_bytes``). They live where the
+        layer's state lives."""
         if not (self.exact and self.work.keep_attention_outputs):
             return 0, 0
         lse = max(self.cb, FP32)  # the kernels' accumulation dtype
-        size = sum(
-            layer.dims["heads"] * (layer.dims["head_dim"] * self.cb + lse) * self.work.stored
-            for layer in self.act.split_last()[0]
-            if layer.record == "full_attention"
-        )
-        return (0, size) if self.work.offloads("full_attention") else (size, 0)
+        device = cpu = 0
+        for layer in self.act.split_last()[0]:
+            size = layer.kind.plan.kept_output_bytes(self.act, layer, lse) * self.work.stored
+            if self.work.offloads(layer.record):
+                cpu += size
+            else:
+                device += size
+        return device, cpu
 
     def streamed(self, position: int) -> int:
         """Offloaded layers copied to the device during a pass reading ``position`` rows:
@@ -373,7 +381,7 @@ class MemoryParts(InFlight):
         last_working = 0
         if last is not None:
             last_working = self.act.state_only_working(last, tokens, start)
-            if last.mixer != "deltanet":  # its backward: the key/value projections only
+            if last.kind.plan.state_only_backward:  # the key/value projections only
                 last_working = max(last_working, self.act.weight_grad_scratch(last))
         return graph + produced + max(working, last_working)
 

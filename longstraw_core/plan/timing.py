@@ -228,7 +228,7 @@ class StepModel:
         total = Flops()
         for layer in self.layers(stage):
             flops = layer_flops(self.spec, layer, tokens, prefix)
-            if layer.record == "full_attention":
+            if layer.kind.plan.reuses_kept_outputs:
                 flops = Flops(flops.matmul, 0.0, flops.indexer)
             total = total + flops
         return total
@@ -313,16 +313,7 @@ class StepModel:
         hbm, pcie = 0.0, 0.0
         mean_new = self.work.response_tokens / 2
         for layer in self.layers(stage):
-            d = layer.dims
-            if layer.mixer == "mla":
-                latent = (d["kv_rank"] + d["rope_dim"]) * self.cb
-                index = d["index_dim"] * self.cb * d["indexer"]
-                keys = min(context, d["index_topk"])
-                size = index * context + group * keys * latent
-            elif layer.state_per_token:
-                size = layer.state_fixed + layer.state_per_token * context
-            else:
-                size = 0.0
+            size = layer.kind.plan.decode_read_bytes(layer, context, group, self.cb)
             if self.work.offloads(layer.record):
                 pcie += size
             else:
