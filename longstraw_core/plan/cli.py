@@ -21,6 +21,7 @@ from longstraw_core.plan.calibration import (
 )
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.output import print_plan, print_time, render_markdown
+from longstraw_core.plan.roofline import Hardware
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
     Scenario,
@@ -28,7 +29,7 @@ from longstraw_core.plan.sources import (
     scenario_workload,
     spec_for_preset,
 )
-from longstraw_core.plan.timing import Hardware, estimate_time
+from longstraw_core.plan.timing import estimate_time
 
 _H20 = Hardware()
 

@@ -10,8 +10,9 @@ from longstraw_core.plan.calibration import describe_sources
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import LOAD, Workload
 from longstraw_core.plan.pieces import pieces_of
+from longstraw_core.plan.roofline import NF4_FUSED_ROWS
 from longstraw_core.plan.stages import full_attention_counts
-from longstraw_core.plan.timing import NF4_FUSED_ROWS, TimeEstimate
+from longstraw_core.plan.timing import TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
