@@ -6,6 +6,9 @@ RoPE, and values; optionally each prefill chunk's attention output for exact mod
 ``AttentionKVExactView`` the record as exact mode reads it. Adapters call the
 ``AttentionReads`` protocol (``longstraw_core.kinds.base``) on whichever of these they get.
 Used by ``model_adapters/dense.py`` and the full-attention layers of ``qwen36.py``.
+
+``AttentionPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``FULL_ATTENTION`` (offload field ``attention``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ that run their own indexer), ``BranchLatent`` what rollout's branches add, ``Lat
 exact mode's ``dS`` (latent only: the indexer carries no gradient) and
 ``LatentKVExactView`` the record as exact mode reads it. Adapters call the ``LatentReads``
 protocol (``longstraw_core.kinds.base``). Used by ``model_adapters/glm52.py``.
+
+``LatentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``MLA_DSA`` (offload field ``latent``).
 """
 
 from __future__ import annotations

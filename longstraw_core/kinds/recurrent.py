@@ -8,6 +8,9 @@ state, ``RecurrentStateGrad`` exact mode's ``dS`` and ``RecurrentExactView`` the
 exact mode reads it. Adapters call the ``RecurrentReads`` protocol
 (``longstraw_core.kinds.base``). Used by the linear-attention layers of
 ``model_adapters/qwen36.py``.
+
+``RecurrentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``LINEAR_ATTENTION`` (offload field ``recurrent``).
 """
 
 from __future__ import annotations

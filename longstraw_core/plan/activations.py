@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from longstraw_core.plan import kernels
+import longstraw_core.plan.kernels as kernels
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes
 
