@@ -51,6 +51,12 @@ class KindPlan:
         record's bytes at capacity 0); 0 for kinds that keep none."""
         return 0
 
+    def kept_positions(self, positions: float) -> float:
+        """How many of ``positions`` prompt positions its record keeps (``LayerSpec.state_at``):
+        all of them for a kind whose state grows with the prompt or has a fixed size; a
+        bounded window keeps at most its window."""
+        return positions
+
     # --- what autograd saves ---------------------------------------------------------------
 
     def saved(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
@@ -126,9 +132,7 @@ class KindPlan:
         """Bytes of prefix state one decode step of ``group`` branches reads at ``context``
         positions (``cb``: the compute dtype's bytes): growing state whole, shared by the
         branches; a fixed-size state is counted with the branches' own."""
-        if layer.state_per_token:
-            return layer.state_fixed + layer.state_per_token * context
-        return 0.0
+        return layer.state_at(context) if layer.state_per_token else 0.0
 
 
 def causal_pairs(tokens: float, prefix: float, window: float | None = None) -> float:

@@ -101,9 +101,7 @@ def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
         return []
     spec = plan.stage_plans[plan.stage].spec if plan.per_stage else plan.spec  # its stage's
     per_step = sum(
-        layer.state_fixed + layer.state_per_token * work.stored
-        for layer in spec.layers
-        if work.offloads(layer.record)
+        layer.state_at(work.stored) for layer in spec.layers if work.offloads(layer.record)
     )
     if not per_step:
         return []

@@ -148,13 +148,15 @@ class MemoryParts(WeightParts, InFlight):
 
     # --- state, dS, checkpoints ---------------------------------------------------------------
 
-    def state_split(self, kind: str, per_token: str, fixed: str) -> tuple[int, int]:
-        """(device, cpu) bytes of ``kind`` records' ``fixed + per_token x stored`` field."""
+    def state_split(self, kind: str, grad: bool = False) -> tuple[int, int]:
+        """(device, cpu) bytes of ``kind`` records holding the stored prompt (``grad``:
+        exact mode's ``dS`` of them)."""
         device = cpu = 0
         for layer in self.spec.layers:
             if layer.record != kind:
                 continue
-            size = getattr(layer, fixed) + getattr(layer, per_token) * self.work.stored
+            stored = self.work.stored
+            size = layer.grad_at(stored) if grad else layer.state_at(stored)
             if self.work.offloads(kind):
                 cpu += size
             else:
@@ -198,7 +200,7 @@ class MemoryParts(WeightParts, InFlight):
         """Offloaded layers copied to the device during a pass reading ``position`` rows:
         at most ``offload.resident_layers`` of them at once."""
         offloaded = [
-            layer.state_fixed + layer.state_per_token * position
+            layer.state_at(position)
             for layer in self.spec.layers
             if self.work.offloads(layer.record)
         ]
@@ -326,13 +328,13 @@ class MemoryParts(WeightParts, InFlight):
         if self.reference():
             lines.append(Line("reference model", self.reference(), note="beta > 0, frozen"))
         for kind in self.kinds():
-            device, cpu = self.state_split(kind, "state_per_token", "state_fixed")
+            device, cpu = self.state_split(kind)
             count = sum(layer.record == kind for layer in self.spec.layers)
             lines.append(Line(f"prefix state: {kind}", device, cpu, f"{count} layers"))
         if self.exact:
             grad_device = grad_cpu = 0
             for kind in self.kinds():
-                device, cpu = self.state_split(kind, "grad_per_token", "grad_fixed")
+                device, cpu = self.state_split(kind, grad=True)
                 grad_device, grad_cpu = grad_device + device, grad_cpu + cpu
             lines.append(Line("dS (exact)", grad_device, grad_cpu, "float32, like the state"))
             device, cpu = self.checkpoints()
@@ -388,14 +390,10 @@ class MemoryParts(WeightParts, InFlight):
 
     def _phases(self, rollout_once: bool) -> dict[str, int]:
         work = self.work
-        state_device = sum(
-            self.state_split(kind, "state_per_token", "state_fixed")[0] for kind in self.kinds()
-        )
+        state_device = sum(self.state_split(kind)[0] for kind in self.kinds())
         grad_device = 0
         if self.exact:
-            grad_device = sum(
-                self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
-            )
+            grad_device = sum(self.state_split(kind, grad=True)[0] for kind in self.kinds())
         base = (
             self.parameters() + self.optimizer() + self.reference() + 2 * INT64 * work.prompt_tokens
         )

@@ -49,6 +49,15 @@ class LayerSpec:
         """The layer kind of its record."""
         return kinds.kind(self.record)
 
+    def state_at(self, positions: float) -> float:
+        """Bytes of its record holding ``positions`` prompt positions (as many as its kind
+        keeps of them, ``KindPlan.kept_positions``)."""
+        return self.state_fixed + self.state_per_token * self.kind.plan.kept_positions(positions)
+
+    def grad_at(self, positions: float) -> float:
+        """Bytes of exact mode's ``dS`` of its record holding ``positions`` positions."""
+        return self.grad_fixed + self.grad_per_token * self.kind.plan.kept_positions(positions)
+
 
 @dataclass(frozen=True)
 class ModelSpec:

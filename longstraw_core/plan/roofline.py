@@ -198,7 +198,7 @@ class StageCosts:
         """The stage's prefix state at ``positions`` (only its offloaded, or only its
         resident, records when ``offloaded`` is given)."""
         return sum(
-            layer.state_fixed + layer.state_per_token * positions
+            layer.state_at(positions)
             for layer in self.layers(stage)
             if offloaded is None or self.work.offloads(layer.record) == offloaded
         )
@@ -206,7 +206,7 @@ class StageCosts:
     def grad_bytes(self, stage: int, positions: float, offloaded: bool) -> float:
         """Exact mode's dS of the stage's offloaded (or resident) records."""
         return sum(
-            layer.grad_fixed + layer.grad_per_token * positions
+            layer.grad_at(positions)
             for layer in self.layers(stage)
             if self.work.offloads(layer.record) == offloaded
         )
