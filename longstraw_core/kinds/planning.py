@@ -51,10 +51,10 @@ class KindPlan:
         record's bytes at capacity 0); 0 for kinds that keep none."""
         return 0
 
-    def kept_positions(self, positions: float) -> float:
-        """How many of ``positions`` prompt positions its record keeps (``LayerSpec.state_at``):
-        all of them for a kind whose state grows with the prompt or has a fixed size; a
-        bounded window keeps at most its window."""
+    def kept_positions(self, layer: Any, positions: float) -> float:
+        """How many of ``positions`` prompt positions ``layer``'s record keeps
+        (``LayerSpec.state_at``): all of them for a kind whose state grows with the prompt or
+        has a fixed size; a bounded window keeps at most its window (``layer.dims``)."""
         return positions
 
     # --- what autograd saves ---------------------------------------------------------------

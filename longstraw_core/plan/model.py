@@ -52,11 +52,15 @@ class LayerSpec:
     def state_at(self, positions: float) -> float:
         """Bytes of its record holding ``positions`` prompt positions (as many as its kind
         keeps of them, ``KindPlan.kept_positions``)."""
-        return self.state_fixed + self.state_per_token * self.kind.plan.kept_positions(positions)
+        return self.state_fixed + self.state_per_token * self.kind.plan.kept_positions(
+            self, positions
+        )
 
     def grad_at(self, positions: float) -> float:
         """Bytes of exact mode's ``dS`` of its record holding ``positions`` positions."""
-        return self.grad_fixed + self.grad_per_token * self.kind.plan.kept_positions(positions)
+        return self.grad_fixed + self.grad_per_token * self.kind.plan.kept_positions(
+            self, positions
+        )
 
 
 @dataclass(frozen=True)
