@@ -17,12 +17,13 @@ from longstraw_core.adapters.lookup import adapt, supported_model_types
 from longstraw_core.attention import segmented_attention
 from longstraw_core.generation import GenerationBatch
 from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.losses import group_advantages
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.reference_policy import lora_reference
 from longstraw_core.replay import GRPOStepResult, grpo_step
 from longstraw_core.rollout import RolloutOutput, rollout
-from longstraw_core.state import AttentionKV, PrefixState, format_bytes
+from longstraw_core.state import PrefixState, format_bytes
 
 __all__ = [
     "AttentionKV",

@@ -8,7 +8,7 @@ those paths without a graph over the prompt (``docs/design.md``, "Exact mode"):
    record's ``new_grad`` makes). Every branch's backward adds
    ``dL/dstate`` into it: attention through ``segmented_attention``'s ``prefix_grads``
    sinks (block by block, no state-sized temporary), small tensors through
-   ``attach_grad_sink``.
+   ``kinds.base.attach_grad_sink``.
 2. After the last branch, a reverse sweep over the prefill chunks: chunk ``k`` is recomputed
    with autograd from the stored state before it, and backpropagated with the accumulated
    ``dS`` of the state it produced. Its reads of earlier state add into ``dS`` of earlier
@@ -35,22 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_core.kinds.attention import AttentionKVExactView, AttentionKVGrad
-from longstraw_core.kinds.base import GradBuffer, Produced, attach_grad_sink
-from longstraw_core.kinds.latent import LatentKVExactView, LatentKVGrad
-from longstraw_core.kinds.recurrent import RecurrentExactView, RecurrentStateGrad
+from longstraw_core.kinds.base import GradBuffer, Produced
 from longstraw_core.state import PrefixState
 
 __all__ = [
-    "AttentionKVExactView",
-    "AttentionKVGrad",
-    "LatentKVExactView",
-    "LatentKVGrad",
-    "Produced",
-    "RecurrentExactView",
-    "RecurrentStateGrad",
     "StateGrad",
-    "attach_grad_sink",
     "exact_state",
     "gradient_dtype",
     "new_state_grad",

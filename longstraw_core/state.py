@@ -4,7 +4,7 @@ Each layer keeps a record of its own kind: ``AttentionKV`` (full-attention keys/
 ``RecurrentState`` (Gated DeltaNet conv and recurrent state) or ``LatentKV`` (MLA latent and
 DSA indexer keys). Each kind lives in one module of ``longstraw_core.kinds`` (``attention``,
 ``recurrent``, ``latent``) with its branch record, exact-mode gradient buffer and view, behind
-the protocols of ``longstraw_core.kinds.base``; they are re-exported here. This module holds
+the protocols of ``longstraw_core.kinds.base`` (import them from there). This module holds
 what spans the layers: ``PrefixState`` and ``BranchCache``. Each adapter's
 ``new_layer_states`` picks the records
 (``docs/design.md``, "Prefix state per layer kind"). Records are preallocated to the prompt
@@ -28,23 +28,15 @@ from typing import Any
 import torch
 
 from longstraw_core.fake import is_fake
-from longstraw_core.kinds.attention import AttentionKV, BranchKV
-from longstraw_core.kinds.base import LayerState, Pieces, Produced
-from longstraw_core.kinds.latent import BranchLatent, LatentKV
-from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
+from longstraw_core.kinds.attention import AttentionKV
+from longstraw_core.kinds.base import BranchState, LayerState, Pieces, Produced
 from longstraw_core.offload import OffloadPolicy, Residency
 
 __all__ = [
-    "AttentionKV",
     "BranchCache",
-    "BranchKV",
-    "BranchLatent",
     "BranchRecord",
-    "BranchRecurrent",
-    "LatentKV",
-    "LayerState",
+    "PieceCache",
     "PrefixState",
-    "RecurrentState",
     "format_bytes",
 ]
 
@@ -221,7 +213,7 @@ def format_bytes(num_bytes: float) -> str:
 # from per-branch copies of the (small) prefix state and are replaced at each step.
 
 
-BranchRecord = BranchKV | BranchRecurrent | BranchLatent
+BranchRecord = BranchState  # one layer's branch record, of the layer's kind
 
 
 @dataclass

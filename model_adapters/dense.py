@@ -21,8 +21,8 @@ from longstraw_core.adapters.family import ModelFamily
 from longstraw_core.adapters.model_functions import RotaryFn, model_rotary_function
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import segmented_attention
+from longstraw_core.kinds.attention import AttentionKV, BranchKV
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import AttentionKV, BranchKV
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
 

@@ -27,8 +27,10 @@ from reference import assert_grads_close, step_grads, with_lora
 
 import longstraw_core as ls
 import longstraw_core.adapters.base as base
-import longstraw_core.exact as exact
 from longstraw_core.exact import new_state_grad
+from longstraw_core.kinds.attention import AttentionKVExactView
+from longstraw_core.kinds.latent import LatentKVExactView
+from longstraw_core.kinds.recurrent import RecurrentExactView
 from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.tiny_models import tiny_model
@@ -122,8 +124,8 @@ def test_state_gradient_is_added_once(monkeypatch, model_type, offloaded):
     forward adds nothing into it (its sinks are in a graph no backward runs), and a
     recomputed chunk's writes are not handed to the sweep again."""
     writes = [0]
-    for view in (exact.AttentionKVExactView, exact.LatentKVExactView, exact.RecurrentExactView):
-        name = "update" if view is exact.RecurrentExactView else "write"
+    for view in (AttentionKVExactView, LatentKVExactView, RecurrentExactView):
+        name = "update" if view is RecurrentExactView else "write"
         original = getattr(view, name)
 
         def counted(self, *args, original=original):

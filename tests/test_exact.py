@@ -17,8 +17,9 @@ from reference import (
 
 import longstraw_core as ls
 import longstraw_core.adapters.lm_head as lm_head
-from longstraw_core.exact import attach_grad_sink, new_state_grad
-from longstraw_core.state import AttentionKV
+from longstraw_core.exact import new_state_grad
+from longstraw_core.kinds.attention import AttentionKV
+from longstraw_core.kinds.base import attach_grad_sink
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512

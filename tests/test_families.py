@@ -10,6 +10,7 @@ from longstraw_core.adapters import registry
 from longstraw_core.adapters.base import ModelAdapter
 from longstraw_core.adapters.family import ModelFamily, Preset
 from longstraw_core.adapters.lookup import supported_model_types
+from longstraw_core.kinds import registry as kinds
 from model_adapters import dense, glm52, qwen36
 
 
@@ -36,7 +37,7 @@ def test_the_tables_hold_every_familys_declarations() -> None:
     }
     assert registry.tiny_configs() == {t: v for f in families for t, v in f.tiny_configs.items()}
     assert list(registry.presets()) == ["Qwen3.6-27B", "GLM-5.2"]
-    assert dict(registry.layer_kinds()) == {
+    assert kinds.offload_fields() == {
         "full_attention": "attention",
         "linear_attention": "recurrent",
         "mla_dsa": "latent",

@@ -15,8 +15,9 @@ import torch
 
 import longstraw_core as ls
 from longstraw_core.adapters.base import Span
+from longstraw_core.kinds.attention import AttentionKV
+from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.state import AttentionKV, RecurrentState
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512

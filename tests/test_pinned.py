@@ -13,8 +13,10 @@ import gc
 import pytest
 import torch
 
+from longstraw_core.kinds.attention import AttentionKV
+from longstraw_core.kinds.latent import LatentKV
+from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.offload import pinned
-from longstraw_core.state import AttentionKV, LatentKV, RecurrentState
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from longstraw_core.plan.calibration import (
     resolve_hardware,
 )
 from longstraw_core.plan.cli import main
-from longstraw_core.plan.timing import Hardware
+from longstraw_core.plan.roofline import Hardware
 
 QWEN = ["--preset", "Qwen3.6-27B", "--prompt-tokens", "100000", "--time"]  # no budget
 

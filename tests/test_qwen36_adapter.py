@@ -34,7 +34,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
-from longstraw_core.state import RecurrentState
+from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.tiny_models import slow_gated_deltanet_decay, tiny_model
 from model_adapters import qwen36
 

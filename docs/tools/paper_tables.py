@@ -25,13 +25,14 @@ from longstraw_core.plan.advice import fixes_for, largest_chunk, offload_keys, p
 from longstraw_core.plan.core import PHASES, Line, MemoryPlan, compute_plan
 from longstraw_core.plan.model import ModelSpec, Workload
 from longstraw_core.plan.output import stage_rows
+from longstraw_core.plan.roofline import Hardware
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
     Scenario,
     scenario_workload,
     spec_for_preset,
 )
-from longstraw_core.plan.timing import Hardware, TimeEstimate, estimate_time
+from longstraw_core.plan.timing import TimeEstimate, estimate_time
 from longstraw_core.plan.units import GIB
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,9 +45,9 @@ from longstraw_core.adapters.recompute import checkpointed as _checkpointed
 from longstraw_core.adapters.span import Span
 from longstraw_core.adapters.staged import StagedPasses
 from longstraw_core.adapters.validation import as_token_ids, check_positions, check_state
-from longstraw_core.exact import Produced
+from longstraw_core.kinds.base import LayerState, Produced
 from longstraw_core.offload import OffloadPolicy, stream_layers
-from longstraw_core.state import BranchCache, BranchRecord, LayerState, PrefixState
+from longstraw_core.state import BranchCache, BranchRecord, PrefixState
 
 __all__ = [
     "Item",

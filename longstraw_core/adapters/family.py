@@ -3,13 +3,16 @@ LongStraw (config, tiny models, planner, offload) learns about a family.
 
 Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``family``;
 ``longstraw_core.adapters.registry`` collects them and builds the tables other modules read
-(``default_lora_targets``, ``tiny_configs``, ``presets``, ``layer_kinds``, ``kernel_budget``).
-This module imports nothing of LongStraw: anything may import it.
+(``default_lora_targets``, ``tiny_configs``, ``presets``, ``kernel_budget``). A layer kind
+declares itself, in its own module (``longstraw_core.kinds.registry``); a family names the
+kinds its layers keep.
+This module imports nothing of LongStraw when it loads (a family declared by a mapping of
+kinds reads ``kinds.registry`` when it is made): anything may import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +32,9 @@ class ModelFamily:
     rest of LongStraw asks about them.
 
     - ``model_types``: the transformers ``config.model_type`` values the adapter serves.
-    - ``layer_kinds``: record kind (``LayerState.kind``) -> the ``OffloadPolicy`` field that
-      places it (``"attention"``, ``"recurrent"`` or ``"latent"``), for every kind its layers
-      keep.
+    - ``layer_kinds``: the record kinds (``LayerState.kind``) its layers keep, each a
+      registered layer kind (``kinds.registry``: the kind declares its offload field). A
+      mapping is read by its keys; its values, if given, must be the kinds' offload fields.
     - ``lora_targets``: model type -> module names LoRA adapts when ``lora.target_modules``
       is null.
     - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
@@ -45,7 +48,7 @@ class ModelFamily:
 
     name: str
     model_types: tuple[str, ...]
-    layer_kinds: Mapping[str, str]
+    layer_kinds: Collection[str]
     lora_targets: Mapping[str, list[str]]
     tiny_configs: Mapping[str, dict[str, Any]]
     presets: Mapping[str, Preset] = field(default_factory=dict)
@@ -66,10 +69,13 @@ class ModelFamily:
                     f"family {self.name!r}: preset {preset_name!r} has model type "
                     f"{preset.model_type!r}, not one of {self.model_types}"
                 )
-        fields = {"attention", "recurrent", "latent"}
-        bad = sorted(set(self.layer_kinds.values()) - fields)
-        if bad:
-            raise ValueError(
-                f"family {self.name!r}: layer kinds placed by {bad}; offload "
-                f"fields are {sorted(fields)}"
-            )
+        if isinstance(self.layer_kinds, Mapping):
+            from longstraw_core.kinds.registry import offload_fields
+
+            fields = set(offload_fields().values())
+            bad = sorted(set(self.layer_kinds.values()) - fields)
+            if bad:
+                raise ValueError(
+                    f"family {self.name!r}: layer kinds placed by {bad}; offload "
+                    f"fields are {sorted(fields)}"
+                )

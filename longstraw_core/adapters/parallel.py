@@ -17,7 +17,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from longstraw_core.exact import Produced, StateGrad
+from longstraw_core.exact import StateGrad
+from longstraw_core.kinds.base import Produced
 from longstraw_core.state import PrefixState
 
 Item = TypeVar("Item")

@@ -24,7 +24,8 @@ from longstraw_core.adapters.validation import (
     check_prefill_options,
     check_temperature,
 )
-from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.exact import StateGrad, exact_state
+from longstraw_core.kinds.base import Produced
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.state import BranchCache, PrefixState
 

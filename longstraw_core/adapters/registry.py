@@ -9,15 +9,19 @@ their tables list them), loaded the first time a table or an adapter is asked fo
 imported directly (a test's, a user's) registers when its module loads.
 
 The tables the rest of LongStraw reads are built here from those declarations:
-``default_lora_targets``, ``tiny_configs``, ``presets``, ``layer_kinds``.
+``default_lora_targets``, ``tiny_configs``, ``presets``, ``kernel_budget``. The layer kinds
+are not a family's: each declares itself (``longstraw_core.kinds.registry``); a family's
+``layer_kinds`` must name registered kinds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.kinds import registry as kinds
 
 # An adapter class (a ``ModelAdapter`` subclass: typed loosely so that this module, which
 # the offload policy and the config read, imports nothing that imports them back).
@@ -55,19 +59,25 @@ def register_adapter(cls: AdapterClass) -> AdapterClass:
 
 
 def _check_new_family(family: ModelFamily) -> None:
-    """No two families may claim the same family name, preset name or layer kind placement."""
+    """No two families may claim the same family name or preset name; the layer kinds a
+    family names are registered, and placed as it says, if it says (a mapping)."""
+    for name in family.layer_kinds:
+        try:
+            kind = kinds.kind(name)
+        except KeyError as exc:
+            raise ValueError(f"family {family.name!r}: {exc.args[0]}") from None
+        said = family.layer_kinds.get(name) if isinstance(family.layer_kinds, Mapping) else None
+        if said is not None and said != kind.offload:
+            raise ValueError(
+                f"family {family.name!r}: layer kind {name!r} is placed by {kind.offload!r} "
+                f"(its own declaration), not {said!r}"
+            )
     for other in _FAMILIES:
         if other.name == family.name:
             raise ValueError(f"model family {family.name!r} is already registered")
         clash = sorted(set(other.presets) & set(family.presets))
         if clash:
             raise ValueError(f"presets {clash} of family {family.name!r} exist in {other.name!r}")
-        for kind, field in family.layer_kinds.items():
-            if other.layer_kinds.get(kind, field) != field:
-                raise ValueError(
-                    f"layer kind {kind!r}: family {family.name!r} places it by {field!r}, "
-                    f"family {other.name!r} by {other.layer_kinds[kind]!r}"
-                )
 
 
 def version() -> int:
@@ -116,12 +126,6 @@ def tiny_configs() -> dict[str, dict[str, Any]]:
 def presets() -> dict[str, Preset]:
     """Preset name -> the paper-scale model the planner knows by that name."""
     return {k: v for f in families() for k, v in f.presets.items()}
-
-
-def layer_kinds() -> dict[str, str]:
-    """Record kind -> the ``OffloadPolicy`` field placing it, sorted by kind."""
-    kinds = {k: v for f in families() for k, v in f.layer_kinds.items()}
-    return dict(sorted(kinds.items()))
 
 
 def supported_model_types() -> list[str]:

@@ -49,7 +49,8 @@ import torch
 
 from longstraw_core.adapters.lm_head import chunked_head_log_probs
 from longstraw_core.adapters.span import Span
-from longstraw_core.exact import Produced, StateGrad, exact_state
+from longstraw_core.exact import StateGrad, exact_state
+from longstraw_core.kinds.base import Produced
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import (
     MAX_OPEN_SENDS,

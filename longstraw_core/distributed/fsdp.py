@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 
 if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
-    from longstraw_core.exact import Produced
+    from longstraw_core.kinds.base import Produced
 
 FORWARD_METHOD = "longstraw_forward"
 MIXED_PRECISION = ("auto", "bf16", "fp32")

@@ -1,10 +1,14 @@
-"""Layer kinds: one module per kind of prefix state, each holding the kind's record, branch
-record, exact-mode gradient buffer and exact view (``docs/design.md``, "Prefix state per
-layer kind").
+"""Layer kinds: one module per kind of prefix state, each declaring everything about its kind:
+its record, branch record, exact-mode gradient buffer and exact view (``docs/design.md``,
+"Prefix state per layer kind"), the ``OffloadPolicy`` field that places it, and the memory
+planner's formulas for its layers; it registers them last (``registry.register_kind``).
 
-- ``attention``: full attention (GQA) K/V, ``AttentionKV``;
-- ``recurrent``: Gated DeltaNet conv + recurrent state, ``RecurrentState``;
-- ``latent``: MLA latent + DSA indexer keys, ``LatentKV``;
+- ``attention``: full attention (GQA) K/V, ``AttentionKV``, ``AttentionPlan``;
+- ``recurrent``: Gated DeltaNet conv + recurrent state, ``RecurrentState``, ``RecurrentPlan``;
+- ``latent``: MLA latent + DSA indexer keys, ``LatentKV``, ``LatentPlan``;
+- ``registry``: ``LayerKind`` and the lookups (``kind``, ``kinds``, ``offload_fields``) the
+  rest of LongStraw uses instead of naming kinds;
+- ``planning``: ``KindPlan``, what the planner asks a kind;
 - ``forwarding``: ``ForwardedReads``, the declared reads of the wrappers a pass hands
   adapters instead of a record (offload's ``StreamedRecord``, checkpointing's
   ``LayerRecord``);
@@ -12,8 +16,7 @@ layer kind").
   ``AttentionReads``, ``RecurrentReads``, ``LatentReads``, ``ExactView``, ``GradBuffer``,
   ``BranchState``), their defaults (``RecordBase``, ``ExactViewBase``) and shared helpers.
 
-``longstraw_core.state`` and ``longstraw_core.exact`` re-export the classes under their
-historical names. This
-package imports none of its modules, so ``longstraw_core.offload`` can import
-``forwarding`` while ``base`` imports ``offload``.
+Import the classes from their kind's module. This package imports none of its modules, so
+``longstraw_core.offload`` can import ``forwarding`` and ``registry`` while ``base`` imports
+``offload``.
 """

@@ -6,12 +6,15 @@ RoPE, and values; optionally each prefill chunk's attention output for exact mod
 ``AttentionKVExactView`` the record as exact mode reads it. Adapters call the
 ``AttentionReads`` protocol (``longstraw_core.kinds.base``) on whichever of these they get.
 Used by ``model_adapters/dense.py`` and the full-attention layers of ``qwen36.py``.
+
+``AttentionPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``FULL_ATTENTION`` (offload field ``attention``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,6 +29,8 @@ from longstraw_core.kinds.base import (
     store,
     tensor_nbytes,
 )
+from longstraw_core.kinds.planning import FP32, KindPlan, causal_pairs
+from longstraw_core.kinds.registry import LayerKind, register_kind
 from longstraw_core.offload.pinned import empty_buffers
 
 
@@ -280,3 +285,148 @@ class AttentionKVExactView(ExactViewBase):
         end = start + keys.shape[1]
         self.produced.append((keys, Seed(self.grad.keys[:, start:end], keys)))
         self.produced.append((values, Seed(self.grad.values[:, start:end], values)))
+
+
+# --- the planner's formulas (``kinds.planning``) -------------------------------------------
+
+
+class AttentionPlan(KindPlan):
+    """Full attention as the memory planner sees it: dense GQA (``dense.run_full_attention``,
+    mixer ``"attention"``) or Qwen3.5's gated attention (``qwen36.run_gated_attention``,
+    ``"gated_attention"``)."""
+
+    cuda_kernels = "attention in flash-attn or PyTorch's SDPA flash kernels"
+    offload_label = "attention K/V"
+    full_attention = True
+    reuses_kept_outputs = True
+
+    def mixer_dims(self, layer: Any) -> tuple[str, dict[str, int]]:
+        attention = layer.self_attn
+        head_dim = attention.head_dim
+        q_out = attention.q_proj.out_features
+        gated = q_out == 2 * attention.config.num_attention_heads * head_dim
+        q_width = q_out // 2 if gated else q_out
+        return ("gated_attention" if gated else "attention"), {
+            "heads": q_width // head_dim,
+            "kv_heads": attention.k_proj.out_features // head_dim,
+            "head_dim": head_dim,
+            "qk_norm": int(hasattr(attention, "q_norm")),
+        }
+
+    # --- what autograd saves
+
+    def saved(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        if layer.mixer == "gated_attention":
+            return self.gated_per_token(act, d) * tokens
+        return self.per_token(act, d) * tokens
+
+    @staticmethod
+    def per_token(act: Any, d: dict[str, int]) -> int:
+        """Dense GQA attention (Qwen3 / Llama), ``dense.run_full_attention``, per token."""
+        b, q, kv = act.b, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        saved = act.linear_input(act.spec.hidden, ("q_proj", "k_proj", "v_proj"))
+        if d["qk_norm"]:
+            saved += act.norm(q, d["heads"]) + act.norm(kv, d["kv_heads"])
+        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
+        return saved + act.linear_input(q, ("o_proj",))
+
+    @staticmethod
+    def gated_per_token(act: Any, d: dict[str, int]) -> int:
+        """Qwen3.5's gated attention, ``qwen36.run_gated_attention``, per token."""
+        b, q, kv = act.b, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        saved = act.linear_input(act.spec.hidden, ("q_proj", "k_proj", "v_proj"))
+        # q_norm reads a view of q_proj's [T, 2q] output: in fp32 it keeps all of it alive.
+        saved += act.norm(q, d["heads"]) + (FP32 * q if b == FP32 else 0)
+        saved += act.norm(kv, d["kv_heads"])
+        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
+        saved += 2 * b * q  # sigmoid(gate) and the reshaped output, saved by their product
+        return saved + act.linear_input(q, ("o_proj",))
+
+    def state_only_saved(self, act: Any, layer: Any, tokens: int) -> int:
+        d = layer.dims
+        kv = d["kv_heads"] * d["head_dim"]
+        keys = act.linear_input(act.spec.hidden, ("k_proj", "v_proj"))
+        return (keys + act.norm(kv, d["kv_heads"])) * tokens
+
+    def written(self, act: Any, layer: Any, tokens: int) -> int:
+        """Keys and values."""
+        d = layer.dims
+        return 2 * act.b * d["kv_heads"] * d["head_dim"] * tokens
+
+    def kept_output_bytes(self, act: Any, layer: Any, lse: int) -> int:
+        return layer.dims["heads"] * (layer.dims["head_dim"] * act.b + lse)
+
+    # --- working sets
+
+    def width(self, act: Any, layer: Any) -> int:
+        d = layer.dims
+        return (2 + (layer.mixer == "gated_attention")) * d["heads"] * d["head_dim"]
+
+    def working(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        width = (3 if layer.mixer == "gated_attention" else 2) * q + 3 * kv
+        return tokens * act.b * width + self.forward_scratch(act, layer, tokens, prefix)
+
+    def decode_scratch(self, act: Any, layer: Any, group: int, prefix: int) -> int:
+        """The pure-torch loop over the prefix when no fused kernel serves it."""
+        d = layer.dims
+        if self.path(act, d["head_dim"], d["head_dim"]) != "blocked":
+            return 0
+        rows = group * d["heads"] // d["kv_heads"]
+        dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
+        return act.kernels.blocked_scratch(*dims, prefix, act.b, backward=False)
+
+    @staticmethod
+    def path(act: Any, dk: int, dv: int) -> str:
+        """Which kernel ``segmented_attention`` runs: ``"flash"`` (flash-attn on CUDA, 16-bit,
+        equal head dims), ``"fused"`` (PyTorch's CPU flash kernel: float32, equal head dims)
+        or ``"blocked"`` (the pure-torch loop over key blocks: everything else)."""
+        if dk != dv:
+            return "blocked"
+        if act.work.device == "cuda":
+            ok = act.b < FP32 and dk % 8 == 0 and dk <= 256
+            return "flash" if ok else "blocked"
+        return "fused" if act.b == FP32 else "blocked"
+
+    def forward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        """Segmented attention's forward: per segment an fp32 output merged by log-sum-exp
+        (two products alive), the branch K/V repeated per query head for the fused kernels,
+        and the pure-torch loop's score blocks over the prefix."""
+        d = layer.dims
+        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        scratch = tokens * (4 * FP32 * q + 2 * act.b * q)
+        if act.b < FP32:
+            scratch += tokens * FP32 * (q + 2 * kv)  # rows cast to the accumulation dtype
+        if self.path(act, d["head_dim"], d["head_dim"]) == "blocked" and prefix:
+            rows = d["heads"] // d["kv_heads"] * tokens
+            dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
+            scratch += act.kernels.blocked_scratch(*dims, prefix, act.b, backward=False)
+        return scratch
+
+    def prefix_backward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        kv, head = d["kv_heads"], d["head_dim"]
+        rows = d["heads"] * tokens
+        path = self.path(act, head, head)
+        if path == "flash":
+            return act.kernels.flash_backward_scratch(kv, rows, head, prefix, act.b)
+        if path == "blocked":
+            group_rows = d["heads"] // kv * tokens
+            return act.kernels.blocked_scratch(kv, group_rows, head, head, prefix, act.b, True)
+        return act.kernels.fused_backward_scratch(kv, rows, head, prefix)
+
+    # --- FLOPs
+
+    def pair_flops(self, layer: Any) -> float:
+        """``Q K^T`` and ``P V``: ``4 x heads x head_dim`` per query-key pair."""
+        return 4 * layer.dims["heads"] * layer.dims["head_dim"]
+
+    def mixing_flops(self, layer: Any, tokens: float, prefix: float) -> tuple[float, float]:
+        return self.pair_flops(layer) * causal_pairs(tokens, prefix), 0.0
+
+
+FULL_ATTENTION = register_kind(
+    LayerKind(AttentionKV.kind, AttentionKV, offload="attention", plan=AttentionPlan())
+)

@@ -6,12 +6,15 @@ that run their own indexer), ``BranchLatent`` what rollout's branches add, ``Lat
 exact mode's ``dS`` (latent only: the indexer carries no gradient) and
 ``LatentKVExactView`` the record as exact mode reads it. Adapters call the ``LatentReads``
 protocol (``longstraw_core.kinds.base``). Used by ``model_adapters/glm52.py``.
+
+``LatentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``MLA_DSA`` (offload field ``latent``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,6 +28,8 @@ from longstraw_core.kinds.base import (
     store,
     tensor_nbytes,
 )
+from longstraw_core.kinds.planning import FP32, INT64, KindPlan, causal_pairs
+from longstraw_core.kinds.registry import LayerKind, register_kind
 from longstraw_core.offload.pinned import empty_buffers
 
 
@@ -245,3 +250,152 @@ class LatentKVExactView(ExactViewBase):
             raise RuntimeError("a branch must not write into the prefix state")
         end = start + latent.shape[0]
         self.produced.append((latent, Seed(self.grad.latent[start:end], latent)))
+
+
+# --- the planner's formulas (``kinds.planning``) -------------------------------------------
+
+
+class LatentPlan(KindPlan):
+    """MLA with weight absorption and the DSA indexer as the memory planner sees them
+    (``glm52.GlmMoeDsaAdapter.run_attention``, mixer ``"mla"``): attention in the latent
+    space, over the indexer's ``index_topk`` selection once the context is longer."""
+
+    cuda_kernels = "MLA's latent attention and the DSA top-k search in pure-torch blocks"
+    offload_label = "the MLA latent"
+
+    def mixer_dims(self, layer: Any) -> tuple[str, dict[str, int]]:
+        attention = layer.self_attn
+        indexer = attention.indexer
+        return "mla", {
+            "heads": attention.num_heads,
+            "q_rank": attention.q_a_proj.out_features,
+            "qk_dim": attention.qk_head_dim,
+            "rope_dim": attention.qk_rope_head_dim,
+            "kv_rank": attention.kv_lora_rank,
+            "v_dim": attention.v_head_dim,
+            "indexer": int(indexer is not None),
+            "index_heads": indexer.n_heads if indexer is not None else 0,
+            "index_dim": indexer.head_dim if indexer is not None else 0,
+            "index_topk": attention.config.index_topk,  # shared layers reuse a selection
+        }
+
+    @staticmethod
+    def sparse(d: dict[str, int], tokens: float, prefix: float) -> bool:
+        """Whether attention reads the DSA selection (the context is longer than top-k)."""
+        return d["index_topk"] < prefix + tokens
+
+    # --- what autograd saves
+
+    def saved(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        return self.per_token(act, d, self.sparse(d, tokens, prefix)) * tokens
+
+    @staticmethod
+    def per_token(act: Any, d: dict[str, int], sparse: bool) -> int:
+        """MLA with weight absorption, ``glm52.GlmMoeDsaAdapter.run_attention``, per token."""
+        b, heads, latent = act.b, d["heads"], d["kv_rank"] + d["rope_dim"]
+        saved = act.linear_input(act.spec.hidden, ("q_a_proj", "kv_a_proj_with_mqa"))
+        saved += act.norm(d["q_rank"]) + act.linear_input(d["q_rank"], ("q_b_proj",))
+        if act.trains("kv_b_proj"):
+            saved += b * heads * d["qk_dim"]  # q_b_proj's output, for q_nope @ W_uk
+        # kv_a_layernorm reads the c_kv view: in fp32 the whole [T, rank + rope] output.
+        saved += act.norm(d["kv_rank"]) + (FP32 * d["rope_dim"] if b == FP32 else 0)
+        saved += b * heads * latent + b * latent  # absorbed queries, the span's latent
+        saved += b * heads * d["kv_rank"] + FP32 * heads  # attention output, lse
+        if sparse and d["indexer"]:
+            saved += INT64 * d["index_topk"]  # the DSA selection
+        return saved + act.linear_input(heads * d["v_dim"], ("o_proj",))
+
+    def state_only_saved(self, act: Any, layer: Any, tokens: int) -> int:
+        latent = act.linear_input(act.spec.hidden, ("kv_a_proj_with_mqa",))
+        return (latent + act.norm(layer.dims["kv_rank"])) * tokens
+
+    def kept_beside_input(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        """The DSA selection the layer passes on (the next layer's work holds it)."""
+        d = layer.dims
+        if d["indexer"] and self.sparse(d, tokens, prefix):
+            return INT64 * d["index_topk"] * tokens
+        return 0
+
+    def written(self, act: Any, layer: Any, tokens: int) -> int:
+        """The latent."""
+        d = layer.dims
+        return act.b * (d["kv_rank"] + d["rope_dim"]) * tokens
+
+    def piece_rows(self, act: Any, layer: Any, tokens: int) -> int:
+        """The latent and the index keys."""
+        d = layer.dims
+        return act.b * (d["kv_rank"] + d["rope_dim"] + d["indexer"] * d["index_dim"]) * tokens
+
+    # --- working sets
+
+    def width(self, act: Any, layer: Any) -> int:
+        d = layer.dims
+        return d["heads"] * (d["qk_dim"] + d["kv_rank"] + d["rope_dim"])
+
+    def working(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        latent = d["kv_rank"] + d["rope_dim"]
+        width = d["heads"] * (d["qk_dim"] + 2 * latent) + 2 * latent
+        return tokens * act.b * width + self.search(act, d, tokens, prefix, batch=1)
+
+    def decode_scratch(self, act: Any, layer: Any, group: int, prefix: int) -> int:
+        """The DSA search and latent gathers of one decoding step."""
+        return self.search(act, layer.dims, 1, prefix, batch=group)
+
+    def forward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        return self.search(act, layer.dims, tokens, prefix, batch=1)
+
+    @classmethod
+    def search(cls, act: Any, d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
+        """The DSA indexer's top-k search plus the latent attention's gather blocks."""
+        kernels, device = act.kernels, act.work.device
+        if not cls.sparse(d, tokens, prefix):  # dense: segmented attention over the latent
+            latent = d["kv_rank"] + d["rope_dim"]
+            rows = batch * d["heads"] * tokens  # one latent "head" for every query head
+            return kernels.blocked_scratch(1, rows, latent, d["kv_rank"], prefix, act.b, False)
+        scratch = kernels.sparse_attention_scratch(d, tokens, batch, device, act.b, False)
+        if d["indexer"]:
+            scratch = max(scratch, kernels.select_topk_peak(d, tokens, prefix, batch, device))
+        return scratch
+
+    def prefix_backward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d, kernels = layer.dims, act.kernels
+        if self.sparse(d, tokens, prefix):
+            return kernels.sparse_attention_scratch(d, tokens, 1, act.work.device, act.b, True)
+        rows, latent = d["heads"] * tokens, d["kv_rank"] + d["rope_dim"]
+        return kernels.blocked_scratch(1, rows, latent, d["kv_rank"], prefix, act.b, True)
+
+    # --- FLOPs and reads
+
+    @staticmethod
+    def latent_pair_flops(d: dict[str, int]) -> float:
+        """Per query-key pair: scores over the latent and its rope part, values over the
+        latent."""
+        return 2 * d["heads"] * (2 * d["kv_rank"] + d["rope_dim"])
+
+    def pair_flops(self, layer: Any) -> float:
+        """The DSA indexer's scores (``2 x index_heads x index_dim`` per pair): MLA's own
+        attention reads ``index_topk`` keys."""
+        d = layer.dims
+        return 2 * d["index_heads"] * d["index_dim"] if d["indexer"] else 0.0
+
+    def token_flops(self, layer: Any) -> float:
+        """The sparse attention over the ``index_topk`` selected keys."""
+        return self.latent_pair_flops(layer.dims) * layer.dims["index_topk"]
+
+    def mixing_flops(self, layer: Any, tokens: float, prefix: float) -> tuple[float, float]:
+        d = layer.dims
+        mixing = self.latent_pair_flops(d) * causal_pairs(tokens, prefix, d["index_topk"])
+        return mixing, self.pair_flops(layer) * causal_pairs(tokens, prefix)
+
+    def decode_read_bytes(self, layer: Any, context: float, group: int, cb: int) -> float:
+        """The indexer's keys of the whole context, and each branch's selected latents."""
+        d = layer.dims
+        latent = (d["kv_rank"] + d["rope_dim"]) * cb
+        index = d["index_dim"] * cb * d["indexer"]
+        keys = min(context, d["index_topk"])
+        return index * context + group * keys * latent
+
+
+MLA_DSA = register_kind(LayerKind(LatentKV.kind, LatentKV, offload="latent", plan=LatentPlan()))

@@ -8,12 +8,16 @@ state, ``RecurrentStateGrad`` exact mode's ``dS`` and ``RecurrentExactView`` the
 exact mode reads it. Adapters call the ``RecurrentReads`` protocol
 (``longstraw_core.kinds.base``). Used by the linear-attention layers of
 ``model_adapters/qwen36.py``.
+
+``RecurrentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
+kind is registered as ``LINEAR_ATTENTION`` (offload field ``recurrent``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,6 +31,8 @@ from longstraw_core.kinds.base import (
     record_writes,
     tensor_nbytes,
 )
+from longstraw_core.kinds.planning import FP32, KindPlan
+from longstraw_core.kinds.registry import LayerKind, register_kind
 from longstraw_core.offload.pinned import empty_buffers, pinned_copy
 
 
@@ -274,3 +280,126 @@ class RecurrentExactView(ExactViewBase):
             raise RuntimeError("a branch must not write into the prefix state")
         for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
             self.produced.append((output, Seed(buffer, output, clear=True)))
+
+
+# --- the planner's formulas (``kinds.planning``) -------------------------------------------
+
+DELTA_CHUNK = 64  # the gated delta rule's chunk (fla's and transformers' torch_chunk_... alike)
+
+
+class RecurrentPlan(KindPlan):
+    """Gated DeltaNet as the memory planner sees it (``qwen36.run_gated_deltanet``, mixer
+    ``"deltanet"``): a fixed-size state, a conv and the chunked delta rule."""
+
+    cuda_kernels = "Gated DeltaNet in flash-linear-attention"
+    state_only_backward = False  # its last layer runs whole
+
+    def mixer_dims(self, layer: Any) -> tuple[str, dict[str, int]]:
+        net = layer.linear_attn
+        return "deltanet", {
+            "conv_dim": net.conv_dim,
+            "kernel": net.conv_kernel_size,
+            "key_heads": net.num_k_heads,
+            "value_heads": net.num_v_heads,
+            "key_dim": net.head_k_dim,
+            "value_dim": net.head_v_dim,
+        }
+
+    def checkpoint_bytes(self, state_fixed: int) -> int:
+        return state_fixed  # the whole (fixed-size) state at every chunk start
+
+    # --- what autograd saves
+
+    def saved(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        """Gated DeltaNet, ``qwen36.run_gated_deltanet``, for ``tokens`` tokens (bytes)."""
+        d, b, hidden = layer.dims, act.b, act.spec.hidden
+        value_width = d["value_heads"] * d["value_dim"]
+        consumers = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        per_token = act.linear_input(hidden, consumers)
+        conv = d["conv_dim"] * (2 * tokens + 3 * (d["kernel"] - 1)) * b  # conv in, silu in
+        if act.lora:
+            conv = d["conv_dim"] * (tokens + 2 * (d["kernel"] - 1)) * b  # conv weight frozen
+        per_token += 3 * FP32 * d["value_heads"] + b * d["value_heads"]  # beta, g, softplus
+        # Gated RMSNorm of the output: fp32 input, rsqrt, fp32 gate, silu(gate), weighted.
+        per_token += 4 * FP32 * value_width + FP32 * d["value_heads"] + b * value_width
+        if not act.lora:
+            per_token += b * value_width
+        per_token += act.linear_input(value_width, ("out_proj",))
+        return per_token * tokens + conv + self.delta_rule(act, d, tokens)
+
+    @staticmethod
+    def delta_rule(act: Any, d: dict[str, int], tokens: int) -> int:
+        """What the delta-rule kernel saves for ``tokens`` tokens (bytes)."""
+        heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
+        if act.work.device == "cuda" and act.b < FP32:
+            # flash-linear-attention's chunk kernel saves its inputs (q and k repeated to
+            # the value heads by our wrapper), g and beta, and recomputes the rest.
+            return tokens * (act.b * heads * (2 * dk + dv) + 2 * FP32 * heads)
+        # transformers' torch_chunk_gated_delta_rule, padded to chunks of 64: five [64, 64]
+        # matrices per chunk and head, five key-wide and three value-wide tensors per padded
+        # token, the l2-normalised q and k, and the state entering every chunk.
+        padded = math.ceil(tokens / DELTA_CHUNK) * DELTA_CHUNK
+        chunks = padded // DELTA_CHUNK
+        per_padded = heads * (5 * DELTA_CHUNK + 5 * dk + 3 * dv + 5)
+        per_token = heads * (2 * dk + 2)
+        states = max(chunks - 1, 0) * heads * dk * dv
+        mask = DELTA_CHUNK * DELTA_CHUNK // FP32  # bool [64, 64]
+        return FP32 * (padded * per_padded + tokens * per_token + states + mask)
+
+    def state_only_saved(self, act: Any, layer: Any, tokens: int) -> int:
+        return self.saved(act, layer, tokens, 0)  # the layer runs whole
+
+    def written(self, act: Any, layer: Any, tokens: int) -> int:
+        """The final states: the conv window and the fp32 recurrent state."""
+        d = layer.dims
+        conv = act.b * d["conv_dim"] * (d["kernel"] - 1)
+        return conv + FP32 * d["value_heads"] * d["key_dim"] * d["value_dim"]
+
+    def piece_rows(self, act: Any, layer: Any, tokens: int) -> int:
+        """The final states, whose conv window is a view of the piece's whole conv input
+        and keeps it alive (``qwen36.run_gated_deltanet``)."""
+        return self.written(act, layer, 0) + act.b * layer.dims["conv_dim"] * tokens
+
+    # --- working sets
+
+    def width(self, act: Any, layer: Any) -> int:
+        d = layer.dims
+        return d["conv_dim"] + d["value_heads"] * d["value_dim"]
+
+    def working(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        width = 2 * d["conv_dim"] + 2 * d["value_heads"] * d["value_dim"]
+        return tokens * act.b * width + self.delta_rule_working(act, d, tokens)
+
+    @staticmethod
+    def delta_rule_working(act: Any, d: dict[str, int], tokens: int) -> int:
+        """The delta rule without autograd: torch's chunk path holds four [64, 64] matrices
+        per chunk and head (decays, UT system, intra-chunk scores, a product) besides its
+        padded fp32 q/k/v; flash-linear-attention's kernel keeps only its inputs/outputs."""
+        heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
+        if act.work.device == "cuda" and act.b < FP32:
+            return tokens * act.b * heads * (2 * dk + 2 * dv)
+        padded = math.ceil(tokens / DELTA_CHUNK) * DELTA_CHUNK
+        return FP32 * padded * heads * (4 * DELTA_CHUNK + 5 * dk + 4 * dv)
+
+    def state_only_working(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        return act.forward_working(layer, tokens, prefix)  # the layer runs whole
+
+    # --- FLOPs
+
+    def token_flops(self, layer: Any) -> float:
+        """The chunked recurrence per token: the state's read, correction and update (three
+        ``key_dim x value_dim`` products a head) and the intra-chunk scores and values
+        (chunks of 64), and the conv."""
+        d = layer.dims
+        heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
+        conv = 2 * d["conv_dim"] * d["kernel"]
+        return heads * (6 * dk * dv + 4 * DELTA_CHUNK * (dk + dv)) + conv
+
+    def mixing_flops(self, layer: Any, tokens: float, prefix: float) -> tuple[float, float]:
+        return self.token_flops(layer) * tokens, 0.0
+
+
+LINEAR_ATTENTION = register_kind(
+    LayerKind(RecurrentState.kind, RecurrentState, offload="recurrent", plan=RecurrentPlan())
+)

@@ -41,13 +41,19 @@ Import from here; the modules hold one job each:
   instead of the caching host allocator's power-of-two blocks.
 """
 
-from longstraw_core.offload.policy import PLACEMENTS, OffloadPolicy, home_options
+from longstraw_core.offload.policy import (
+    PLACEMENT_FIELDS,
+    PLACEMENTS,
+    OffloadPolicy,
+    home_options,
+)
 from longstraw_core.offload.residency import Residency
 from longstraw_core.offload.stream import LayerStream, StreamedRecord, stream_layers
 from longstraw_core.offload.transfer import copy_rows
 
 __all__ = [
     "PLACEMENTS",
+    "PLACEMENT_FIELDS",
     "LayerStream",
     "OffloadPolicy",
     "Residency",

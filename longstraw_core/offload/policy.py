@@ -1,20 +1,27 @@
 """``OffloadPolicy``: where each layer type keeps its prefix state (on the device or in CPU
 memory) and how many offloaded layers may be on the device at once; ``home_options`` turns
-it into where a new record is allocated. Plain configuration: no tensors move here."""
+it into where a new record is allocated. Plain configuration: no tensors move here.
+
+Each layer kind names the field that places it (``kinds.registry.LayerKind.offload``); the
+placement fields are the dataclass's fields marked ``placement`` (``PLACEMENT_FIELDS``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from longstraw_core.adapters import registry
+from longstraw_core.kinds import registry
 
 PLACEMENTS = ("device", "cpu")
-_FIELDS = ("attention", "recurrent", "latent")
+
+
+def _placement() -> Any:
+    """A placement field: ``"device"`` (the default) or ``"cpu"``."""
+    return field(default="device", metadata={"placement": True})
 
 
 @dataclass(frozen=True)
@@ -30,14 +37,14 @@ class OffloadPolicy:
     (asynchronous copies need it).
     """
 
-    attention: str = "device"
-    recurrent: str = "device"
-    latent: str = "device"
+    attention: str = _placement()
+    recurrent: str = _placement()
+    latent: str = _placement()
     resident_layers: int = 2
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
-        for name in _FIELDS:
+        for name in PLACEMENT_FIELDS:
             value = getattr(self, name)
             if value not in PLACEMENTS:
                 raise ValueError(f"offload {name}={value!r}: a placement is 'device' or 'cpu'")
@@ -52,7 +59,8 @@ class OffloadPolicy:
     @classmethod
     def cpu(cls, resident_layers: int = 2, pin_memory: bool = True) -> OffloadPolicy:
         """Every layer type in CPU memory."""
-        return cls("cpu", "cpu", "cpu", resident_layers, pin_memory)
+        placed = dict.fromkeys(PLACEMENT_FIELDS, "cpu")
+        return cls(**placed, resident_layers=resident_layers, pin_memory=pin_memory)
 
     @classmethod
     def parse(cls, value: OffloadPolicy | str | Mapping[str, Any] | None) -> OffloadPolicy | None:
@@ -63,14 +71,14 @@ class OffloadPolicy:
         if isinstance(value, str):
             if value not in PLACEMENTS:
                 raise ValueError(f"offload={value!r}: a placement is 'device' or 'cpu'")
-            return cls(value, value, value)
+            return cls(**dict.fromkeys(PLACEMENT_FIELDS, value))
         if isinstance(value, Mapping):
             known = {field.name for field in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(
                     f"offload has unknown keys {unknown}; known: {sorted(known)} "
-                    f"(layer types: {list(_FIELDS)})"
+                    f"(layer types: {list(PLACEMENT_FIELDS)})"
                 )
             return cls(**value)
         raise ValueError(
@@ -79,11 +87,16 @@ class OffloadPolicy:
 
     def placement(self, kind: str) -> str:
         """``"device"`` or ``"cpu"`` for a layer type (``"attention"``, ...) or record kind."""
-        name = registry.layer_kinds().get(kind, kind)
-        if name not in _FIELDS:
+        if kind in PLACEMENT_FIELDS:
+            return getattr(self, kind)
+        try:
+            name = registry.kind(kind).offload
+        except KeyError:
+            name = None
+        if name not in PLACEMENT_FIELDS:
             raise ValueError(
-                f"unknown layer type {kind!r}; layer types: {list(_FIELDS)}, record kinds: "
-                f"{list(registry.layer_kinds())}"
+                f"unknown layer type {kind!r}; layer types: {list(PLACEMENT_FIELDS)}, record "
+                f"kinds: {list(registry.offload_fields())}"
             )
         return getattr(self, name)
 
@@ -93,7 +106,17 @@ class OffloadPolicy:
     @property
     def active(self) -> bool:
         """Whether any layer type is kept in CPU memory."""
-        return any(getattr(self, name) == "cpu" for name in _FIELDS)
+        return any(getattr(self, name) == "cpu" for name in PLACEMENT_FIELDS)
+
+    def offloaded_fields(self) -> list[str]:
+        """The placement fields set to ``"cpu"``, in field order."""
+        return [name for name in PLACEMENT_FIELDS if getattr(self, name) == "cpu"]
+
+
+# The fields that place a layer type ("attention", ...), in declaration order.
+PLACEMENT_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(OffloadPolicy) if f.metadata.get("placement")
+)
 
 
 def home_options(policy: OffloadPolicy | None, kind: str, device: torch.device) -> dict[str, Any]:

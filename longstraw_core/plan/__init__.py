@@ -48,12 +48,18 @@ the worst stage's, every stage's in ``MemoryPlan.per_stage``. ``stage_layout`` p
 boundaries (the runtime calls it too), ``estimate_time`` the seconds per phase on a stated
 GPU.
 
+What depends on a layer's kind (its token mixer's widths, saved bytes, working sets, FLOPs,
+decode reads) is the kind's own: ``LayerSpec.kind.plan``, defined in the kind's module of
+``longstraw_core.kinds`` (``kinds.planning.KindPlan``); no module here names a kind.
+
 Modules, each importing only those before it: ``units`` (byte sizes, number formats),
 ``model`` (presets, the model's layer specs, the workload), ``kernels`` (the attention
 kernels' scratch from their block budgets), ``activations`` (transients from tensor
 shapes), ``flops`` (forward FLOPs from shapes), ``pieces`` (replay in pieces on a stage),
-``stages`` (stage layouts, a stage's slice of the model, what is in flight), ``core`` (the
-pure plan: lines and phase peaks), ``timing`` (seconds per phase), ``calibration`` (the time
+``stages`` (stage layouts, a stage's slice of the model, what is in flight), ``weights``
+(parameters, gradients, optimizer, FSDP), ``core`` (the pure plan: lines and phase peaks),
+``roofline`` (one stage's work and its cost on a GPU), ``timing`` (seconds per phase, the
+stages combined by the schedules), ``calibration`` (the time
 estimate's GPU figures from flags, defaults or ``make gpu-check``'s measurements),
 ``sources`` (specs and workloads from presets, checkpoints and run configs), ``advice``
 (fixes, ``plan_memory`` with advice, ``check_fits``),
@@ -72,6 +78,7 @@ from longstraw_core.plan.advice import (
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
+from longstraw_core.plan.roofline import Hardware
 from longstraw_core.plan.sources import (
     Scenario,
     plan_for_config,
@@ -81,7 +88,7 @@ from longstraw_core.plan.sources import (
     workload_from_config,
 )
 from longstraw_core.plan.stages import layer_costs, stage_layout, stage_spec
-from longstraw_core.plan.timing import Hardware, PhaseTime, TimeEstimate, estimate_time
+from longstraw_core.plan.timing import PhaseTime, TimeEstimate, estimate_time
 
 __all__ = [
     "Hardware",

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from longstraw_core.plan.kernels import (
-    blocked_scratch,
-    flash_backward_scratch,
-    fused_backward_scratch,
-    select_topk_peak,
-    sparse_attention_scratch,
-)
+import longstraw_core.plan.kernels as kernels
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.units import FP32, INT64, dtype_bytes
-
-_DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
 
 
 class Activations:
@@ -26,8 +17,12 @@ class Activations:
     trains (PEFT LoRA: a float32 copy per adapted linear when the base is 16-bit), the
     attention functions save q, k, v, output and log-sum-exp, transformers' pure-torch
     gated delta rule saves its ``64 x 64`` chunk matrices, MoE saves ``top_k`` copies of
-    each token. Widths come from ``LayerSpec``; ``b`` is the compute dtype's size.
+    each token. Widths come from ``LayerSpec``; ``b`` is the compute dtype's size. The token
+    mixers' own formulas are their kinds' (``LayerSpec.kind.plan``, ``kinds.planning``),
+    which this object is handed to as ``act``.
     """
+
+    kernels = kernels  # the attention kernels' scratch formulas, for the kinds' formulas
 
     def __init__(self, spec: ModelSpec, work: Workload) -> None:
         self.spec, self.work = spec, work
@@ -61,78 +56,6 @@ class Activations:
             saved += self.b * width if self.spec.llama_norm else FP32 * width
         return saved
 
-    # --- token mixers ------------------------------------------------------------------------
-
-    def attention(self, d: dict[str, int]) -> int:
-        """Dense GQA attention (Qwen3 / Llama), ``dense.run_full_attention``."""
-        b, q, kv = self.b, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        saved = self.linear_input(self.spec.hidden, ("q_proj", "k_proj", "v_proj"))
-        if d["qk_norm"]:
-            saved += self.norm(q, d["heads"]) + self.norm(kv, d["kv_heads"])
-        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
-        return saved + self.linear_input(q, ("o_proj",))
-
-    def gated_attention(self, d: dict[str, int]) -> int:
-        """Qwen3.5's gated attention, ``qwen36.run_gated_attention``."""
-        b, q, kv = self.b, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        saved = self.linear_input(self.spec.hidden, ("q_proj", "k_proj", "v_proj"))
-        # q_norm reads a view of q_proj's [T, 2q] output: in fp32 it keeps all of it alive.
-        saved += self.norm(q, d["heads"]) + (FP32 * q if b == FP32 else 0)
-        saved += self.norm(kv, d["kv_heads"])
-        saved += b * (2 * q + 2 * kv) + FP32 * d["heads"]  # q, k, v, output; lse
-        saved += 2 * b * q  # sigmoid(gate) and the reshaped output, saved by their product
-        return saved + self.linear_input(q, ("o_proj",))
-
-    def deltanet(self, d: dict[str, int], tokens: int) -> int:
-        """Gated DeltaNet, ``qwen36.run_gated_deltanet``, for ``tokens`` tokens (bytes)."""
-        b, hidden = self.b, self.spec.hidden
-        value_width = d["value_heads"] * d["value_dim"]
-        consumers = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        per_token = self.linear_input(hidden, consumers)
-        conv = d["conv_dim"] * (2 * tokens + 3 * (d["kernel"] - 1)) * b  # conv in, silu in
-        if self.lora:
-            conv = d["conv_dim"] * (tokens + 2 * (d["kernel"] - 1)) * b  # conv weight frozen
-        per_token += 3 * FP32 * d["value_heads"] + b * d["value_heads"]  # beta, g, softplus
-        # Gated RMSNorm of the output: fp32 input, rsqrt, fp32 gate, silu(gate), weighted.
-        per_token += 4 * FP32 * value_width + FP32 * d["value_heads"] + b * value_width
-        if not self.lora:
-            per_token += b * value_width
-        per_token += self.linear_input(value_width, ("out_proj",))
-        return per_token * tokens + conv + self.delta_rule(d, tokens)
-
-    def delta_rule(self, d: dict[str, int], tokens: int) -> int:
-        """What the delta-rule kernel saves for ``tokens`` tokens (bytes)."""
-        heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
-        if self.work.device == "cuda" and self.b < FP32:
-            # flash-linear-attention's chunk kernel saves its inputs (q and k repeated to
-            # the value heads by our wrapper), g and beta, and recomputes the rest.
-            return tokens * (self.b * heads * (2 * dk + dv) + 2 * FP32 * heads)
-        # transformers' torch_chunk_gated_delta_rule, padded to chunks of 64: five [64, 64]
-        # matrices per chunk and head, five key-wide and three value-wide tensors per padded
-        # token, the l2-normalised q and k, and the state entering every chunk.
-        padded = math.ceil(tokens / _DELTA_CHUNK) * _DELTA_CHUNK
-        chunks = padded // _DELTA_CHUNK
-        per_padded = heads * (5 * _DELTA_CHUNK + 5 * dk + 3 * dv + 5)
-        per_token = heads * (2 * dk + 2)
-        states = max(chunks - 1, 0) * heads * dk * dv
-        mask = _DELTA_CHUNK * _DELTA_CHUNK // FP32  # bool [64, 64]
-        return FP32 * (padded * per_padded + tokens * per_token + states + mask)
-
-    def mla(self, d: dict[str, int], sparse: bool) -> int:
-        """MLA with weight absorption, ``glm52.GlmMoeDsaAdapter.run_attention``."""
-        b, heads, latent = self.b, d["heads"], d["kv_rank"] + d["rope_dim"]
-        saved = self.linear_input(self.spec.hidden, ("q_a_proj", "kv_a_proj_with_mqa"))
-        saved += self.norm(d["q_rank"]) + self.linear_input(d["q_rank"], ("q_b_proj",))
-        if self.trains("kv_b_proj"):
-            saved += b * heads * d["qk_dim"]  # q_b_proj's output, for q_nope @ W_uk
-        # kv_a_layernorm reads the c_kv view: in fp32 the whole [T, rank + rope] output.
-        saved += self.norm(d["kv_rank"]) + (FP32 * d["rope_dim"] if b == FP32 else 0)
-        saved += b * heads * latent + b * latent  # absorbed queries, the span's latent
-        saved += b * heads * d["kv_rank"] + FP32 * heads  # attention output, lse
-        if sparse and d["indexer"]:
-            saved += INT64 * d["index_topk"]  # the DSA selection
-        return saved + self.linear_input(heads * d["v_dim"], ("o_proj",))
-
     # --- MLPs --------------------------------------------------------------------------------
 
     def mlp(self, layer: LayerSpec) -> int:
@@ -159,30 +82,13 @@ class Activations:
 
     def layer(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Saved bytes of one decoder layer over ``tokens`` tokens after ``prefix``."""
-        d = layer.dims
-        if layer.mixer == "deltanet":
-            mixer = self.deltanet(d, tokens)
-        elif layer.mixer == "mla":
-            sparse = d["index_topk"] < prefix + tokens
-            mixer = self.mla(d, sparse) * tokens
-        elif layer.mixer == "gated_attention":
-            mixer = self.gated_attention(d) * tokens
-        else:
-            mixer = self.attention(d) * tokens
+        mixer = layer.kind.plan.saved(self, layer, tokens, prefix)
         return mixer + (2 * self.norm(self.spec.hidden) + self.mlp(layer)) * tokens
 
     def last_layer_state_only(self, layer: LayerSpec, tokens: int) -> int:
         """A recomputed chunk's last layer only writes its state: what that write keeps."""
-        d, hidden = layer.dims, self.spec.hidden
-        saved = self.norm(hidden) * tokens
-        if layer.mixer == "deltanet":
-            return saved + self.deltanet(d, tokens)
-        if layer.mixer == "mla":
-            mla = self.linear_input(hidden, ("kv_a_proj_with_mqa",)) + self.norm(d["kv_rank"])
-            return saved + mla * tokens
-        kv = d["kv_heads"] * d["head_dim"]
-        keys = self.linear_input(hidden, ("k_proj", "v_proj")) + self.norm(kv, d["kv_heads"])
-        return saved + keys * tokens
+        saved = self.norm(self.spec.hidden) * tokens
+        return saved + layer.kind.plan.state_only_saved(self, layer, tokens)
 
     def rotary(self, tokens: int) -> int:
         return 2 * self.spec.rotary_dim * self.b * tokens
@@ -263,22 +169,13 @@ class Activations:
         """What a checkpointed layer keeps from its forward to its backward: its input
         ``[T, hidden]``, and the DSA selection it passes on (the next layer's work holds it)."""
         kept = self.b * self.spec.hidden * tokens
-        d = layer.dims
-        if layer.mixer == "mla" and d["indexer"] and d["index_topk"] < prefix + tokens:
-            kept += INT64 * d["index_topk"] * tokens
-        return kept
+        return kept + layer.kind.plan.kept_beside_input(self, layer, tokens, prefix)
 
     def written(self, layer: LayerSpec, tokens: int) -> int:
         """What a recomputed chunk's layer hands the sweep, alive until the chunk's backward
         ends: keys and values, the latent, or DeltaNet's final states (conv window, fp32
         recurrent state)."""
-        d = layer.dims
-        if layer.mixer == "deltanet":
-            conv = self.b * d["conv_dim"] * (d["kernel"] - 1)
-            return conv + FP32 * d["value_heads"] * d["key_dim"] * d["value_dim"]
-        if layer.mixer == "mla":
-            return self.b * (d["kv_rank"] + d["rope_dim"]) * tokens
-        return 2 * self.b * d["kv_heads"] * d["head_dim"] * tokens
+        return layer.kind.plan.written(self, layer, tokens)
 
     def layer_recompute(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Backward of one checkpointed layer: its graph recomputed (with the kernels'
@@ -327,7 +224,7 @@ class Activations:
                 forward = self.state_only_working(layer, tokens, start)
                 graph = self.last_layer_state_only(layer, tokens)
                 working = forward
-                if layer.mixer != "deltanet":  # its backward: the key/value projections only
+                if layer.kind.plan.state_only_backward:  # the key/value projections only
                     working = max(working, self.weight_grad_scratch(layer))
                 recompute = graph + working
             else:
@@ -349,12 +246,7 @@ class Activations:
         return max(m["top_k"] * (2 * m["expert_dim"] + self.spec.hidden), m["shared_dim"])
 
     def mixer_width(self, layer: LayerSpec) -> int:
-        d = layer.dims
-        if layer.mixer == "deltanet":
-            return d["conv_dim"] + d["value_heads"] * d["value_dim"]
-        if layer.mixer == "mla":
-            return d["heads"] * (d["qk_dim"] + d["kv_rank"] + d["rope_dim"])
-        return (2 + (layer.mixer == "gated_attention")) * d["heads"] * d["head_dim"]
+        return layer.kind.plan.width(self, layer)
 
     def forward_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Peak bytes a layer holds while it runs without autograd (a prefill chunk), besides
@@ -367,17 +259,7 @@ class Activations:
 
     def mixer_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """A token mixer's projections (and their roped / convolved copies) and kernel."""
-        d, b = layer.dims, self.b
-        if layer.mixer == "deltanet":
-            width = 2 * d["conv_dim"] + 2 * d["value_heads"] * d["value_dim"]
-            return tokens * b * width + self.delta_rule_working(d, tokens)
-        if layer.mixer == "mla":
-            latent = d["kv_rank"] + d["rope_dim"]
-            width = d["heads"] * (d["qk_dim"] + 2 * latent) + 2 * latent
-            return tokens * b * width + self.mla_working(d, tokens, prefix, batch=1)
-        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        width = (3 if layer.mixer == "gated_attention" else 2) * q + 3 * kv
-        return tokens * b * width + self.attention_forward_scratch(d, tokens, prefix)
+        return layer.kind.plan.working(self, layer, tokens, prefix)
 
     def mlp_working(self, layer: LayerSpec, tokens: int) -> int:
         if layer.mlp == "dense":
@@ -389,78 +271,17 @@ class Activations:
     def decode_scratch(self, layer: LayerSpec, group: int, prefix: int) -> int:
         """One decoding step of ``group`` branches: the DSA search and latent gathers, or
         the pure-torch loop over the prefix when no fused kernel serves it."""
-        d = layer.dims
-        if layer.mixer == "mla":
-            return self.mla_working(d, 1, prefix, batch=group)
-        if layer.mixer == "deltanet":
-            return 0
-        if self.attention_path(d["head_dim"], d["head_dim"]) != "blocked":
-            return 0
-        rows = group * d["heads"] // d["kv_heads"]
-        dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
-        return blocked_scratch(*dims, prefix, self.b, backward=False)
+        return layer.kind.plan.decode_scratch(self, layer, group, prefix)
 
     def state_only_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """A writing span's last layer (``base.writes_only``): attention layers compute only
         the keys/values (or latent) they store; a DeltaNet layer runs whole."""
-        if layer.mixer == "deltanet":
-            return self.forward_working(layer, tokens, prefix)
-        return tokens * self.b * (self.spec.hidden + self.widest(layer))
+        return layer.kind.plan.state_only_working(self, layer, tokens, prefix)
 
     def kernel_forward_scratch(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Scratch of a layer's attention kernels in a pass with autograd (beyond what the
         graph saves): the DSA top-k search and latent gathers, the attention merge."""
-        if layer.mixer == "mla":
-            return self.mla_working(layer.dims, tokens, prefix, batch=1)
-        if layer.mixer == "deltanet":
-            return 0
-        return self.attention_forward_scratch(layer.dims, tokens, prefix)
-
-    def attention_path(self, dk: int, dv: int) -> str:
-        """Which kernel ``segmented_attention`` runs: ``"flash"`` (flash-attn on CUDA, 16-bit,
-        equal head dims), ``"fused"`` (PyTorch's CPU flash kernel: float32, equal head dims)
-        or ``"blocked"`` (the pure-torch loop over key blocks: everything else)."""
-        if dk != dv:
-            return "blocked"
-        if self.work.device == "cuda":
-            ok = self.b < FP32 and dk % 8 == 0 and dk <= 256
-            return "flash" if ok else "blocked"
-        return "fused" if self.b == FP32 else "blocked"
-
-    def attention_forward_scratch(self, d: dict[str, int], tokens: int, prefix: int) -> int:
-        """Segmented attention's forward: per segment an fp32 output merged by log-sum-exp
-        (two products alive), the branch K/V repeated per query head for the fused kernels,
-        and the pure-torch loop's score blocks over the prefix."""
-        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-        scratch = tokens * (4 * FP32 * q + 2 * self.b * q)
-        if self.b < FP32:
-            scratch += tokens * FP32 * (q + 2 * kv)  # rows cast to the accumulation dtype
-        if self.attention_path(d["head_dim"], d["head_dim"]) == "blocked" and prefix:
-            rows = d["heads"] // d["kv_heads"] * tokens
-            dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
-            scratch += blocked_scratch(*dims, prefix, self.b, backward=False)
-        return scratch
-
-    def delta_rule_working(self, d: dict[str, int], tokens: int) -> int:
-        """The delta rule without autograd: torch's chunk path holds four [64, 64] matrices
-        per chunk and head (decays, UT system, intra-chunk scores, a product) besides its
-        padded fp32 q/k/v; flash-linear-attention's kernel keeps only its inputs/outputs."""
-        heads, dk, dv = d["value_heads"], d["key_dim"], d["value_dim"]
-        if self.work.device == "cuda" and self.b < FP32:
-            return tokens * self.b * heads * (2 * dk + 2 * dv)
-        padded = math.ceil(tokens / _DELTA_CHUNK) * _DELTA_CHUNK
-        return FP32 * padded * heads * (4 * _DELTA_CHUNK + 5 * dk + 4 * dv)
-
-    def mla_working(self, d: dict[str, int], tokens: int, prefix: int, batch: int) -> int:
-        """The DSA indexer's top-k search plus the latent attention's gather blocks."""
-        if d["index_topk"] >= prefix + tokens:  # dense: segmented attention over the latent
-            latent = d["kv_rank"] + d["rope_dim"]
-            rows = batch * d["heads"] * tokens  # one latent "head" for every query head
-            return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, False)
-        scratch = sparse_attention_scratch(d, tokens, batch, self.work.device, self.b, False)
-        if d["indexer"]:
-            scratch = max(scratch, select_topk_peak(d, tokens, prefix, batch, self.work.device))
-        return scratch
+        return layer.kind.plan.forward_scratch(self, layer, tokens, prefix)
 
     def backward_working(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """Peak bytes of one layer's backward besides the graph: gradients of its widest
@@ -488,23 +309,9 @@ class Activations:
 
     def prefix_backward_scratch(self, layer: LayerSpec, tokens: int, prefix: int) -> int:
         """The attention backward over the stored prefix, per block of keys."""
-        d = layer.dims
-        if layer.mixer == "deltanet" or prefix == 0:
+        if prefix == 0:
             return 0
-        if layer.mixer == "mla":
-            if d["index_topk"] < prefix + tokens:
-                return sparse_attention_scratch(d, tokens, 1, self.work.device, self.b, True)
-            rows, latent = d["heads"] * tokens, d["kv_rank"] + d["rope_dim"]
-            return blocked_scratch(1, rows, latent, d["kv_rank"], prefix, self.b, True)
-        kv, head = d["kv_heads"], d["head_dim"]
-        rows = d["heads"] * tokens
-        path = self.attention_path(head, head)
-        if path == "flash":
-            return flash_backward_scratch(kv, rows, head, prefix, self.b)
-        if path == "blocked":
-            group_rows = d["heads"] // kv * tokens
-            return blocked_scratch(kv, group_rows, head, head, prefix, self.b, True)
-        return fused_backward_scratch(kv, rows, head, prefix)
+        return layer.kind.plan.prefix_backward_scratch(self, layer, tokens, prefix)
 
     def head_peak(self, tokens: int) -> int:
         """The LM head beyond the graph: float32 logits next to the saved log-probs

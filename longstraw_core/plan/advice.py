@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from longstraw_core.offload import OffloadPolicy
+from longstraw_core.kinds.registry import kind, kinds
+from longstraw_core.offload import PLACEMENT_FIELDS, OffloadPolicy
 from longstraw_core.plan.core import MemoryPlan, compute_plan
 from longstraw_core.plan.model import ModelSpec, Workload
 from longstraw_core.plan.sources import plan_for_config
@@ -100,9 +101,7 @@ def _rollout_streaming_advice(plan: MemoryPlan) -> list[str]:
         return []
     spec = plan.stage_plans[plan.stage].spec if plan.per_stage else plan.spec  # its stage's
     per_step = sum(
-        layer.state_fixed + layer.state_per_token * work.stored
-        for layer in spec.layers
-        if work.offloads(layer.record)
+        layer.state_at(work.stored) for layer in spec.layers if work.offloads(layer.record)
     )
     if not per_step:
         return []
@@ -130,8 +129,7 @@ def _offload_options(spec: ModelSpec, work: Workload) -> list[tuple[OffloadPolic
     checkpoints to CPU too, one streamed layer, then every layer type."""
     base = work.offload or OffloadPolicy()
     growing = {layer.record for layer in spec.layers if layer.state_per_token}
-    fields = {"full_attention": "attention", "mla_dsa": "latent"}
-    changes = {fields[kind]: "cpu" for kind in growing if kind in fields}
+    changes = {kind(name).offload: "cpu" for name in sorted(growing)}
     checkpoints = work.gradient == "exact" and any(layer.checkpoint for layer in spec.layers)
     options = [(dataclasses.replace(base, **changes, resident_layers=2), work.checkpoints)]
     if checkpoints:
@@ -146,8 +144,7 @@ def _offloads_more(option: tuple[OffloadPolicy, str], work: Workload) -> bool:
     """Whether ``option`` keeps less on the device than the workload already does."""
     policy, checkpoints = option
     current = work.offload or OffloadPolicy()
-    names = ("attention", "recurrent", "latent")
-    if any(getattr(current, n) == "cpu" and getattr(policy, n) != "cpu" for n in names):
+    if any(getattr(policy, name) != "cpu" for name in current.offloaded_fields()):
         return False
     if checkpoints != "cpu" and work.checkpoints == "cpu":
         return False
@@ -187,9 +184,7 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
             trial = dataclasses.replace(trial, chunk_size=chunk)
             fixed = compute_plan(spec, trial)
             keys += f" train.chunk_size={chunk}"
-        what = "offload the prefix state" if _all_cpu(policy) else "offload attention K/V"
-        if "latent=cpu" in keys and not _all_cpu(policy):
-            what = "offload the MLA latent"
+        what = "offload the prefix state" if _all_cpu(policy) else _offloaded_state(policy)
         saves = human_bytes(plan.peak - fixed.peak)
         fixes.append(Fix(f"{what} to CPU (saves {saves})", keys, fixed))
         break
@@ -244,15 +239,19 @@ def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
 
 
 def _all_cpu(policy: OffloadPolicy) -> bool:
-    return all(getattr(policy, name) == "cpu" for name in ("attention", "recurrent", "latent"))
+    return len(policy.offloaded_fields()) == len(PLACEMENT_FIELDS)
+
+
+def _offloaded_state(policy: OffloadPolicy) -> str:
+    """What an offload fix moves, in words: the last kind (by name) the policy offloads
+    that the advice names (``KindPlan.offload_label``), else the first one named."""
+    named = [k for k in kinds() if k.plan.offload_label is not None]
+    offloaded = [k for k in named if policy.offloads(k.offload)]
+    return f"offload {(offloaded or named[:1])[-1].plan.offload_label}"
 
 
 def offload_keys(policy: OffloadPolicy) -> str:
-    keys = [
-        f"offload.{name}=cpu"
-        for name in ("attention", "recurrent", "latent")
-        if getattr(policy, name) == "cpu"
-    ]
+    keys = [f"offload.{name}=cpu" for name in policy.offloaded_fields()]
     return " ".join([*keys, f"offload.resident_layers={policy.resident_layers}"])
 
 

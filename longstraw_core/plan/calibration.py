@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longstraw_core.plan.timing import Hardware
+from longstraw_core.plan.roofline import Hardware
 
 # Hardware field -> the planner flag that sets it.
 FIELDS = {

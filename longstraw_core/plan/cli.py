@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from longstraw_core.adapters import registry
-from longstraw_core.offload import OffloadPolicy
+from longstraw_core.offload import PLACEMENT_FIELDS, OffloadPolicy
 from longstraw_core.plan.advice import error_message, plan_memory
 from longstraw_core.plan.calibration import (
     DEFAULT_GPU_CHECK_JSON,
@@ -21,6 +21,7 @@ from longstraw_core.plan.calibration import (
 )
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.output import print_plan, print_time, render_markdown
+from longstraw_core.plan.roofline import Hardware
 from longstraw_core.plan.sources import (
     PRESET_LORA_TARGETS,
     Scenario,
@@ -28,7 +29,7 @@ from longstraw_core.plan.sources import (
     scenario_workload,
     spec_for_preset,
 )
-from longstraw_core.plan.timing import Hardware, estimate_time
+from longstraw_core.plan.timing import estimate_time
 
 _H20 = Hardware()
 
@@ -151,7 +152,7 @@ def _offload_arg(args: argparse.Namespace) -> OffloadPolicy | None:
     fields: dict[str, Any] = {}
     for item in args.offload:
         kind, _, place = item.partition("=")
-        kinds = ("attention", "recurrent", "latent") if kind == "all" else (kind,)
+        kinds = PLACEMENT_FIELDS if kind == "all" else (kind,)
         for name in kinds:
             fields[name] = place or "cpu"
     if args.resident_layers is not None:

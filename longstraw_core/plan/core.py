@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from longstraw_core.pipeline.layout import StageLayout
 from longstraw_core.plan.activations import Activations
-from longstraw_core.plan.model import LOAD, PHASES, LayerSpec, ModelSpec, Workload
+from longstraw_core.plan.model import LOAD, PHASES, ModelSpec, Workload
 from longstraw_core.plan.stages import InFlight, layout_for, stage_spec
-from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name, human_count
-from longstraw_core.quantization import nf4_bytes, nf4_load_bytes
+from longstraw_core.plan.units import FP32, INT64, dtype_bytes, dtype_name
+from longstraw_core.plan.weights import WeightParts
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def _check_workload(work: Workload) -> None:
         raise ValueError(f"device={work.device!r}: 'cuda' or 'cpu' (which kernels to model)")
 
 
-class MemoryParts(InFlight):
+class MemoryParts(WeightParts, InFlight):
     """The pieces of the step's memory on one rank, and the phases that add them up
     (``stage``: which pipeline stage of ``work.stages`` ``spec``, its slice, is)."""
 
@@ -146,92 +146,17 @@ class MemoryParts(InFlight):
         self.pb = dtype_bytes(work.param_dtype)
         self.exact = work.gradient == "exact"
 
-    # --- parameters, gradients, optimizer ----------------------------------------------------
-
-    def lora_params(self, layer: LayerSpec | None = None) -> int:
-        """Adapter parameters (all layers, or one): ``r x (in + out)`` per adapted linear."""
-        work = self.work
-        if not work.lora_rank:
-            return 0
-        layers = self.spec.layers if layer is None else (layer,)
-        return sum(
-            work.lora_rank * (inp + out)
-            for item in layers
-            for name, (inp, out) in item.linear_shapes.items()
-            if name in work.lora_targets
-        )
-
-    @property
-    def trainable(self) -> int:
-        return self.lora_params() if self.work.lora_rank else self.spec.params
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes per element of gradients and AdamW moments: the trainable parameters'
-        dtype (PEFT keeps adapters in float32 over a 16-bit base)."""
-        return FP32 if self.work.lora_rank else self.pb
-
-    def quantized_params(self) -> int:
-        """Weights stored in 4 bits (``model.quantization=nf4``): the decoder linears."""
-        if self.work.quantization is None:
-            return 0
-        return sum(layer.quantizable for layer in self.spec.layers)
-
-    @property
-    def working_weights(self) -> bool:
-        """bf16 compute over float32 masters without FSDP (``longstraw_core.mixed_precision``):
-        frozen weights are cast to the compute dtype once, trained ones copied per step."""
-        return not self.work.fsdp and self.cb < self.pb
-
-    def parameters(self) -> int:
-        """The weights (4-bit ones at ``nf4_bytes``: ~0.516 byte each) and the adapters."""
-        quantized = self.quantized_params()
-        frozen_base = self.working_weights and self.work.lora_rank
-        base_bytes = self.cb if frozen_base else self.pb
-        total = (self.spec.params - quantized) * base_bytes + self.lora_params() * FP32
-        total += math.ceil(nf4_bytes(quantized))
-        return total // self.work.shards
-
-    def reference(self) -> int:
-        """The frozen reference model of full fine-tuning with ``beta > 0``: the policy's
-        base weights, sharded like the policy (LoRA's reference is its own base)."""
-        if not self.work.reference_model or self.work.lora_rank:
-            return 0
-        frozen_bytes = self.cb if self.working_weights else self.pb
-        return self.spec.params * frozen_bytes // self.work.shards
-
-    def working_copy(self) -> int:
-        """Working weights: the compute-dtype copy of every trained parameter, from prefill
-        to the optimizer step (the float32 masters stay where they are)."""
-        return self.trainable * self.cb if self.working_weights else 0
-
-    def working_grads(self) -> int:
-        """Working weights: one backward's gradients in the compute dtype, each added into
-        its float32 sum (``gradients``) as soon as autograd has accumulated it."""
-        return self.trainable * self.cb if self.working_weights else 0
-
-    def dequantized(self) -> int:
-        """A 4-bit linear's weight, dequantized to the compute dtype for its matmul (forward
-        and backward alike): one at a time, the largest."""
-        if self.work.quantization is None:
-            return 0
-        return max((layer.largest_quantizable for layer in self.spec.layers), default=0) * self.cb
-
-    def gradients(self) -> int:
-        return self.trainable * self.state_bytes // self.work.shards
-
-    def optimizer(self) -> int:
-        return 2 * self.trainable * self.state_bytes // self.work.shards
-
     # --- state, dS, checkpoints ---------------------------------------------------------------
 
-    def state_split(self, kind: str, per_token: str, fixed: str) -> tuple[int, int]:
-        """(device, cpu) bytes of ``kind`` records' ``fixed + per_token x stored`` field."""
+    def state_split(self, kind: str, grad: bool = False) -> tuple[int, int]:
+        """(device, cpu) bytes of ``kind`` records holding the stored prompt (``grad``:
+        exact mode's ``dS`` of them)."""
         device = cpu = 0
         for layer in self.spec.layers:
             if layer.record != kind:
                 continue
-            size = getattr(layer, fixed) + getattr(layer, per_token) * self.work.stored
+            stored = self.work.stored
+            size = layer.grad_at(stored) if grad else layer.state_at(stored)
             if self.work.offloads(kind):
                 cpu += size
             else:
@@ -245,29 +170,37 @@ class MemoryParts(InFlight):
         if not self.exact:
             return 0, 0
         chunks = math.ceil(self.work.stored / self.work.chunk_size)
-        size = chunks * sum(layer.checkpoint for layer in self.spec.layers)
-        on_cpu = self.work.checkpoints == "cpu" or self.work.offloads("linear_attention")
-        return (0, size) if on_cpu else (size, 0)
+        device = cpu = 0
+        for layer in self.spec.layers:  # the kinds that keep checkpoints (recurrent)
+            size = chunks * layer.checkpoint
+            if self.work.checkpoints == "cpu" or self.work.offloads(layer.record):
+                cpu += size  # an offloaded record keeps them beside it
+            else:
+                device += size
+        return device, cpu
 
     def kept_outputs(self) -> tuple[int, int]:
         """(device, cpu) bytes of the attention outputs and log-sum-exps prefill keeps for
         the sweep (``keep_attention_outputs``): every full-attention layer but the last,
-        which only writes its state. They live where the layer's state lives."""
+        which only writes its state (``KindPlan.kept_output_bytes``). They live where the
+        layer's state lives."""
         if not (self.exact and self.work.keep_attention_outputs):
             return 0, 0
         lse = max(self.cb, FP32)  # the kernels' accumulation dtype
-        size = sum(
-            layer.dims["heads"] * (layer.dims["head_dim"] * self.cb + lse) * self.work.stored
-            for layer in self.act.split_last()[0]
-            if layer.record == "full_attention"
-        )
-        return (0, size) if self.work.offloads("full_attention") else (size, 0)
+        device = cpu = 0
+        for layer in self.act.split_last()[0]:
+            size = layer.kind.plan.kept_output_bytes(self.act, layer, lse) * self.work.stored
+            if self.work.offloads(layer.record):
+                cpu += size
+            else:
+                device += size
+        return device, cpu
 
     def streamed(self, position: int) -> int:
         """Offloaded layers copied to the device during a pass reading ``position`` rows:
         at most ``offload.resident_layers`` of them at once."""
         offloaded = [
-            layer.state_fixed + layer.state_per_token * position
+            layer.state_at(position)
             for layer in self.spec.layers
             if self.work.offloads(layer.record)
         ]
@@ -277,16 +210,6 @@ class MemoryParts(InFlight):
         return sum(sorted(offloaded)[-keep:])
 
     # --- FSDP ---------------------------------------------------------------------------------
-
-    def gathered(self) -> int:
-        """Parameters FSDP holds unsharded during a pass: the root (embeddings, head), the
-        last layer (kept gathered), the layer computing and the one prefetched."""
-        if not self.work.fsdp:
-            return 0
-        if not self.work.reshard_after_forward:
-            return self.spec.params * self.cb
-        biggest = max(layer.params for layer in self.spec.layers)
-        return (self.spec.root_params + self.spec.layers[-1].params + 2 * biggest) * self.cb
 
     @functools.cached_property
     def rollout_once(self) -> bool:
@@ -299,26 +222,6 @@ class MemoryParts(InFlight):
         if work.rollout_gather == "once" or work.usable is None:
             return True
         return max(self._phases(rollout_once=True).values()) <= work.usable
-
-    def gathered_in_rollout(self, once: bool) -> int:
-        """What FSDP holds unsharded while decoding: every layer when gathered ``once`` for
-        the rollout, else what any other pass holds."""
-        return self.spec.params * self.cb if once else self.gathered()
-
-    def unsharded_grads(self) -> int:
-        """Backward of a sharded layer: its unsharded gradients in the compute dtype and
-        their copy in the reduce dtype (float32), until reduce-scatter; the root's are held
-        to the end of backward."""
-        if not self.work.fsdp:
-            return 0
-        reduce = self.cb + (FP32 if self.cb < FP32 else 0)
-        if self.work.lora_rank:
-            per_layer = [self.lora_params(layer) for layer in self.spec.layers]
-            root = 0
-        else:
-            per_layer = [layer.params for layer in self.spec.layers]
-            root = self.spec.root_params * self.cb
-        return max(per_layer) * reduce + root
 
     # --- transients ---------------------------------------------------------------------------
 
@@ -373,7 +276,7 @@ class MemoryParts(InFlight):
         last_working = 0
         if last is not None:
             last_working = self.act.state_only_working(last, tokens, start)
-            if last.mixer != "deltanet":  # its backward: the key/value projections only
+            if last.kind.plan.state_only_backward:  # the key/value projections only
                 last_working = max(last_working, self.act.weight_grad_scratch(last))
         return graph + produced + max(working, last_working)
 
@@ -389,23 +292,6 @@ class MemoryParts(InFlight):
         step = max(self.act.decode_scratch(layer, group, work.stored) for layer in self.spec.layers)
         tokens = 2 * group * new * INT64  # sampled tokens, behaviour log-probs
         return caches + logits + step + tokens
-
-    def optimizer_transient(self) -> int:
-        """AdamW's step: foreach on CUDA (one temporary per moment, the whole shard);
-        one tensor at a time on CPU (sqrt and quotient of the largest parameter)."""
-        if self.work.device == "cuda":
-            return self.trainable * self.state_bytes // self.work.shards
-        largest = self.spec.largest_param if not self.work.lora_rank else self.lora_largest()
-        return 2 * largest * self.state_bytes // self.work.shards
-
-    def lora_largest(self) -> int:
-        shapes = [
-            self.work.lora_rank * max(inp, out)
-            for layer in self.spec.layers
-            for name, (inp, out) in layer.linear_shapes.items()
-            if name in self.work.lora_targets
-        ]
-        return max(shapes, default=0)
 
     # --- pipeline stages ------------------------------------------------------------------
 
@@ -442,13 +328,13 @@ class MemoryParts(InFlight):
         if self.reference():
             lines.append(Line("reference model", self.reference(), note="beta > 0, frozen"))
         for kind in self.kinds():
-            device, cpu = self.state_split(kind, "state_per_token", "state_fixed")
+            device, cpu = self.state_split(kind)
             count = sum(layer.record == kind for layer in self.spec.layers)
             lines.append(Line(f"prefix state: {kind}", device, cpu, f"{count} layers"))
         if self.exact:
             grad_device = grad_cpu = 0
             for kind in self.kinds():
-                device, cpu = self.state_split(kind, "grad_per_token", "grad_fixed")
+                device, cpu = self.state_split(kind, grad=True)
                 grad_device, grad_cpu = grad_device + device, grad_cpu + cpu
             lines.append(Line("dS (exact)", grad_device, grad_cpu, "float32, like the state"))
             device, cpu = self.checkpoints()
@@ -504,14 +390,10 @@ class MemoryParts(InFlight):
 
     def _phases(self, rollout_once: bool) -> dict[str, int]:
         work = self.work
-        state_device = sum(
-            self.state_split(kind, "state_per_token", "state_fixed")[0] for kind in self.kinds()
-        )
+        state_device = sum(self.state_split(kind)[0] for kind in self.kinds())
         grad_device = 0
         if self.exact:
-            grad_device = sum(
-                self.state_split(kind, "grad_per_token", "grad_fixed")[0] for kind in self.kinds()
-            )
+            grad_device = sum(self.state_split(kind, grad=True)[0] for kind in self.kinds())
         base = (
             self.parameters() + self.optimizer() + self.reference() + 2 * INT64 * work.prompt_tokens
         )
@@ -550,35 +432,6 @@ class MemoryParts(InFlight):
         # (and the frozen reference model's, loaded after it).
         phases[LOAD] = self.parameters() + self.reference()
         return {name: phases[name] for name in (LOAD, *PHASES) if name in phases}
-
-    def load_host(self) -> int:
-        """Host bytes while loading: one tensor (of the rank's shard) at a time, read there
-        before it is cast or copied to the device (none on a CPU rank whose checkpoint has
-        the model's dtype: read in place), or a 4-bit weight being quantized
-        (``load_quantizing``), whichever is larger; never the whole model."""
-        read = math.ceil(self.spec.largest_param / self.work.shards) * self.pb
-        return max(read, self.load_quantizing())
-
-    def load_quantizing(self) -> int:
-        """Host bytes while the rank's largest 4-bit weight is read and quantized
-        (``model.quantization=nf4``: on the host, one weight at a time, then moved to the
-        device; ``quantization.nf4_load_bytes``)."""
-        if self.work.quantization is None:
-            return 0
-        largest = max((layer.largest_quantizable for layer in self.spec.layers), default=0)
-        return nf4_load_bytes(largest, self.pb)
-
-    def _param_note(self) -> str:
-        work = self.work
-        quantized = self.quantized_params()
-        note = f"{human_count(self.spec.params - quantized)} x {dtype_name(self.pb)}"
-        if quantized:
-            note += f" + {human_count(quantized)} x NF4 (0.516 B)"
-        if work.lora_rank:
-            note += f" + LoRA {human_count(self.lora_params())} x fp32"
-        if work.shards > 1:
-            note += f", sharded /{work.shards}"
-        return note
 
     def _branch_name(self) -> str:
         if self.work.stages > 1:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from longstraw_core.kinds import registry as kinds
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.quantization import is_quantized, quantizable_in_layer
 
@@ -21,11 +22,14 @@ LOAD = "load"  # the phase before the first step: loading the weights (``plan.ph
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its mixer, MLP and state record, with the shapes the planner uses."""
+    """One decoder layer: its mixer, MLP and state record, with the shapes the planner uses.
 
-    mixer: str  # "attention" | "gated_attention" | "deltanet" | "mla"
-    record: str  # the record's kind: "full_attention" | "linear_attention" | "mla_dsa"
-    dims: dict[str, int]
+    The planner asks the layer's ``kind`` (its record's, ``kinds.registry.LayerKind``) for
+    everything that depends on it: ``kind.plan`` holds the kind's formulas."""
+
+    mixer: str  # the token mixer, as its kind names it (``KindPlan.mixer_dims``)
+    record: str  # the record's kind (``LayerState.kind``)
+    dims: dict[str, int]  # the mixer's widths (``KindPlan.mixer_dims``)
     mlp: str  # "dense" | "moe"
     mlp_dims: dict[str, int]
     params: int
@@ -39,6 +43,24 @@ class LayerSpec:
     # and the largest of them (the one weight a pass dequantizes at a time).
     quantizable: int = 0
     largest_quantizable: int = 0
+
+    @property
+    def kind(self) -> kinds.LayerKind:
+        """The layer kind of its record."""
+        return kinds.kind(self.record)
+
+    def state_at(self, positions: float) -> float:
+        """Bytes of its record holding ``positions`` prompt positions (as many as its kind
+        keeps of them, ``KindPlan.kept_positions``)."""
+        return self.state_fixed + self.state_per_token * self.kind.plan.kept_positions(
+            self, positions
+        )
+
+    def grad_at(self, positions: float) -> float:
+        """Bytes of exact mode's ``dS`` of its record holding ``positions`` positions."""
+        return self.grad_fixed + self.grad_per_token * self.kind.plan.kept_positions(
+            self, positions
+        )
 
 
 @dataclass(frozen=True)
@@ -134,7 +156,8 @@ def _grad_bytes(record: Any, length: int) -> int:
 
 def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
     """A decoder layer's shapes, read from its modules, and its record's bytes."""
-    mixer, dims = _mixer_dims(layer)
+    kind = kinds.kind(empty.kind)
+    mixer, dims = kind.plan.mixer_dims(layer)
     mlp, mlp_dims = _mlp_dims(layer.mlp)
     fixed = _record_bytes(empty)
     linears = {
@@ -158,50 +181,11 @@ def _layer_spec(layer: nn.Module, empty: Any, one: Any) -> LayerSpec:
         state_per_token=_record_bytes(one) - fixed,
         grad_fixed=_grad_bytes(empty, 0),
         grad_per_token=_grad_bytes(one, 1) - _grad_bytes(empty, 0),
-        checkpoint=fixed if hasattr(empty, "checkpoints") else 0,
+        checkpoint=kind.plan.checkpoint_bytes(fixed),
         linear_shapes=linears,
         quantizable=sum(quantizable),
         largest_quantizable=max(quantizable, default=0),
     )
-
-
-def _mixer_dims(layer: nn.Module) -> tuple[str, dict[str, int]]:
-    """The token mixer of a decoder layer and the widths its activations have."""
-    if hasattr(layer, "linear_attn"):
-        net = layer.linear_attn
-        return "deltanet", {
-            "conv_dim": net.conv_dim,
-            "kernel": net.conv_kernel_size,
-            "key_heads": net.num_k_heads,
-            "value_heads": net.num_v_heads,
-            "key_dim": net.head_k_dim,
-            "value_dim": net.head_v_dim,
-        }
-    attention = layer.self_attn
-    if hasattr(attention, "kv_lora_rank"):
-        indexer = attention.indexer
-        return "mla", {
-            "heads": attention.num_heads,
-            "q_rank": attention.q_a_proj.out_features,
-            "qk_dim": attention.qk_head_dim,
-            "rope_dim": attention.qk_rope_head_dim,
-            "kv_rank": attention.kv_lora_rank,
-            "v_dim": attention.v_head_dim,
-            "indexer": int(indexer is not None),
-            "index_heads": indexer.n_heads if indexer is not None else 0,
-            "index_dim": indexer.head_dim if indexer is not None else 0,
-            "index_topk": attention.config.index_topk,  # shared layers reuse a selection
-        }
-    head_dim = attention.head_dim
-    q_out = attention.q_proj.out_features
-    gated = q_out == 2 * attention.config.num_attention_heads * head_dim
-    q_width = q_out // 2 if gated else q_out
-    return ("gated_attention" if gated else "attention"), {
-        "heads": q_width // head_dim,
-        "kv_heads": attention.k_proj.out_features // head_dim,
-        "head_dim": head_dim,
-        "qk_norm": int(hasattr(attention, "q_norm")),
-    }
 
 
 def _mlp_dims(mlp: nn.Module) -> tuple[str, dict[str, int]]:

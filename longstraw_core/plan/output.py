@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from longstraw_core.kinds.registry import kinds
 from longstraw_core.plan.advice import offload_keys
 from longstraw_core.plan.calibration import describe_sources
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.model import LOAD, Workload
 from longstraw_core.plan.pieces import pieces_of
+from longstraw_core.plan.roofline import NF4_FUSED_ROWS
 from longstraw_core.plan.stages import full_attention_counts
-from longstraw_core.plan.timing import NF4_FUSED_ROWS, TimeEstimate
+from longstraw_core.plan.timing import TimeEstimate
 from longstraw_core.plan.units import dtype_bytes, dtype_name, human_bytes, human_count
 
 
@@ -225,15 +227,9 @@ def time_assumptions(estimate: TimeEstimate) -> list[str]:
 
 def time_kernels(estimate: TimeEstimate) -> str:
     """Which kernels the estimate's one MFU stands for (what make gpu-check checks ran)."""
-    mixers = {layer.mixer for layer in estimate.spec.layers}
+    records = {layer.record for layer in estimate.spec.layers}
     if estimate.work.device == "cuda":
-        kernels = []
-        if mixers & {"attention", "gated_attention"}:
-            kernels.append("attention in flash-attn or PyTorch's SDPA flash kernels")
-        if "deltanet" in mixers:
-            kernels.append("Gated DeltaNet in flash-linear-attention")
-        if "mla" in mixers:
-            kernels.append("MLA's latent attention and the DSA top-k search in pure-torch blocks")
+        kernels = [kind.plan.cuda_kernels for kind in kinds() if kind.name in records]
     else:
         kernels = ["CPU kernels: PyTorch's fused attention for float32, the torch loops otherwise"]
     if estimate.work.quantization is not None:
@@ -251,12 +247,6 @@ def render_time_text(estimate: TimeEstimate) -> str:
     out += [f"phase {p.name}: {p.note}" for p in estimate.phases]
     out += [f"assumes: {line}" for line in time_assumptions(estimate)]
     return "\n".join(out)
-
-
-def render_time_markdown(estimate: TimeEstimate) -> str:
-    lines = ["| " + " | ".join(TIME_HEADER) + " |", "|---|" + "---:|" * 5 + "---:|"]
-    lines += ["| " + " | ".join(row) + " |" for row in time_rows(estimate)]
-    return "\n".join(lines)
 
 
 def _aligned(rows: list[tuple[str, ...]], title: str) -> str:

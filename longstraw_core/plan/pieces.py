@@ -85,13 +85,8 @@ def piece_rows(act: Activations, layer: LayerSpec, tokens: int) -> int:
     """What a piece of ``tokens`` tokens writes in ``layer`` and the pieces after it read
     (bytes): keys and values, the latent and index keys, or Gated DeltaNet's final states,
     whose conv window is a view of the piece's whole conv input and keeps it alive
-    (``qwen36.run_gated_deltanet``)."""
-    d = layer.dims
-    if layer.mixer == "deltanet":
-        return act.written(layer, 0) + act.b * d["conv_dim"] * tokens
-    if layer.mixer == "mla":
-        return act.b * (d["kv_rank"] + d["rope_dim"] + d["indexer"] * d["index_dim"]) * tokens
-    return act.written(layer, tokens)
+    (``qwen36.run_gated_deltanet``); ``KindPlan.piece_rows``."""
+    return layer.kind.plan.piece_rows(act, layer, tokens)
 
 
 def piece_memory(act: Activations, work: Workload, stage: int) -> PieceMemory:
@@ -106,8 +101,8 @@ def _fullest(act: Activations, work: Workload, stage: int, branches: int) -> Pie
     pieces = pieces_of(work, branches)
     held = most_held(work.stages, stage, pieces, branches)
     spans = [(start, max(size, 1)) for start, size in split_pieces(work.response_tokens, pieces)]
-    recurrent = [layer for layer in act.spec.layers if layer.mixer == "deltanet"]
-    growing = [layer for layer in act.spec.layers if layer.mixer != "deltanet"]
+    recurrent = [layer for layer in act.spec.layers if not layer.kind.grows_with_prompt]
+    growing = [layer for layer in act.spec.layers if layer.kind.grows_with_prompt]
     per_row = sum(piece_rows(act, layer, 1) for layer in growing)
     rows = [per_row * length for _, length in spans]
     states = [sum(piece_rows(act, layer, length) for layer in recurrent) for _, length in spans]

@@ -125,9 +125,10 @@ def stage_spec(spec: ModelSpec, layout: StageLayout, stage: int) -> ModelSpec:
 
 
 def full_attention_counts(spec: ModelSpec, layout: StageLayout) -> list[int]:
-    """Full-attention layers per stage (the layers whose K/V grows with the prompt)."""
+    """Full-attention layers per stage (the layers whose K/V grows with the prompt, and
+    every query reads: ``KindPlan.full_attention``)."""
     return [
-        sum(spec.layers[i].record == "full_attention" for i in layout.layers_of(s))
+        sum(spec.layers[i].kind.plan.full_attention for i in layout.layers_of(s))
         for s in range(layout.stages)
     ]
 

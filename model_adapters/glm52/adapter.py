@@ -12,8 +12,8 @@ from torch import nn
 from longstraw_core.adapters.base import ModelAdapter, Span
 from longstraw_core.adapters.model_functions import model_function
 from longstraw_core.adapters.registry import register_adapter
+from longstraw_core.kinds.latent import BranchLatent, LatentKV
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import BranchLatent, LatentKV
 from model_adapters.glm52.absorb import PositionEmbeddings, absorbed_weights, mla_projections
 from model_adapters.glm52.dsa import indexer_projections, select_topk
 from model_adapters.glm52.family import FAMILY

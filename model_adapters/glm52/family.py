@@ -10,7 +10,7 @@ import torch
 
 from longstraw_core import gpu_emulation
 from longstraw_core.adapters.family import ModelFamily, Preset
-from longstraw_core.state import LatentKV
+from longstraw_core.kinds.latent import LatentKV
 from model_adapters.dense import MLP_TARGETS
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------

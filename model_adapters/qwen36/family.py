@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from longstraw_core.adapters.family import ModelFamily, Preset
-from longstraw_core.state import AttentionKV, RecurrentState
+from longstraw_core.kinds.attention import AttentionKV
+from longstraw_core.kinds.recurrent import RecurrentState
 from model_adapters.dense import ATTENTION_TARGETS, MLP_TARGETS, TINY_DENSE
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------

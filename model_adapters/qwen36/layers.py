@@ -9,7 +9,8 @@ from torch import nn
 
 from longstraw_core.adapters.base import Span
 from longstraw_core.adapters.model_functions import RotaryFn
-from longstraw_core.state import AttentionKV, BranchKV, BranchRecurrent, RecurrentState
+from longstraw_core.kinds.attention import AttentionKV, BranchKV
+from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from model_adapters.dense import attend_with_state
 from model_adapters.qwen36.kernels import DeltaNetKernels
 
