@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from accelerate import Accelerator
 
 from longstraw_core import config, distributed, same_run
@@ -33,7 +34,7 @@ def main() -> None:
     except config.ConfigError as caught:
         error = str(caught)
     print(json.dumps({"rank": accelerator.process_index, "error": error}), flush=True)
-    distributed.dist.destroy_process_group()
+    dist.destroy_process_group()
     distributed.exit_ranks()
 
 

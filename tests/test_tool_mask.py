@@ -504,4 +504,4 @@ def test_masks_add_no_per_branch_copy_to_the_replay(qwen3):
 
 def test_rollout_output_carries_no_masks_by_default():
     out = ls.RolloutOutput(responses=[], logps=[], truncated=[])
-    assert out.loss_masks is None
+    assert out.loss_masks == []  # a rollout fills one per response: all ones without turns
