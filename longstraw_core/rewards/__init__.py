@@ -83,43 +83,12 @@ Import from here; the modules hold:
 # (transformers.TrainerState's import imports it).
 from transformers import TrainerState
 
-from longstraw_core.rewards.builtins import (
-    BUILTIN_REWARDS,
-    answer_char_recall,
-    completion_text,
-    contains,
-    exact_match,
-    extract_answer,
-    extract_regex,
-    extract_tag,
-    format_reward,
-    make_format_reward,
-    make_numeric_match,
-    normalize,
-    numeric_match,
-    parse_number,
-)
-from longstraw_core.rewards.imports import (
-    CALLABLE_PREFIX,
-    RewardNameError,
-    register_callable,
-)
-from longstraw_core.rewards.inputs import (
-    NOT_COLUMNS,
-    TRL_ARGUMENTS,
-    Completion,
-    RewardFn,
-    as_completion,
-    is_conversational,
-    sample_columns,
-)
-from longstraw_core.rewards.resolution import (
-    RewardEntry,
-    callable_name,
-    is_async_callable,
-    resolve_reward,
-    signature_problem,
-)
+# The submodules' public names (their ``__all__``), so that each lists them once.
+from longstraw_core.rewards import builtins, inputs, resolution
+from longstraw_core.rewards.builtins import *  # noqa: F403
+from longstraw_core.rewards.imports import CALLABLE_PREFIX, RewardNameError, register_callable
+from longstraw_core.rewards.inputs import *  # noqa: F403
+from longstraw_core.rewards.resolution import *  # noqa: F403
 from longstraw_core.rewards.result import RewardResult, batch_columns, reward_metrics
 from longstraw_core.rewards.reward_set import MAX_ABS_REWARD, RewardSet
 from longstraw_core.rewards.running import (
@@ -130,43 +99,20 @@ from longstraw_core.rewards.running import (
 )
 
 __all__ = [
-    "BUILTIN_REWARDS",
+    *builtins.__all__,
+    *inputs.__all__,
+    *resolution.__all__,
     "CALLABLE_PREFIX",
     "DEFAULT_TIMEOUT_SECONDS",
     "MAX_ABS_REWARD",
-    "NOT_COLUMNS",
-    "TRL_ARGUMENTS",
-    "Completion",
-    "RewardEntry",
     "RewardError",
-    "RewardFn",
     "RewardNameError",
     "RewardResult",
     "RewardSet",
     "RewardTimeout",
     "TrainerState",
-    "answer_char_recall",
-    "as_completion",
     "batch_columns",
-    "callable_name",
-    "completion_text",
-    "contains",
-    "exact_match",
-    "extract_answer",
-    "extract_regex",
-    "extract_tag",
-    "format_reward",
-    "is_async_callable",
-    "is_conversational",
-    "make_format_reward",
-    "make_numeric_match",
-    "normalize",
-    "numeric_match",
-    "parse_number",
     "register_callable",
-    "resolve_reward",
     "reward_metrics",
-    "sample_columns",
-    "signature_problem",
     "stop_error",
 ]

@@ -10,6 +10,23 @@ from typing import Any
 
 from longstraw_core.rewards.inputs import Completion, RewardFn
 
+__all__ = [
+    "BUILTIN_REWARDS",
+    "answer_char_recall",
+    "completion_text",
+    "contains",
+    "exact_match",
+    "extract_answer",
+    "extract_regex",
+    "extract_tag",
+    "format_reward",
+    "make_format_reward",
+    "make_numeric_match",
+    "normalize",
+    "numeric_match",
+    "parse_number",
+]
+
 # --------------------------------------------------------------------------- text helpers
 
 

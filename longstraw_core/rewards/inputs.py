@@ -8,6 +8,16 @@ from typing import Any
 
 from longstraw_core.tasks import Sample
 
+__all__ = [
+    "NOT_COLUMNS",
+    "TRL_ARGUMENTS",
+    "Completion",
+    "RewardFn",
+    "as_completion",
+    "is_conversational",
+    "sample_columns",
+]
+
 RewardFn = Callable[..., list[float | None]]
 Completion = str | Sequence[dict[str, Any]]
 

@@ -20,6 +20,14 @@ from longstraw_core.rewards.imports import (
 )
 from longstraw_core.rewards.inputs import TRL_ARGUMENTS, RewardFn
 
+__all__ = [
+    "RewardEntry",
+    "callable_name",
+    "is_async_callable",
+    "resolve_reward",
+    "signature_problem",
+]
+
 
 def callable_name(fn: Callable[..., Any]) -> str:
     """TRL's display name of a reward function (its metric and table names): a partial's

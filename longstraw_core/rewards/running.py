@@ -1,12 +1,14 @@
 """How a reward function's call runs: its timeout's default, the errors a call ends in, what
-it returned or raised (``call_outcome``, ``async_call_outcome``), and the event loop in a
-daemon thread that runs the async functions."""
+it returned or raised (``call_outcome``, ``async_call_outcome``), a call in a daemon thread
+within a timeout (``call_in_daemon``) and the event loop in a daemon thread that runs the async
+functions. The tool runner (``tools.running``) runs its tools' calls with the same two."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from longstraw_core.rewards.inputs import RewardFn
@@ -49,7 +51,7 @@ class EventLoopThread:
     one loop for the run, so clients a reward function keeps (an HTTP session to a judge)
     stay bound to a live loop from step to step."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "LongStraw-RewardLoop") -> None:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -58,7 +60,7 @@ class EventLoopThread:
             ready.set()
             self.loop.run_forever()
 
-        self.thread = threading.Thread(target=run, name="LongStraw-RewardLoop", daemon=True)
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
         self.thread.start()
         ready.wait()
         atexit.register(self.close)
@@ -82,6 +84,19 @@ class EventLoopThread:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
+
+
+def call_in_daemon(
+    call: Callable[[], Any], timeout: float, name: str
+) -> tuple[threading.Thread, list[Any]]:
+    """Run ``call()`` in a daemon thread named ``name`` and wait at most ``timeout`` seconds:
+    ``(thread, box)``, ``box`` holding its value once it returned. A thread cannot be
+    stopped: one still alive is past its timeout and runs on, abandoned by the caller."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(call()), name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return thread, box
 
 
 def call_outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:

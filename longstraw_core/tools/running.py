@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import functools
-import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from longstraw_core.rewards.resolution import is_async_callable
+from longstraw_core.rewards.running import EventLoopThread, call_in_daemon
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
 # How long past the timeout the caller waits for the event loop itself (a blocked loop).
@@ -52,33 +53,12 @@ class _Failure:
         self.error = error
 
 
-class _LoopThread:
-    """An asyncio loop running in a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="LongStraw-ToolLoop", daemon=True)
-        self.thread.start()
-        ready.wait()
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 class ToolRunner:
     """Runs tool calls (module docstring); one per run (or per rank), ``close`` at the end."""
 
     def __init__(self, timeout: float | None = DEFAULT_TIMEOUT_SECONDS) -> None:
         self.timeout = timeout
-        self._loop: _LoopThread | None = None
+        self._loop: EventLoopThread | None = None
         self._lingering: dict[tuple[int, str], threading.Thread] = {}
         atexit.register(self.close)
 
@@ -118,14 +98,9 @@ class ToolRunner:
                 f"its earlier call took longer than the {self.timeout:g} s timeout and is "
                 "still running; not called again until it returns",
             )
-        box: list[Any] = []
-        thread = threading.Thread(
-            target=lambda: box.append(_outcome(fn, arguments)),
-            name=f"LongStraw-Tool-{name}",
-            daemon=True,
+        thread, box = call_in_daemon(
+            lambda: _outcome(fn, arguments), self.timeout, f"LongStraw-Tool-{name}"
         )
-        thread.start()
-        thread.join(self.timeout)
         if thread.is_alive():
             self._lingering[key] = thread
             return _failed(name, f"Tool {name} took longer than its timeout of {self.timeout:g} s")
@@ -137,7 +112,7 @@ class ToolRunner:
         self, pending: list[tuple[str, Callable[..., Any], dict[str, Any]]]
     ) -> list[ToolResult]:
         if self._loop is None:
-            self._loop = _LoopThread()
+            self._loop = EventLoopThread("LongStraw-ToolLoop")
         timeout = self.timeout
 
         async def one(name: str, fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -157,7 +132,7 @@ class ToolRunner:
             outcomes = future.result(limit)
         except concurrent.futures.TimeoutError:  # a tool blocked the loop: leave it behind
             future.cancel()
-            self._loop.stop()
+            self._loop.abandon()
             self._loop = None
             blocked = _Failure(
                 f"the async tools' event loop was blocked past the {timeout:g} s timeout (a "
@@ -168,16 +143,8 @@ class ToolRunner:
 
     def close(self) -> None:
         if self._loop is not None:
-            self._loop.stop()
+            self._loop.close()
             self._loop = None
-
-
-def is_async_callable(fn: Callable[..., Any]) -> bool:
-    """Whether calling ``fn`` returns a coroutine (an ``async def``, a partial of one, an
-    object with an async ``__call__``), as TRL's ``is_async_callable`` decides."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _outcome(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:

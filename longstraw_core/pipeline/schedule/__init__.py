@@ -51,58 +51,18 @@ the costs orders are chosen with), ``programs`` (orders -> programs, and the mes
 check), ``orders`` (the forward and replay orders) and ``ring`` (rollout's ring).
 """
 
-from longstraw_core.pipeline.schedule.orders import (
-    forward_orders,
-    graphs_in_flight,
-    replay_orders,
-    split_pieces,
-)
+# Each submodule's public names (its ``__all__``), so that each lists them once.
+from longstraw_core.pipeline.schedule import orders, ring, steps
+from longstraw_core.pipeline.schedule.orders import *  # noqa: F403
 from longstraw_core.pipeline.schedule.programs import check_message_order, programs, stage_program
-from longstraw_core.pipeline.schedule.ring import (
-    Ring,
-    micro_groups,
-    ring_orders,
-    ring_program,
-    ring_steps,
-)
-from longstraw_core.pipeline.schedule.steps import (
-    MAX_OPEN_SENDS,
-    Collective,
-    Compute,
-    Drain,
-    Exchange,
-    Key,
-    Message,
-    MessageOrderError,
-    ScheduleError,
-    Step,
-    UnitCosts,
-    Wait,
-)
+from longstraw_core.pipeline.schedule.ring import *  # noqa: F403
+from longstraw_core.pipeline.schedule.steps import *  # noqa: F403
 
 __all__ = [
-    "MAX_OPEN_SENDS",
-    "Collective",
-    "Compute",
-    "Drain",
-    "Exchange",
-    "Key",
-    "Message",
-    "MessageOrderError",
-    "Ring",
-    "ScheduleError",
-    "Step",
-    "UnitCosts",
-    "Wait",
+    *orders.__all__,
+    *ring.__all__,
+    *steps.__all__,
     "check_message_order",
-    "forward_orders",
-    "graphs_in_flight",
-    "micro_groups",
     "programs",
-    "replay_orders",
-    "ring_orders",
-    "ring_program",
-    "ring_steps",
-    "split_pieces",
     "stage_program",
 ]

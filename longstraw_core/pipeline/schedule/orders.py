@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 from longstraw_core.pipeline.schedule.steps import Compute, Message, ScheduleError, UnitCosts
 
+__all__ = ["forward_orders", "graphs_in_flight", "replay_orders", "split_pieces"]
+
 _UNIT_COSTS = UnitCosts()  # the default costs (frozen: one instance serves every call)
 
 

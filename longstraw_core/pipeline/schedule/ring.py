@@ -16,6 +16,8 @@ from longstraw_core.pipeline.schedule.steps import (
     Step,
 )
 
+__all__ = ["Ring", "micro_groups", "ring_orders", "ring_program", "ring_steps"]
+
 
 def micro_groups(branches: int, stages: int) -> list[range]:
     """Rows of the ``m = min(branches, stages)`` micro-groups rollout decodes in turn

@@ -8,6 +8,21 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+__all__ = [
+    "MAX_OPEN_SENDS",
+    "Collective",
+    "Compute",
+    "Drain",
+    "Exchange",
+    "Key",
+    "Message",
+    "MessageOrderError",
+    "ScheduleError",
+    "Step",
+    "UnitCosts",
+    "Wait",
+]
+
 Key = Hashable
 # Exchanges of sends only kept in flight before a stage waits for the oldest: bounds the
 # memory of sent tensors (a long prefill, or a sweep over hundreds of chunks, would otherwise
