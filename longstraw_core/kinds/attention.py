@@ -2,13 +2,11 @@
 
 ``AttentionKV`` is the prefix record (``[kv_heads, L, head_dim]`` keys after q/k norm and
 RoPE, and values; optionally each prefill chunk's attention output for exact mode's sweep),
-``BranchKV`` what rollout's branches add, ``AttentionKVGrad`` exact mode's ``dS`` and
-``AttentionKVExactView`` the record as exact mode reads it. Adapters call the
-``AttentionReads`` protocol (``longstraw_core.kinds.base``) on whichever of these they get.
-Used by ``model_adapters/dense.py`` and the full-attention layers of ``qwen36.py``.
-
-``AttentionPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
-kind is registered as ``FULL_ATTENTION`` (offload field ``attention``).
+``BranchKV`` what rollout's branches add, ``AttentionKVGrad`` exact mode's ``dS``,
+``AttentionKVExactView`` the record as exact mode reads it, ``AttentionPlan`` the planner's
+formulas and ``FULL_ATTENTION`` the registered kind (offload field ``attention``). Adapters
+call the ``AttentionReads`` protocol (``longstraw_core.kinds.base``) on whichever of these
+they get. Used by ``model_adapters/dense.py`` and the full-attention layers of ``qwen36``.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from longstraw_core.kinds.base import (
     RecordBase,
     Seed,
     check_append,
+    check_write,
     store,
     tensor_nbytes,
 )
@@ -86,11 +85,7 @@ class AttentionKV(RecordBase):
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one prefill chunk's ``[kv_heads, T, head_dim]`` keys/values at ``start``."""
         end = start + keys.shape[1]
-        if start != self.length or end > self.capacity:
-            raise RuntimeError(
-                f"prefill wrote positions {start}..{end} into a state holding {self.length} "
-                f"of {self.capacity} positions; chunks must be written in order"
-            )
+        check_write(start, end, self.length, self.capacity)
         store(self.keys[:, start:end], keys)
         store(self.values[:, start:end], values)
         self.length = end
@@ -280,11 +275,10 @@ class AttentionKVExactView(ExactViewBase):
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """During recompute: hand the chunk's keys/values and their ``dS`` to the sweep."""
-        if self.produced is None:
-            raise RuntimeError("a branch must not write into the prefix state")
+        produced = self.sweep()
         end = start + keys.shape[1]
-        self.produced.append((keys, Seed(self.grad.keys[:, start:end], keys)))
-        self.produced.append((values, Seed(self.grad.values[:, start:end], values)))
+        produced.append((keys, Seed(self.grad.keys[:, start:end], keys)))
+        produced.append((values, Seed(self.grad.values[:, start:end], values)))
 
 
 # --- the planner's formulas (``kinds.planning``) -------------------------------------------

@@ -296,6 +296,13 @@ class ExactViewBase:
     def new_pieces(self, device: torch.device) -> Pieces:
         return self.record.new_pieces(device)
 
+    def sweep(self) -> Produced:
+        """The sweep's list, which a recomputed chunk's write hands what it produced; a
+        branch's view has none (a branch must never write into the prefix state)."""
+        if self.produced is None:
+            raise RuntimeError("a branch must not write into the prefix state")
+        return self.produced
+
 
 # --- replay in pieces ------------------------------------------------------------------------
 
@@ -390,6 +397,16 @@ def store(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
         return
     copy_rows(target, source, non_blocking=source.is_cuda and target.is_pinned())
+
+
+def check_write(start: int, end: int, length: int, capacity: int) -> None:
+    """A prefill chunk ``[start, end)`` must continue the record's ``length`` valid positions
+    (chunks in order) and fit its ``capacity``."""
+    if start != length or end > capacity:
+        raise RuntimeError(
+            f"prefill wrote positions {start}..{end} into a state holding {length} "
+            f"of {capacity} positions; chunks must be written in order"
+        )
 
 
 def check_append(length: int, count: int, capacity: int) -> int:

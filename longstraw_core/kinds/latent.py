@@ -3,12 +3,10 @@
 ``LatentKV`` is the prefix record (one buffer ``[L, kv_lora_rank + rope_dim]``: normalised
 latent ``c_kv`` then roped ``k_pe``; DSA indexer keys ``[L, index_head_dim]`` on layers
 that run their own indexer), ``BranchLatent`` what rollout's branches add, ``LatentKVGrad``
-exact mode's ``dS`` (latent only: the indexer carries no gradient) and
-``LatentKVExactView`` the record as exact mode reads it. Adapters call the ``LatentReads``
-protocol (``longstraw_core.kinds.base``). Used by ``model_adapters/glm52.py``.
-
-``LatentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
-kind is registered as ``MLA_DSA`` (offload field ``latent``).
+exact mode's ``dS`` (latent only: the indexer carries no gradient),
+``LatentKVExactView`` the record as exact mode reads it, ``LatentPlan`` the planner's
+formulas and ``MLA_DSA`` the registered kind (offload field ``latent``). Adapters call the
+``LatentReads`` protocol (``longstraw_core.kinds.base``). Used by ``model_adapters/glm52``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from longstraw_core.kinds.base import (
     RecordBase,
     Seed,
     check_append,
+    check_write,
     store,
     tensor_nbytes,
 )
@@ -91,11 +90,7 @@ class LatentKV(RecordBase):
     def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store one prefill chunk's ``[T, kv_lora_rank + rope_dim]`` latent (and index keys)."""
         end = start + latent.shape[0]
-        if start != self.length or end > self.capacity:
-            raise RuntimeError(
-                f"prefill wrote positions {start}..{end} into a state holding {self.length} "
-                f"of {self.capacity} positions; chunks must be written in order"
-            )
+        check_write(start, end, self.length, self.capacity)
         if (index_keys is None) != (self.index_keys is None):
             raise RuntimeError("index keys must be written exactly on layers that keep them")
         store(self.latent[start:end], latent)
@@ -246,10 +241,9 @@ class LatentKVExactView(ExactViewBase):
 
     def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """During recompute: hand the chunk's latent and its ``dS`` to the sweep."""
-        if self.produced is None:
-            raise RuntimeError("a branch must not write into the prefix state")
+        produced = self.sweep()
         end = start + latent.shape[0]
-        self.produced.append((latent, Seed(self.grad.latent[start:end], latent)))
+        produced.append((latent, Seed(self.grad.latent[start:end], latent)))
 
 
 # --- the planner's formulas (``kinds.planning``) -------------------------------------------

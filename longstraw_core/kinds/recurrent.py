@@ -4,13 +4,11 @@ recurrent state.
 ``RecurrentState`` is the prefix record (conv ``[conv_dim, kernel - 1]`` in the model's
 dtype, recurrent ``[v_heads, d_k, d_v]`` in float32, and with checkpoints the state at every
 prefill chunk start for exact mode's sweep), ``BranchRecurrent`` each rollout branch's own
-state, ``RecurrentStateGrad`` exact mode's ``dS`` and ``RecurrentExactView`` the record as
-exact mode reads it. Adapters call the ``RecurrentReads`` protocol
+state, ``RecurrentStateGrad`` exact mode's ``dS``, ``RecurrentExactView`` the record as
+exact mode reads it, ``RecurrentPlan`` the planner's formulas and ``LINEAR_ATTENTION`` the
+registered kind (offload field ``recurrent``). Adapters call the ``RecurrentReads`` protocol
 (``longstraw_core.kinds.base``). Used by the linear-attention layers of
-``model_adapters/qwen36.py``.
-
-``RecurrentPlan`` is the planner's view of its layers (``kinds.planning.KindPlan``), and the
-kind is registered as ``LINEAR_ATTENTION`` (offload field ``recurrent``).
+``model_adapters/qwen36``.
 """
 
 from __future__ import annotations
@@ -276,10 +274,9 @@ class RecurrentExactView(ExactViewBase):
         )
 
     def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        if self.produced is None:
-            raise RuntimeError("a branch must not write into the prefix state")
+        produced = self.sweep()
         for output, buffer in ((conv, self.grad.conv), (recurrent, self.grad.recurrent)):
-            self.produced.append((output, Seed(buffer, output, clear=True)))
+            produced.append((output, Seed(buffer, output, clear=True)))
 
 
 # --- the planner's formulas (``kinds.planning``) -------------------------------------------
