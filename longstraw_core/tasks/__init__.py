@@ -20,8 +20,9 @@ Import from here; the modules hold one job each:
 - ``haystack``: the filler text, the haystack with its needles, and ``fit_prompt`` (length
   fitting); knows nothing of the tasks.
 - ``sample``: ``Sample`` and what every generator builds with (seeded keys, numbers,
-  variable names, needle depths; ``make_sample``, ``fit_multi``).
-- ``generators``: the task families, one function each.
+  variable names, needle depths; ``task_generator``, which makes a generator of a task's
+  ``Draft``: its needles, question and answer).
+- ``generators``: the task families, one draft each.
 - ``agent``: the agent task (``agent_lookup``), its environment (``VaultEnvironment``, the
   ``lookup`` tool) and its reward (``final_answer_match``).
 - ``streams``: the registry ``TASKS`` and the deterministic streams (``sample_at``,
@@ -37,8 +38,8 @@ from longstraw_core.tasks.generators import (
     variable_tracking,
 )
 from longstraw_core.tasks.haystack import FILLER_WORDS, MAX_FIT_PASSES
-from longstraw_core.tasks.sample import ANSWER_INSTRUCTION, KEY_WORDS, Depth, Sample
-from longstraw_core.tasks.streams import TASKS, TaskFn, make_task_stream, sample_at
+from longstraw_core.tasks.sample import ANSWER_INSTRUCTION, KEY_WORDS, Depth, Sample, TaskFn
+from longstraw_core.tasks.streams import TASKS, make_task_stream, sample_at
 
 __all__ = [
     "ANSWER_INSTRUCTION",

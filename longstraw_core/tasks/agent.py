@@ -19,21 +19,12 @@ code); TRL's ``reset(**row)`` hands them to each branch's environment. In a run 
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
-from longstraw_core.tasks.sample import (
-    ANSWER_INSTRUCTION,
-    Sample,
-    make_sample,
-    needle_depths,
-    numbers,
-    task_rng,
-    two_word_keys,
-)
+from longstraw_core.tasks.sample import Draft, needle_depths, numbers, task_generator, two_word_keys
 
 # Record names; none is a filler or key word.
 SUBJECTS = (
@@ -42,19 +33,10 @@ SUBJECTS = (
 )  # fmt: skip
 
 
+@task_generator
 def agent_lookup(
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_tokens: int,
-    depth: float = 0.5,
-    seed: int = 0,
-    *,
-    num_distractors: int = 3,
-    digits: int = 6,
-    chat: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    tolerance: float = 0.01,
-    id: str | None = None,
-) -> Sample:
+    rng: random.Random, depth: float = 0.5, *, num_distractors: int = 3, digits: int = 6
+) -> Draft:
     """The vault lookup (module docstring); the answer is the queried record's code. Tool
     calls are parsed from chat turns only (TRL's rule): ``chat=False`` gives the plain text."""
     if not 0 <= num_distractors < len(SUBJECTS):
@@ -62,7 +44,6 @@ def agent_lookup(
             f"agent_lookup: num_distractors must be in [0, {len(SUBJECTS) - 1}], got "
             f"{num_distractors}"
         )
-    rng = task_rng("agent_lookup", seed)
     n = 1 + num_distractors
     subjects = rng.sample(SUBJECTS, n)
     keys = two_word_keys(rng, n)
@@ -75,9 +56,7 @@ def agent_lookup(
         )
         for d, s, k in zip(depths, subjects, keys, strict=True)
     ]
-    return make_sample(
-        "agent_lookup",
-        tokenizer,
+    return Draft(
         intro=(
             "Below is the log of your earlier work session: your notes and the outputs of the "
             "tools you called. Records were stored in a vault; the log gives each record's "
@@ -85,17 +64,10 @@ def agent_lookup(
         ),
         question=(
             f"What is the secret code of the {subjects[0]} record? Find its vault key in the "
-            f"log, call the lookup tool with that key, and give the code. {ANSWER_INSTRUCTION}"
+            "log, call the lookup tool with that key, and give the code."
         ),
         needles=needles,
         answer=codes[0],
-        prompt_tokens=prompt_tokens,
-        depth=depth,
-        seed=seed,
-        chat=chat,
-        chat_template_kwargs=chat_template_kwargs,
-        tolerance=tolerance,
-        id=id,
         meta={
             "key": keys[0],
             "subject": subjects[0],

@@ -1,16 +1,17 @@
 """What every task generator builds with: ``Sample``, the seeded keys, numbers, variable
-names and needle depths, and ``make_sample``/``fit_multi``, which fit the prompt to length
-(``haystack``) and record what was placed where."""
+names and needle depths, and ``task_generator``, which turns a task's ``Draft`` (its needles,
+question and answer) into the generator every task shares: it fits the prompt to length
+(``haystack``) and records what was placed where."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from transformers import PreTrainedTokenizerBase
 
 from longstraw_core.tasks.haystack import fit_prompt
 from longstraw_core.tokenizer import Prompt
@@ -91,26 +92,82 @@ def var_names(rng: random.Random, n: int) -> list[str]:
     return rng.sample(sorted(names), n)
 
 
-def make_sample(
-    task: str,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    intro: str,
-    question: str,
-    needles: Sequence[tuple[float, str]],
-    answer: str,
-    prompt_tokens: int,
-    depth: Depth | None,
-    seed: int,
-    chat: bool,
-    tolerance: float,
-    id: str | None,
-    meta: dict[str, Any],
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> Sample:
+@dataclass
+class Draft:
+    """What a task decides from its seed: the prompt's ``intro``, its ``question`` (the
+    answer instruction is appended), the ``needles`` as ``(depth, sentence)`` and the answer:
+    ``answer``, or ``items`` (the values of the first needles), which the answer lists in
+    their order of appearance (``meta["answers"]``). ``meta``: the task's own facts."""
+
+    intro: str
+    question: str
+    needles: Sequence[tuple[float, str]]
+    answer: str = ""
+    items: Sequence[str] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+TaskFn = Callable[..., Sample]
+
+# What every generator takes besides its task's own options: (tokenizer, prompt_tokens,
+# depth, seed), then these keyword-only rendering options.
+_P = inspect.Parameter
+_LEADING = (
+    _P("tokenizer", _P.POSITIONAL_OR_KEYWORD, annotation="PreTrainedTokenizerBase"),
+    _P("prompt_tokens", _P.POSITIONAL_OR_KEYWORD, annotation="int"),
+)
+_SEED = _P("seed", _P.POSITIONAL_OR_KEYWORD, default=0, annotation="int")
+_RENDERING = (
+    _P("chat", _P.KEYWORD_ONLY, default=True, annotation="bool"),
+    _P(
+        "chat_template_kwargs", _P.KEYWORD_ONLY, default=None, annotation="Mapping[str, Any] | None"
+    ),
+    _P("tolerance", _P.KEYWORD_ONLY, default=0.01, annotation="float"),
+    _P("id", _P.KEYWORD_ONLY, default=None, annotation="str | None"),
+)
+
+
+def task_generator(draft: Callable[..., Draft]) -> TaskFn:
+    """The generator of a task, from its ``draft(rng, depth=default, *, options) -> Draft``.
+
+    One place for what every task shares: the generator takes ``(tokenizer, prompt_tokens,
+    depth, seed, *, options, chat, chat_template_kwargs, tolerance, id)`` (``depth``'s default
+    is the draft's), seeds ``rng`` from the task's name (the draft's) and ``seed``, fits the
+    prompt to ``prompt_tokens`` and records what was placed where. Its signature lists every
+    argument: a config's ``data.task_kwargs`` is checked against it.
+    """
+    task = draft.__name__
+    own = inspect.signature(draft).parameters
+    options = [name for name, p in own.items() if p.kind is _P.KEYWORD_ONLY]
+    depth = own["depth"].replace(kind=_P.POSITIONAL_OR_KEYWORD)
+    signature = inspect.Signature(
+        [*_LEADING, depth, _SEED, *(own[name] for name in options), *_RENDERING],
+        return_annotation="Sample",
+    )
+
+    @functools.wraps(draft)
+    def generate(*args: Any, **kwargs: Any) -> Sample:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:  # named, as Python names a plain function
+            raise TypeError(f"{task}() {error}") from None
+        bound.apply_defaults()
+        given = bound.arguments
+        rng = task_rng(task, given["seed"])
+        return _fit(task, draft(rng, given["depth"], **{k: given[k] for k in options}), given)
+
+    generate.__signature__ = signature  # type: ignore[attr-defined]
+    return generate
+
+
+def _fit(task: str, draft: Draft, given: dict[str, Any]) -> Sample:
+    """The sample of ``draft``: its prompt fitted to length, and in ``meta`` what was placed
+    where, then the draft's own facts."""
+    depth, seed, prompt_tokens = given["depth"], given["seed"], given["prompt_tokens"]
     prompt, got, actual = fit_prompt(
-        tokenizer, task, intro, question, needles, prompt_tokens, seed, chat, tolerance,
-        chat_template_kwargs,
+        given["tokenizer"], task, draft.intro, f"{draft.question} {ANSWER_INSTRUCTION}",
+        draft.needles, prompt_tokens, seed, given["chat"], given["tolerance"],
+        given["chat_template_kwargs"],
     )  # fmt: skip
     meta = {
         "task": task,
@@ -119,27 +176,16 @@ def make_sample(
         "needle_depths": actual,
         "prompt_tokens": got,
         "target_tokens": prompt_tokens,
-        **meta,
+        **draft.meta,
     }
-    return Sample(id=id or f"{task}:{seed}", prompt=prompt, answer=answer, meta=meta)
+    sample = Sample(given["id"] or f"{task}:{seed}", prompt, draft.answer, meta)
+    if draft.items is not None:
+        answers = _in_order(draft.items, actual[: len(draft.items)])
+        sample.answer = ", ".join(answers)
+        sample.meta["answers"] = answers
+    return sample
 
 
 def _in_order(items: Sequence[str], depths: Sequence[float]) -> list[str]:
     """Items in the order their needles appear (ties keep list order, as placement does)."""
     return [items[k] for k in sorted(range(len(items)), key=lambda k: (depths[k], k))]
-
-
-def fit_multi(
-    task: str,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    needles: Sequence[tuple[float, str]],
-    items: Sequence[str],
-    **kw: Any,
-) -> Sample:
-    """A sample whose answer is ``items`` (the first needles) joined in order of appearance."""
-    sample = make_sample(task, tokenizer, needles=needles, answer="", **kw)
-    answers = _in_order(items, sample.meta["needle_depths"][: len(items)])
-    sample.answer = ", ".join(answers)
-    sample.meta["answers"] = answers
-    return sample

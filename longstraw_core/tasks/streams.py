@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -19,9 +19,8 @@ from longstraw_core.tasks.generators import (
     uuid_retrieval,
     variable_tracking,
 )
-from longstraw_core.tasks.sample import Depth, Sample
+from longstraw_core.tasks.sample import Depth, Sample, TaskFn
 
-TaskFn = Callable[..., Sample]
 TASKS: dict[str, TaskFn] = {
     "passkey_retrieval": passkey_retrieval,
     "uuid_retrieval": uuid_retrieval,
