@@ -72,6 +72,8 @@ def run_full_attention(
     apply_rotary: RotaryFn,
     branch: BranchKV | None = None,
     state_only: bool = False,
+    *,
+    gated: bool = False,
 ) -> torch.Tensor | None:
     """One full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
@@ -79,11 +81,21 @@ def run_full_attention(
     returns the input of ``o_proj``'s caller: the projected attention output. ``branch``:
     the ``B`` decoded branches' own keys/values (see ``attend_with_state``). ``state_only``
     (a writing span's last layer): write the keys/values, attend to nothing, return None.
+    ``gated`` (Qwen3.5's gated attention, ``qwen36.run_gated_attention``): ``q_proj`` yields
+    each head's query and its output gate side by side, and the attention output is
+    multiplied by ``sigmoid(gate)`` before ``o_proj``, as the model does.
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
     shape = (batch, length, -1, head_dim)
-    queries = attention.q_proj(hidden).view(shape)
+    gate = None
+    if gated:
+        queries, gate = torch.chunk(
+            attention.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1
+        )
+        queries, gate = queries.view(shape), gate.reshape(batch, length, -1)
+    else:
+        queries = attention.q_proj(hidden).view(shape)
     keys = attention.k_proj(hidden).view(shape)
     values = attention.v_proj(hidden).view(shape).transpose(1, 2)
     if hasattr(attention, "q_norm"):
@@ -95,7 +107,10 @@ def run_full_attention(
     )
     if output is None:
         return None
-    return attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+    output = output.transpose(1, 2).reshape(batch, length, -1)
+    if gate is not None:
+        output = output * torch.sigmoid(gate)
+    return attention.o_proj(output)
 
 
 def attend_with_state(
@@ -150,7 +165,6 @@ class DenseAdapter(ModelAdapter):
     """Qwen3 / Qwen2 / Llama: pre-norm decoder layers of full attention and a gated MLP."""
 
     family = FAMILY
-    model_types = FAMILY.model_types
 
     def check_model(self) -> None:
         config = self.config
@@ -161,11 +175,6 @@ class DenseAdapter(ModelAdapter):
                 f"layers {sliding} of this {config.model_type} model use "
                 f"{layer_types[sliding[0]]!r}; only full attention is supported "
                 "(set use_sliding_window=False in the model config)"
-            )
-        if getattr(config, "attention_dropout", 0.0):
-            raise ValueError(
-                f"config.attention_dropout={config.attention_dropout}: scoring must be "
-                "deterministic for RL; set attention_dropout=0.0"
             )
         self.apply_rotary = model_rotary_function(self.decoder.layers[0].self_attn)
 

@@ -44,7 +44,12 @@ from longstraw_core.adapters.recompute import LayerRecord, recomputable
 from longstraw_core.adapters.recompute import checkpointed as _checkpointed
 from longstraw_core.adapters.span import Span
 from longstraw_core.adapters.staged import StagedPasses
-from longstraw_core.adapters.validation import as_token_ids, check_positions, check_state
+from longstraw_core.adapters.validation import (
+    as_token_ids,
+    check_attention_dropout,
+    check_positions,
+    check_state,
+)
 from longstraw_core.kinds.base import LayerState, Produced
 from longstraw_core.offload import OffloadPolicy, stream_layers
 from longstraw_core.state import BranchCache, BranchRecord, PrefixState
@@ -98,8 +103,8 @@ class ModelAdapter(PublicPasses, ShardedPasses, StagedPasses, ABC):
     ``ShardedPasses``; ``stage`` and the passes on a pipeline stage from ``StagedPasses``."""
 
     # The family this adapter serves (``longstraw_core.adapters.family``): the model types and what
-    # config, tiny models, planner and offload read about them. ``model_types`` repeats the
-    # family's (``register_adapter`` checks that they agree).
+    # config, tiny models, planner and offload read about them. ``model_types``: the family's,
+    # set when a subclass names its family.
     family: ClassVar[ModelFamily]
     model_types: ClassVar[tuple[str, ...]] = ()
     # The decoder's RMSNorm: Llama's ``weight * x.to(dtype)`` (True), or Qwen3.5's
@@ -112,6 +117,11 @@ class ModelAdapter(PublicPasses, ShardedPasses, StagedPasses, ABC):
     # passes); see the module docstring.
     activation_checkpointing: bool = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" in vars(cls):
+            cls.model_types = cls.family.model_types
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.causal_lm = unwrap_causal_lm(model)
@@ -119,6 +129,7 @@ class ModelAdapter(PublicPasses, ShardedPasses, StagedPasses, ABC):
         self.decoder = self.causal_lm.get_decoder()
         self.embed_tokens = self.causal_lm.get_input_embeddings()
         self.lm_head = self.causal_lm.get_output_embeddings()
+        check_attention_dropout(self.config.get_text_config())
         self.check_model()
         # States remember the model they came from; the id lives on the model so that two
         # adapters of one model can share states, and a state from another model is refused.

@@ -39,11 +39,6 @@ def register_adapter(cls: AdapterClass) -> AdapterClass:
     """Class decorator: make ``cls`` the adapter for each model type of its ``family``."""
     global _version
     family = cls.family
-    if tuple(cls.model_types) != tuple(family.model_types):
-        raise ValueError(
-            f"{cls.__name__}.model_types {cls.model_types} differ from its family's "
-            f"{family.model_types}"
-        )
     for model_type in family.model_types:
         if model_type in _ADAPTERS and _ADAPTERS[model_type] is not cls:
             raise ValueError(

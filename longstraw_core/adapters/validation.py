@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +34,16 @@ def as_token_ids(ids: torch.Tensor | Sequence[int], name: str, vocab_size: int) 
             "was it tokenized with another tokenizer?"
         )
     return ids.long()
+
+
+def check_attention_dropout(config: Any) -> None:
+    """Every adapter scores deterministically (RL compares log-probs of the same tokens):
+    refuse a model whose (text) config has attention dropout."""
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"config.attention_dropout={config.attention_dropout}: scoring must be "
+            "deterministic for RL; set attention_dropout=0.0 in the (text) config"
+        )
 
 
 def check_prefill_options(chunk_size: object, checkpoints: object) -> None:

@@ -31,15 +31,9 @@ class GlmMoeDsaAdapter(ModelAdapter):
     """GLM-5.x / DeepSeek-V3.2: pre-norm layers of MLA with DSA, then a dense MLP or an MoE."""
 
     family = FAMILY
-    model_types = FAMILY.model_types
 
     def check_model(self) -> None:
         config = self.config
-        if getattr(config, "attention_dropout", 0.0):
-            raise ValueError(
-                f"config.attention_dropout={config.attention_dropout}: scoring must be "
-                "deterministic for RL; set attention_dropout=0.0"
-            )
         if config.index_topk < 1:
             raise ValueError(f"config.index_topk must be at least 1, got {config.index_topk}")
         first = self.decoder.layers[0].self_attn

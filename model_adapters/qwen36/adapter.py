@@ -36,7 +36,6 @@ class Qwen36Adapter(ModelAdapter):
     """Qwen3.6 / Qwen3.5 / Qwen3-Next: Gated DeltaNet and gated full-attention layers."""
 
     family = FAMILY
-    model_types = FAMILY.model_types
     llama_norm = False  # Qwen3.5's RMSNorm: (x * (1 + weight)) in fp32, then the cast
 
     def check_model(self) -> None:
@@ -48,11 +47,6 @@ class Qwen36Adapter(ModelAdapter):
             raise ValueError(
                 f"this {self.config.model_type} model has layer types {unknown}; the qwen36 "
                 f"adapter runs {LINEAR_ATTENTION!r} and {FULL_ATTENTION!r} layers only"
-            )
-        if getattr(text, "attention_dropout", 0.0):
-            raise ValueError(
-                f"attention_dropout={text.attention_dropout}: scoring must be deterministic "
-                "for RL; set attention_dropout=0.0 in the (text) config"
             )
         rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type in _LENGTH_DEPENDENT_ROPE:

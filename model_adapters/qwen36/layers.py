@@ -3,55 +3,19 @@ threading its conv and recurrent states (``RecurrentState``, ``BranchRecurrent``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longstraw_core.adapters.base import Span
-from longstraw_core.adapters.model_functions import RotaryFn
-from longstraw_core.kinds.attention import AttentionKV, BranchKV
 from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
-from model_adapters.dense import attend_with_state
+from model_adapters.dense import run_full_attention
 from model_adapters.qwen36.kernels import DeltaNetKernels
 
-
-def run_gated_attention(
-    attention: nn.Module,
-    hidden: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    record: AttentionKV,
-    span: Span,
-    apply_rotary: RotaryFn,
-    branch: BranchKV | None = None,
-    state_only: bool = False,
-) -> torch.Tensor | None:
-    """One gated full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
-
-    The sibling of ``dense.run_full_attention``: ``q_proj`` yields each head's query and its
-    output gate side by side, and the attention output is multiplied by ``sigmoid(gate)``
-    before ``o_proj``, as the model does. ``branch``: decoded branches' own keys/values.
-    ``state_only``: write the keys/values and return None (see ``writes_only``).
-    """
-    batch, length, _ = hidden.shape
-    head_dim = attention.head_dim
-    shape = (batch, length, -1, head_dim)
-    queries, gate = torch.chunk(
-        attention.q_proj(hidden).view(batch, length, -1, head_dim * 2), 2, dim=-1
-    )
-    gate = gate.reshape(batch, length, -1)
-    queries = attention.q_norm(queries.view(shape))
-    keys = attention.k_norm(attention.k_proj(hidden).view(shape))
-    values = attention.v_proj(hidden).view(shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-
-    output = attend_with_state(
-        queries, keys, values, record, span, attention.scaling, branch, state_only
-    )
-    if output is None:
-        return None
-    output = output.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
-    return attention.o_proj(output)
+# Qwen3.5's gated attention: dense attention whose ``q_proj`` also yields an output gate.
+run_gated_attention = functools.partial(run_full_attention, gated=True)
 
 
 def deltanet_projections(
