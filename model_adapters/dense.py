@@ -9,7 +9,6 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -197,33 +196,23 @@ class DenseAdapter(ModelAdapter):
         state_only: bool,
         carried: None,
     ) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        return functools.partial(
-            self.decoder_layer, layer, position_embeddings, record, span, branch_record, state_only
-        )
-
-    def decoder_layer(
-        self,
-        layer: nn.Module,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        record: AttentionKV,
-        span: Span,
-        branch_record: BranchKV | None,
-        state_only: bool,
-        hidden: torch.Tensor,
-    ) -> torch.Tensor | None:
         """One pre-norm decoder layer over ``hidden``: attention with the state, then the MLP.
         With ``state_only`` it only writes its keys/values and returns None."""
-        attended = run_full_attention(
-            layer.self_attn,
-            layer.input_layernorm(hidden),
-            position_embeddings,
-            record,
-            span,
-            self.apply_rotary,
-            branch_record,
-            state_only,
-        )
-        if attended is None:
-            return None
-        hidden = hidden + attended
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+        def work(hidden: torch.Tensor) -> torch.Tensor | None:
+            attended = run_full_attention(
+                layer.self_attn,
+                layer.input_layernorm(hidden),
+                position_embeddings,
+                record,
+                span,
+                self.apply_rotary,
+                branch_record,
+                state_only,
+            )
+            if attended is None:
+                return None
+            hidden = hidden + attended
+            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+        return work

@@ -3,7 +3,6 @@ MLP or the MoE, over the layer's ``LatentKV`` record."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -75,20 +74,30 @@ class GlmMoeDsaAdapter(ModelAdapter):
         state_only: bool,
         carried: torch.Tensor | None,
     ) -> Callable[[torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """The layer's work; ``carried``: the previous layer's DSA selection."""
+        """One decoder layer over ``hidden``: MLA with DSA, then the dense MLP or MoE; also
+        returns the DSA selection for the next layer (``carried``: the previous layer's).
+        ``state_only``: write the latent and index keys, return ``(None, None)``."""
         # Dense when the last query of the span sees no more than index_topk positions.
         dense = self.config.index_topk >= span.start + span.length
-        return functools.partial(
-            self.decoder_layer,
-            layer,
-            position_embeddings,
-            record,
-            span,
-            carried,
-            dense,
-            branch_record,
-            state_only,
-        )
+
+        def work(hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            attended, selection = self.run_attention(
+                layer.self_attn,
+                layer.input_layernorm(hidden),
+                position_embeddings,
+                record,
+                span,
+                carried,
+                dense,
+                branch_record,
+                state_only,
+            )
+            if attended is None:
+                return None, None
+            hidden = hidden + attended
+            return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selection
+
+        return work
 
     def carried_spec(self, batch: int, span: Span) -> tuple[tuple[int, ...], torch.dtype] | None:
         """The DSA selection a stage hands the next: ``[batch, T, index_topk]`` positions,
@@ -102,37 +111,6 @@ class GlmMoeDsaAdapter(ModelAdapter):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's output and its DSA selection, which the next layer receives."""
         return output
-
-    def decoder_layer(
-        self,
-        layer: nn.Module,
-        position_embeddings: PositionEmbeddings,
-        record: LatentKV,
-        span: Span,
-        selection: torch.Tensor | None,
-        dense: bool,
-        branch_record: BranchLatent | None,
-        state_only: bool,
-        hidden: torch.Tensor,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One decoder layer over ``hidden``: MLA with DSA, then the dense MLP or MoE; also
-        returns the DSA selection for the next layer. ``state_only``: write the latent and
-        index keys, return ``(None, None)``."""
-        attended, selection = self.run_attention(
-            layer.self_attn,
-            layer.input_layernorm(hidden),
-            position_embeddings,
-            record,
-            span,
-            selection,
-            dense,
-            branch_record,
-            state_only,
-        )
-        if attended is None:
-            return None, None
-        hidden = hidden + attended
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selection
 
     def run_attention(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,51 +106,40 @@ class Qwen36Adapter(ModelAdapter):
         state_only: bool,
         carried: None,
     ) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        return functools.partial(
-            self.decoder_layer, layer, self.layer_types[index], position_embeddings, record,
-            span, branch_record, state_only,
-        )  # fmt: skip
-
-    def decoder_layer(
-        self,
-        layer: nn.Module,
-        kind: str,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        record: AttentionKV | RecurrentState,
-        span: Span,
-        branch_record: BranchKV | BranchRecurrent | None,
-        state_only: bool,
-        hidden: torch.Tensor,
-    ) -> torch.Tensor | None:
         """One decoder layer over ``hidden``: Gated DeltaNet or gated attention, then the MLP.
         With ``state_only`` it only writes its state and returns None."""
-        normed = layer.input_layernorm(hidden)
-        if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
-            kernels = deltanet_kernels(
-                layer.linear_attn, hidden.device, hidden.dtype,
-                emulated=gpu_emulation.emulated(hidden),
-            )  # fmt: skip
-            mixed = run_gated_deltanet(
-                layer.linear_attn, normed, record, span, kernels, branch_record
-            )
-        else:
-            mixed = run_gated_attention(
-                layer.self_attn,
-                normed,
-                position_embeddings,
-                record,
-                span,
-                self.apply_rotary,
-                branch_record,
-                state_only,
-            )
-        if state_only:  # the DeltaNet state is written; nothing reads the output
-            return None
-        hidden = hidden + mixed
-        mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
-        if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
-            mlp_output = mlp_output[0]
-        return hidden + mlp_output
+        kind = self.layer_types[index]
+
+        def work(hidden: torch.Tensor) -> torch.Tensor | None:
+            normed = layer.input_layernorm(hidden)
+            if kind == LINEAR_ATTENTION:  # by layer type: records may be wrapped (exact mode)
+                kernels = deltanet_kernels(
+                    layer.linear_attn, hidden.device, hidden.dtype,
+                    emulated=gpu_emulation.emulated(hidden),
+                )  # fmt: skip
+                mixed = run_gated_deltanet(
+                    layer.linear_attn, normed, record, span, kernels, branch_record
+                )
+            else:
+                mixed = run_gated_attention(
+                    layer.self_attn,
+                    normed,
+                    position_embeddings,
+                    record,
+                    span,
+                    self.apply_rotary,
+                    branch_record,
+                    state_only,
+                )
+            if state_only:  # the DeltaNet state is written; nothing reads the output
+                return None
+            hidden = hidden + mixed
+            mlp_output = layer.mlp(layer.post_attention_layernorm(hidden))
+            if isinstance(mlp_output, tuple):  # MoE blocks may return (output, router_logits)
+                mlp_output = mlp_output[0]
+            return hidden + mlp_output
+
+        return work
 
     # --- text only --------------------------------------------------------------------------
 
