@@ -21,3 +21,21 @@ def world_of_one(tmp_path):
     yield
     gc.collect()  # sharded models hold the group: free them while the group still exists
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def float64_default():
+    """Float64 as torch's default dtype for one test: TRL builds its rewards, advantages and
+    metrics in the default dtype, so comparisons with it are not limited by float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The built-in byte-level tokenizer."""
+    from longstraw_core.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)

@@ -7,16 +7,21 @@
 - ``detached_reference_logps``: the transformers cache of all prompt tokens but the last,
   computed under ``no_grad``; then the last prompt token and the response run with autograd
   on a copy of that cache. This is what LongStraw's detached mode must equal, gradients
-  included.
+  included. ``assigned_recurrent_states`` lets that cache run a linear-attention (Gated
+  DeltaNet) model with autograd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
+from transformers.cache_utils import LinearAttentionLayer
 
 
 def _gather_logps(
@@ -217,3 +222,22 @@ def with_lora(
             if "lora_B" in name:
                 parameter.normal_(0.0, std, generator=generator)
     return peft_model
+
+
+@contextlib.contextmanager
+def assigned_recurrent_states() -> Iterator[None]:
+    """transformers' linear-attention cache with the new recurrent state assigned, not copied.
+
+    The cache copies each new state into the cached tensor in place, which the delta rule
+    saved for backward: a cached continuation run with autograd then fails. Only the
+    reference runs under this patch; the adapter never uses the transformers cache.
+    """
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    with mock.patch.object(LinearAttentionLayer, "update_recurrent_state", update_recurrent_state):
+        yield

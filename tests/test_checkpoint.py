@@ -11,6 +11,13 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from tiny_training import (
+    assert_same_params,
+    optimizer_and_schedule,
+    seed_all,
+    tiny_policy,
+    train_step,
+)
 from torch.distributed.tensor import DTensor
 
 import longstraw_core as ls
@@ -23,65 +30,30 @@ from longstraw_core.distributed import shard_model
 from longstraw_core.tiny_models import tiny_model
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    return tiny_model("qwen3", seed=seed).train()
-
-
-def _optimizer(
-    model: torch.nn.Module,
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
-    return optimizer, scheduler
-
-
-def _train_step(model: torch.nn.Module, optimizer, scheduler) -> float:
-    """One real update on data drawn from the global RNGs, so RNG restore matters."""
-    ids = torch.randint(0, 512, (1, 12))
-    loss = model(input_ids=ids, labels=ids).loss * (1 + random.random() + float(np.random.rand()))
-    loss.backward()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad()
-    return float(loss.detach())
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(x, y), name
-
-
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
-    _seed_all(0)
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
-    losses = [_train_step(model, optimizer, scheduler) for _ in range(3)]
+    seed_all(0)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    losses = [train_step(model, optimizer, scheduler) for _ in range(3)]
 
-    _seed_all(0)
-    first = _model()
-    opt1, sched1 = _optimizer(first)
-    history = [_train_step(first, opt1, sched1)]
+    seed_all(0)
+    first = tiny_policy()
+    opt1, sched1 = optimizer_and_schedule(first)
+    history = [train_step(first, opt1, sched1)]
     path = save_checkpoint(
         tmp_path, 1, first, opt1, sched1, data_position=7, extra={"losses": history}
     )
-    _train_step(first, opt1, sched1)  # the "stopped" run goes on and must not leak into the resume
+    train_step(first, opt1, sched1)  # the "stopped" run goes on and must not leak into the resume
 
-    resumed = _model(seed=123)  # built as a fresh run would be, with other weights
-    opt2, sched2 = _optimizer(resumed)
+    resumed = tiny_policy(seed=123)  # built as a fresh run would be, with other weights
+    opt2, sched2 = optimizer_and_schedule(resumed)
     info = load_checkpoint(tmp_path, resumed, opt2, sched2)
     assert info.path == path and info.step == 1 and info.data_position == 7
     history = info.extra["losses"]
-    history += [_train_step(resumed, opt2, sched2) for _ in range(2)]
+    history += [train_step(resumed, opt2, sched2) for _ in range(2)]
 
     assert history == losses
-    _assert_same_params(model, resumed)
+    assert_same_params(model, resumed)
     assert sched2.state_dict() == scheduler.state_dict()
     for group, ref in zip(
         opt2.state_dict()["state"].values(), optimizer.state_dict()["state"].values(), strict=True
@@ -91,14 +63,14 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def test_rng_states_and_data_position_round_trip(tmp_path: Path) -> None:
-    _seed_all(5)
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    seed_all(5)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     save_checkpoint(tmp_path, 3, model, optimizer, scheduler, data_position=42, extra={"x": [1.5]})
     expected = (random.random(), float(np.random.rand()), torch.rand(3))
-    _seed_all(99)
-    info = load_checkpoint("latest", _model(), output_dir=tmp_path)
+    seed_all(99)
+    info = load_checkpoint("latest", tiny_policy(), output_dir=tmp_path)
     got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
     assert (info.step, info.data_position, info.extra) == (3, 42, {"x": [1.5]})
@@ -115,33 +87,33 @@ class _DiskFullScheduler(torch.optim.lr_scheduler.LambdaLR):
 
 
 def test_crash_mid_save_leaves_previous_checkpoint_as_latest(tmp_path: Path) -> None:
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     good = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_position=1)
-    _train_step(model, optimizer, scheduler)
+    train_step(model, optimizer, scheduler)
     failing = _DiskFullScheduler(optimizer, lambda s: 1.0)
     with pytest.raises(OSError, match="No space"):
         save_checkpoint(tmp_path, 2, model, optimizer, failing)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
     assert resolve_checkpoint("latest", tmp_path) == good
-    assert load_checkpoint(tmp_path, _model(seed=1)).step == 1
+    assert load_checkpoint(tmp_path, tiny_policy(seed=1)).step == 1
     # ...and the same step can be saved once the problem is fixed.
     assert save_checkpoint(tmp_path, 2, model, optimizer, scheduler).name == "step-000002"
     assert (tmp_path / "latest").read_text() == "step-000002"
 
 
 def test_extra_that_is_not_json_fails_before_writing_anything(tmp_path: Path) -> None:
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
     with pytest.raises(TypeError):
         save_checkpoint(tmp_path / "run", 1, model, optimizer, scheduler, extra={"x": object()})
     assert not (tmp_path / "run").exists()
 
 
 def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
     save_checkpoint(tmp_path, 4, model, optimizer, scheduler)
     with pytest.raises(FileExistsError, match="step-000004"):
         save_checkpoint(tmp_path, 4, model, optimizer, scheduler)
@@ -150,9 +122,9 @@ def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
 def test_nothing_to_resume_and_mismatched_models(tmp_path: Path) -> None:
     assert resolve_checkpoint("latest", tmp_path / "fresh") is None
     with pytest.raises(FileNotFoundError):
-        load_checkpoint("latest", _model(), output_dir=tmp_path / "fresh")
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
+        load_checkpoint("latest", tiny_policy(), output_dir=tmp_path / "fresh")
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
     other = tiny_model("qwen3", num_hidden_layers=3)
     with pytest.raises(ValueError, match="do not match"):
@@ -162,24 +134,24 @@ def test_nothing_to_resume_and_mismatched_models(tmp_path: Path) -> None:
 def test_lora_checkpoint_holds_only_adapters_loadable_by_peft(tmp_path: Path) -> None:
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model = get_peft_model(_model(), lora)
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)  # lora_B moves off zero
+    model = get_peft_model(tiny_policy(), lora)
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)  # lora_B moves off zero
     path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_position=2)
     files = {p.name for p in (path / "model").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files
     assert "model.safetensors" not in files
 
     trained = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    loaded = PeftModel.from_pretrained(_model(), path / "model")
+    loaded = PeftModel.from_pretrained(tiny_policy(), path / "model")
     for key, value in loaded.state_dict().items():
         if "lora_" in key:
             assert torch.equal(value, trained[key]), key
 
-    fresh = get_peft_model(_model(), lora)
-    fresh_opt, fresh_sched = _optimizer(fresh)
+    fresh = get_peft_model(tiny_policy(), lora)
+    fresh_opt, fresh_sched = optimizer_and_schedule(fresh)
     assert load_checkpoint(path, fresh, fresh_opt, fresh_sched).data_position == 2
-    _assert_same_params(model, fresh)
+    assert_same_params(model, fresh)
     assert fresh_opt.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
 
 
@@ -188,13 +160,13 @@ def test_lora_checkpoint_holds_only_adapters_loadable_by_peft(tmp_path: Path) ->
 
 def _built(lora: bool, sharded: bool, seed: int = 0):
     """A tiny model (LoRA or not), sharded by FSDP2 or not, with its optimizer and schedule."""
-    model = _model(seed)
+    model = tiny_policy(seed)
     if lora:
         torch.manual_seed(seed)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     if sharded:
         shard_model(ls.adapt(model))
-    return model, *_optimizer(model)
+    return model, *optimizer_and_schedule(model)
 
 
 def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -216,9 +188,9 @@ def _whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_sharded_checkpoint_resumes_sharded_and_unsharded_runs(tmp_path, world_of_one, lora):
-    _seed_all(0)
+    seed_all(0)
     model, optimizer, scheduler = _built(lora, sharded=True)
-    _train_step(model, optimizer, scheduler)
+    train_step(model, optimizer, scheduler)
     path = save_checkpoint(tmp_path / "sharded", 1, model, optimizer, scheduler, data_position=3)
     files = {p.name for p in (path / "model").iterdir()}
     assert ("adapter_model.safetensors" in files) == lora and ("model.safetensors" in files) != lora
@@ -243,7 +215,7 @@ def test_sharded_checkpoint_resumes_sharded_and_unsharded_runs(tmp_path, world_o
         assert other_sched.state_dict() == scheduler.state_dict()
     # ... and a single process's checkpoint into a sharded run.
     plain, plain_opt, plain_sched = _built(lora, sharded=False)
-    _train_step(plain, plain_opt, plain_sched)
+    train_step(plain, plain_opt, plain_sched)
     save_checkpoint(tmp_path / "plain", 1, plain, plain_opt, plain_sched)
     other, other_opt, other_sched = _built(lora, sharded=True, seed=7)
     load_checkpoint(tmp_path / "plain", other, other_opt, other_sched)

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from launch import torchrun_ok
 from peft import LoraConfig, get_peft_model
-from test_checkpoint import _assert_same_params, _built, _model, _optimizer, _train_step
+from test_checkpoint import _built
+from tiny_training import assert_same_params, optimizer_and_schedule, tiny_policy, train_step
 
 from longstraw_core.checkpoint import (
     FORMAT_VERSION,
@@ -42,12 +43,12 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 def _trained(lora: bool = False, seed: int = 0):
     """A tiny model (LoRA or not) after one update, with its optimizer and schedule."""
-    model = _model(seed)
+    model = tiny_policy(seed)
     if lora:
         torch.manual_seed(seed)
         model = get_peft_model(model, LORA)
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     return model, optimizer, scheduler
 
 
@@ -146,7 +147,7 @@ def test_a_save_stopped_at_any_stage_resumes_from_the_newest_complete_one(
         warnings.simplefilter("ignore")  # skipped incomplete checkpoints are warned of
         assert resolve_checkpoint("latest", tmp_path) == tmp_path / newest
         assert resolve_checkpoint(tmp_path) == tmp_path / newest
-        info = load_checkpoint("latest", _model(seed=1), output_dir=tmp_path)
+        info = load_checkpoint("latest", tiny_policy(seed=1), output_dir=tmp_path)
     assert info.path.name == newest and info.step == int(newest[-6:])
 
     step = info.step + 1  # what the resumed run saves next, set aside what is in its way
@@ -169,7 +170,7 @@ def test_an_incomplete_checkpoint_named_explicitly_fails_clearly(tmp_path: Path)
     _save(tmp_path, [1], _trained())
     _no_manifest(tmp_path)
     with pytest.raises(CheckpointError, match=r"no manifest.json.*train.resume_from=.*step-000001"):
-        load_checkpoint(tmp_path / "step-000002", _model())
+        load_checkpoint(tmp_path / "step-000002", tiny_policy())
 
 
 def test_a_complete_step_is_never_overwritten_nor_saved_below_a_later_one(tmp_path: Path) -> None:
@@ -189,7 +190,7 @@ def test_a_flipped_byte_in_the_weights_is_refused_naming_the_file(tmp_path: Path
     weights = tmp_path / "step-000002" / "model" / "model.safetensors"
     _flip_last_byte(weights)
     assert resolve_checkpoint("latest", tmp_path).name == "step-000002"  # sizes still match
-    fresh = _model(seed=1)
+    fresh = tiny_policy(seed=1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     expected = (
         f"{weights}: sha256 differs from the manifest: the file is corrupt; resume from an "
@@ -210,7 +211,7 @@ def test_a_truncated_optimizer_file_is_refused_naming_it(tmp_path: Path) -> None
     size = state.stat().st_size
     state.write_bytes(state.read_bytes()[: size // 2])
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(path, _model(), *_optimizer(_model()))
+        load_checkpoint(path, tiny_policy(), *optimizer_and_schedule(tiny_policy()))
     assert str(caught.value).startswith(
         f"{state}: truncated: {size // 2} bytes, the manifest says {size}; "
     )
@@ -233,18 +234,18 @@ def test_a_format_1_checkpoint_loads_with_a_warning_and_unreadable_files_name_th
     (path,) = _save(tmp_path, [1], (model, optimizer, scheduler))
     _as_format_1(path)
     assert complete_checkpoints(tmp_path) == [path]
-    fresh = _model(seed=1)
+    fresh = tiny_policy(seed=1)
     with pytest.warns(UserWarning, match="format-1 checkpoint.*cannot be verified"):
-        info = load_checkpoint("latest", fresh, *_optimizer(fresh), output_dir=tmp_path)
+        info = load_checkpoint("latest", fresh, *optimizer_and_schedule(fresh), output_dir=tmp_path)
     assert info.step == 1
-    _assert_same_params(model, fresh)
+    assert_same_params(model, fresh)
 
     state = path / "optimizer.pt"  # no manifest to tell: torch.load's own error, named
     state.write_bytes(state.read_bytes()[:200])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointError, match=f"{state}: cannot be read .*damaged"):
-            load_checkpoint(path, _model(), *_optimizer(_model()))
+            load_checkpoint(path, tiny_policy(), *optimizer_and_schedule(tiny_policy()))
     save_checkpoint(tmp_path, 2, model, optimizer, scheduler)  # the next save is format 2
     assert _names(complete_checkpoints(tmp_path)) == ["step-000001", "step-000002"]
 
@@ -256,14 +257,14 @@ def test_lora_and_full_checkpoints_refuse_the_other_kind_of_run(tmp_path: Path) 
     lora = save_checkpoint(tmp_path / "lora", 1, *_trained(lora=True))
     full = save_checkpoint(tmp_path / "full", 1, *_trained())
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(lora, _model())
+        load_checkpoint(lora, tiny_policy())
     assert str(caught.value) == (
         f"{lora} holds LoRA adapters (adapter_config.json) but this run trains full weights: "
         "set lora.enabled=true with the same lora settings, or resume from a full-weights "
         "checkpoint"
     )
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(full, get_peft_model(_model(), LORA))
+        load_checkpoint(full, get_peft_model(tiny_policy(), LORA))
     assert str(caught.value) == (
         f"{full} holds full model weights (model/model.safetensors) but this run trains LoRA "
         "adapters: set lora.enabled=false with the same model, or resume from a LoRA checkpoint"
@@ -275,7 +276,7 @@ def test_another_models_weights_are_refused_naming_keys_and_shapes(tmp_path: Pat
     narrow = tiny_model("qwen3", hidden_size=32)
     before = {k: v.clone() for k, v in narrow.state_dict().items()}
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(path, narrow, *_optimizer(narrow))
+        load_checkpoint(path, narrow, *optimizer_and_schedule(narrow))
     message = str(caught.value)
     assert message.startswith(
         f"{path / 'model' / 'model.safetensors'}: the weights do not match the model, they "
@@ -289,7 +290,7 @@ def test_another_models_weights_are_refused_naming_keys_and_shapes(tmp_path: Pat
         assert torch.equal(value, before[name]), name
 
     lora = save_checkpoint(tmp_path / "lora", 1, *_trained(lora=True))
-    other_r = get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    other_r = get_peft_model(tiny_policy(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     with pytest.raises(CheckpointError, match=r"adapter_model.safetensors: the adapters do not "
                        r"match the model \(different shapes: .*lora_A.weight is \[4, 64\] in "
                        r"the checkpoint, \[2, 64\] in the model"):  # fmt: skip
@@ -304,8 +305,8 @@ def test_prepare_resume_sets_later_checkpoints_aside_so_they_can_be_saved_again(
 ) -> None:
     model, optimizer, scheduler = _trained()
     _save(tmp_path, [1, 2, 3, 4], (model, optimizer, scheduler))
-    fresh = _model(seed=1)
-    fresh_opt, fresh_sched = _optimizer(fresh)
+    fresh = tiny_policy(seed=1)
+    fresh_opt, fresh_sched = optimizer_and_schedule(fresh)
     with pytest.warns(UserWarning, match=r"later than the resumed step 2 \(step-000003, step-0000"):
         info = load_checkpoint(tmp_path / "step-000002", fresh, fresh_opt, fresh_sched)
 
@@ -317,10 +318,10 @@ def test_prepare_resume_sets_later_checkpoints_aside_so_they_can_be_saved_again(
     assert (tmp_path / LATEST).read_text() == "step-000002"
     assert prepare_resume(tmp_path, info.path) == []  # nothing later any more
 
-    _train_step(fresh, fresh_opt, fresh_sched)
+    train_step(fresh, fresh_opt, fresh_sched)
     _save(tmp_path, [3, 4], (fresh, fresh_opt, fresh_sched))
     assert _names(complete_checkpoints(tmp_path)) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
-    assert load_checkpoint(folder / "step-000004", _model()).step == 4  # still resumable
+    assert load_checkpoint(folder / "step-000004", tiny_policy()).step == 4  # still resumable
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints_and_set_aside_ones(
@@ -363,7 +364,7 @@ def test_json_files_are_strict_and_non_finite_extra_is_refused(tmp_path: Path) -
     path = save_checkpoint(tmp_path / "run", 1, *state, extra=extra)
     for name in ("trainer_state.json", MANIFEST):
         _strict((path / name).read_text())
-    assert load_checkpoint(path, _model()).extra == extra
+    assert load_checkpoint(path, tiny_policy()).extra == extra
 
 
 # --------------------------------------------------------------------------- sharded (FSDP2)
@@ -371,7 +372,7 @@ def test_json_files_are_strict_and_non_finite_extra_is_refused(tmp_path: Path) -
 
 def test_sharded_load_makes_the_same_checks(tmp_path: Path, world_of_one) -> None:
     model, optimizer, scheduler = _built(lora=False, sharded=True)
-    _train_step(model, optimizer, scheduler)
+    train_step(model, optimizer, scheduler)
     path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
     assert _manifest(path)["step"] == 1
     lora_model = _built(lora=True, sharded=True)[0]
@@ -404,7 +405,7 @@ def _two_ranks(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     model, optimizer, scheduler = _built(lora=False, sharded=True)
-    _train_step(model, optimizer, scheduler)
+    train_step(model, optimizer, scheduler)
     for step in (1, 2, 3):
         save_checkpoint(out, step, model, optimizer, scheduler)
     if rank == 0:  # stopped before ``latest`` named step 3

@@ -20,7 +20,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from test_recipes import ROOT, recipe_in_process, weights
+from recipe_runs import ROOT, recipe_in_process, weights
 from trl.trainer.utils import nanstd
 from varied_reward import even_characters
 from wandb_records import wandb_history, wandb_records

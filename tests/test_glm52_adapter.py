@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dispatch_probes import RecordIndexScores, RecordLargestOutput, assert_no_ties_at_k
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -37,32 +38,6 @@ SPARSE_TOPK = 6  # far fewer than the ~50 positions the last queries see
 
 def _ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-class RecordIndexScores(TorchDispatchMode):
-    """Keeps the input of every ``topk`` with ``k == index_topk`` (the indexer's ranking)."""
-
-    def __init__(self, topk: int) -> None:
-        super().__init__()
-        self.topk, self.scores = topk, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.topk.default and args[1] == self.topk:
-            self.scores.append(args[0].detach().clone())
-        return func(*args, **(kwargs or {}))
-
-
-def assert_no_ties_at_k(recorder: RecordIndexScores) -> None:
-    """In every row that sees more than k positions, the k-th and (k+1)-th scores differ."""
-    k, rows = recorder.topk, 0
-    assert recorder.scores, "the reference never ranked index scores"
-    for scores in recorder.scores:
-        ranked = scores.reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values
-        ranked = ranked[torch.isfinite(ranked[:, k])]  # rows with more than k visible keys
-        gap = ranked[:, k - 1] - ranked[:, k]
-        assert (gap > 1e-6 * ranked[:, k - 1].abs().clamp_min(1.0)).all(), "tie at the k-th score"
-        rows += len(ranked)
-    assert rows > 0, "no query saw more than index_topk positions: the case is not sparse"
 
 
 # --- forward equivalence -------------------------------------------------------------------
@@ -217,21 +192,6 @@ def test_sparse_latent_attention_matches_masked_softmax_and_gradcheck(
 
 
 # --- memory: the latent is never expanded --------------------------------------------------
-
-
-class RecordLargestOutput(TorchDispatchMode):
-    """The largest numel among all op outputs while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for out in result if isinstance(result, tuple | list) else (result,):
-            if isinstance(out, torch.Tensor):
-                self.largest = max(self.largest, out.numel())
-        return result
 
 
 @pytest.mark.parametrize("topk", [DENSE_TOPK, SPARSE_TOPK])

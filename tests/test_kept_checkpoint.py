@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from peft import get_peft_model
-from test_checkpoint import _model, _optimizer, _seed_all, _train_step
 from test_checkpoint_faults import LORA
+from tiny_training import optimizer_and_schedule, seed_all, tiny_policy, train_step
 
 from longstraw_core.checkpoint import MANIFEST, StepCheckpoints, load_checkpoint, save_checkpoint
 from longstraw_core.guard import TrainingDiverged
@@ -20,12 +20,12 @@ EXTRA = {"config": {"optim": {"lr": 1e-3}}, "data": {"bytes": 12, "sha256": "ab"
 
 
 def _trained(lora: bool):
-    _seed_all(0)
-    model = _model()
+    seed_all(0)
+    model = tiny_policy()
     if lora:
         model = get_peft_model(model, LORA)
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     return model, optimizer, scheduler
 
 
@@ -45,18 +45,18 @@ def test_the_kept_step_written_later_is_the_checkpoint_saved_then(tmp_path, lora
     assert kept.step_done(*state, data_position=1, extra=EXTRA, write=False) is None
     assert not (tmp_path / "kept").exists()  # kept, not written
     for _ in range(2):  # the next steps change every weight and moment in place
-        _train_step(model, optimizer, scheduler)
+        train_step(model, optimizer, scheduler)
     written = kept.write_kept()  # as a stop signal does, from any thread
     assert written == tmp_path / "kept" / "step-000001"
     assert _hashes(written) == _hashes(saved)  # byte for byte the files saved at step 1
     # The step's own save, when it comes (a stop after that step), finds it written.
     assert kept.step_done(*state, data_position=1, extra=EXTRA, write=True) == written
     assert kept.write_kept() == written
-    _seed_all(1)
-    again = _model()
+    seed_all(1)
+    again = tiny_policy()
     if lora:
         again = get_peft_model(again, LORA)
-    opt, sched = _optimizer(again)
+    opt, sched = optimizer_and_schedule(again)
     info = load_checkpoint(written, again, opt, sched)
     assert info.step == 1 and info.data_position == 1 and info.extra == EXTRA
 

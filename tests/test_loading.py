@@ -32,8 +32,7 @@ import loading_worker as worker
 import pytest
 import torch
 from launch import torchrun_ok
-from test_recipes_distributed import GLM, QWEN, SMALL, tensors
-from test_recipes_pipeline import run
+from recipe_runs import GLM, QWEN, SMALL, run_on_ranks, tensors
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import longstraw_core as ls
@@ -232,7 +231,7 @@ def test_recipe_from_a_checkpoint_trains_like_the_toy_it_was_saved_from(case, tm
     from_path = ["model.tiny=null", "model.tiny_overrides={}", f"model.path={tmp_path / 'weights'}",
                  "tokenizer.path=builtin:bytes"]  # fmt: skip
     for name, extra in (("toy", []), ("loaded", from_path)):
-        run(recipe, config_path, tmp_path / name, *settings, *extra, ranks=2)
+        run_on_ranks(recipe, config_path, tmp_path / name, *settings, *extra, ranks=2)
     got, expected = (tensors(tmp_path / n / "step-000001/model") for n in ("loaded", "toy"))
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():

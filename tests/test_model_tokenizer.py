@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_recipes import recipe_in_process
+from recipe_runs import recipe_in_process
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

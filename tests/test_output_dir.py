@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from fault_runs import CONFIG, RECIPE, ROOT, SMALL, run_env
-from test_checkpoint import _model, _optimizer, _train_step
-from test_recipes import run_recipe
+from recipe_runs import run_recipe
+from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 
 from longstraw_core import output_dir, resume
 from longstraw_core.checkpoint import (
@@ -33,9 +33,9 @@ DEMO = "configs/qwen36/tiny_grpo_cpu.yaml"  # `make demo`'s config
 
 
 def _trained():
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     return model, optimizer, scheduler
 
 
@@ -170,7 +170,10 @@ def test_a_full_disk_at_a_save_is_one_line_with_the_bytes_and_the_last_checkpoin
     assert _snapshot(out) == before and not list(out.glob(".tmp-*"))
     assert resolve_checkpoint("latest", out) == out / "step-000001"
     monkeypatch.delenv(FAILPOINTS)
-    assert load_checkpoint(out, _model(seed=1), *_optimizer(_model(seed=1))).step == 1
+    assert (
+        load_checkpoint(out, tiny_policy(seed=1), *optimizer_and_schedule(tiny_policy(seed=1))).step
+        == 1
+    )
 
 
 @pytest.mark.parametrize("name", ["step-000002", ".tmp-step-000002"])

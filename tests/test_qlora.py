@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_runs import assert_resumed_like_straight, run_recipe, weights
 from reference import (
     assert_grads_close,
+    assigned_recurrent_states,
     detached_reference_logps,
     full_sequence_logps,
     group_reference,
     step_grads,
 )
 from safetensors.torch import load_file
-from test_qwen36_adapter import assigned_recurrent_states
-from test_recipes import run_recipe, weights
 from torch import nn
 
 import longstraw_core as ls
@@ -313,9 +313,8 @@ def test_qlora_recipe_saves_and_resumes_adapters_only(tmp_path: Path) -> None:
     (resumed / "latest").write_text("step-000001\n")
     run_recipe("grpo_qwen36.py", config, resumed, "train.steps=2", "train.resume_from=latest",
                *common)  # fmt: skip
-    first, second = weights(straight / "step-000002"), weights(resumed / "step-000002")
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
-    initial = weights(straight / "step-000001")
-    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
+    assert_resumed_like_straight(
+        weights(straight / "step-000002"),
+        weights(resumed / "step-000002"),
+        weights(straight / "step-000001"),
+    )

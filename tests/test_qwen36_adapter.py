@@ -13,14 +13,13 @@ relative, which the layers above amplify. Measured: log-probs within ~2e-6, grad
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from unittest import mock
 
 import pytest
 import torch
 from reference import (
     assert_grads_close,
+    assigned_recurrent_states,
     detached_reference_logps,
     full_sequence_logps,
     group_reference,
@@ -46,25 +45,6 @@ FLOAT64_GRAD_RTOL = 5e-5
 
 def _ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-@contextlib.contextmanager
-def assigned_recurrent_states() -> Iterator[None]:
-    """transformers' linear-attention cache with the new recurrent state assigned, not copied.
-
-    The cache copies each new state into the cached tensor in place, which the delta rule
-    saved for backward: a cached continuation run with autograd then fails. Only the
-    reference runs under this patch; the adapter never uses the transformers cache.
-    """
-
-    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
-        if not self.is_recurrent_states_initialized[state_idx]:
-            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
-        self.recurrent_states[state_idx] = recurrent_states
-        return recurrent_states
-
-    with mock.patch.object(LinearAttentionLayer, "update_recurrent_state", update_recurrent_state):
-        yield
 
 
 def cache_reference_with_state_leaves(

@@ -7,39 +7,20 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from safetensors.torch import load_file
+from recipe_runs import (
+    FAST,
+    ROOT,
+    assert_resumed_like_straight,
+    run_recipe,
+    train_in_process,
+    weights,
+)
 
 from longstraw_core.config import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-FAST = [
-    "data.prompt_tokens=1024",
-    "rollout.num_generations=4",
-    "rollout.max_new_tokens=6",
-    "train.chunk_size=256",
-    "train.completions_every=1",
-    "rewards=[{name: answer_char_recall, weight: 1.0}]",
-]
-
-
-def run_recipe(recipe: str, config: str, output_dir: Path, *overrides: str, check: bool = True):
-    command = [sys.executable, str(ROOT / "recipes" / recipe), "--config", str(ROOT / config)]
-    command += [*FAST, f"train.output_dir={output_dir}", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{recipe} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    files = sorted(checkpoint.rglob("*.safetensors"))
-    assert files, f"no weights under {checkpoint}"
-    return {k: v for f in files for k, v in load_file(f).items()}
 
 
 @pytest.mark.parametrize(
@@ -108,12 +89,11 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, extra):
     run_recipe("grpo_qwen36.py", config, stopped, "train.steps=4", "train.resume_from=latest",
                *common)  # fmt: skip
 
-    first, second = weights(straight / "step-000004"), weights(stopped / "step-000004")
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
-    initial = weights(straight / "step-000002")
-    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
+    assert_resumed_like_straight(
+        weights(straight / "step-000004"),
+        weights(stopped / "step-000004"),
+        weights(straight / "step-000002"),
+    )
     states = [
         json.loads((run / "step-000004" / "trainer_state.json").read_text())
         for run in (straight, stopped)
@@ -135,30 +115,6 @@ SOLVED = [
 TRL_DATA = ["data.task=null", "data.prompt_tokens=256", "tracking.wandb=false",
             "rollout.num_generations=8", "rollout.max_new_tokens=12", "grpo.gradient=detached",
             "rewards=[{name: 'trl_rewards:solution_char_recall'}]"]  # fmt: skip
-
-
-def train_in_process(recipe: str, config: str, output_dir: Path, *overrides: str) -> Path:
-    """The recipe's own ``Recipe`` (setup, train, cleanup) in this process: what ``main`` runs,
-    without a new interpreter's imports (the entry point itself is tested above)."""
-    recipe_in_process(recipe, config, output_dir, *overrides)
-    return output_dir
-
-
-def recipe_in_process(recipe: str, config: str, output_dir: Path, *overrides: str):
-    """``train_in_process``, returning the finished ``Recipe`` (its model, adapter, logger)."""
-    spec = importlib.util.spec_from_file_location(
-        f"{recipe[:-3]}_in_process", ROOT / "recipes" / recipe
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = load_config(ROOT / config, [*FAST, *overrides, f"train.output_dir={output_dir}"])
-    run = module.Recipe(cfg)
-    run.setup()
-    try:
-        assert run.train() is None
-    finally:
-        run.cleanup()
-    return run
 
 
 @pytest.mark.parametrize(

@@ -16,30 +16,22 @@ from pathlib import Path
 import launch
 import pytest
 import torch
-from safetensors.torch import load_file
+from recipe_runs import (
+    GLM,
+    GROUP,
+    QWEN,
+    ROOT,
+    SMALL,
+    assert_resumed_like_straight,
+    assert_same_optimizer_state,
+    tensors,
+)
 from wandb_records import wandb_history, wandb_records
 
 from longstraw_core import checkpoint, config, models
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
-GROUP = 8
-SMALL = [
-    "data.prompt_tokens=512",  # the passkey task needs ~300 tokens of instructions
-    f"rollout.num_generations={GROUP}",
-    "rollout.max_new_tokens=16",
-    "train.chunk_size=128",  # four prompt chunks: prefill and the exact sweep loop
-    "train.completions_every=0",
-    "tracking.wandb=false",
-    # Partial credit that a random toy sometimes earns: groups with reward variance, so the
-    # steps really move the parameters. vocab_size: only ids the byte tokenizer decodes.
-    "rewards=[{name: answer_char_recall, weight: 1.0}]",
-    "model.tiny_overrides.vocab_size=260",
-    # A stopped run is told train.steps=2: a schedule over the run's length would differ.
-    "optim.scheduler=constant",
-]
-QWEN, GLM = "configs/qwen36/tiny_grpo_cpu.yaml", "configs/glm52/tiny_grpo_cpu.yaml"
 CASES = {  # name: (recipe, config, overrides); LoRA and full weights, both recipes
     "qwen36-full-exact": ("grpo_qwen36.py", QWEN, ["grpo.gradient=exact"]),
     "qwen36-lora-exact": (
@@ -63,21 +55,6 @@ def run_ok(*args, **kwargs) -> str:
     returncode, log = torchrun(*args, **kwargs)
     assert returncode == 0, f"torchrun failed ({returncode}):\n{log[-5000:]}"
     return log
-
-
-def tensors(directory: Path) -> dict[str, torch.Tensor]:
-    files = sorted(directory.glob("*.safetensors"))
-    assert files, f"no weights in {directory}"
-    return {k: v for f in files for k, v in load_file(f).items()}
-
-
-def assert_same_optimizer_state(a: Path, b: Path) -> None:
-    first, second = (torch.load(p / "optimizer.pt", weights_only=True) for p in (a, b))
-    assert first["param_groups"] == second["param_groups"]
-    assert first["state"].keys() == second["state"].keys() and first["state"]
-    for index, state in first["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, second["state"][index][key]), (index, key)
 
 
 @pytest.mark.parametrize(
@@ -136,12 +113,10 @@ def test_resumed_sharded_run_equals_uninterrupted_run(tmp_path, case):
         assert state["step"] == 4 and state["data_position"] == 8  # 4 steps x 2 ranks
         rng_files = {p.name for p in (run / "step-000004").glob("rng*.pt")}
         assert rng_files == {"rng.pt", "rng-rank1.pt"}  # each rank's generators
-    first, second = tensors(straight / "step-000004/model"), tensors(stopped / "step-000004/model")
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
-    initial = tensors(straight / "step-000002/model")
-    assert any(not torch.equal(initial[n], first[n]) for n in first), "training changed nothing"
+    first = tensors(straight / "step-000004/model")
+    assert_resumed_like_straight(
+        first, tensors(stopped / "step-000004/model"), tensors(straight / "step-000002/model")
+    )
     assert_same_optimizer_state(straight / "step-000004", stopped / "step-000004")
 
     # The checkpoint is the single-process layout: peft and an unsharded process load it.

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import launch
 import pytest
 import torch
-from test_recipes_distributed import QWEN, ROOT, SMALL, assert_same_optimizer_state, tensors
+from recipe_runs import (
+    QWEN,
+    ROOT,
+    SMALL,
+    assert_same_optimizer_state,
+    launch_recipe,
+    run_on_ranks,
+    tensors,
+)
 
 from longstraw_core import models
 from longstraw_core.config import load_config
@@ -41,26 +46,6 @@ CASES = {  # name: (recipe, config, overrides, the (stages, ranks) a checkpoint 
     "qwen36-full-exact": ("grpo_qwen36.py", QWEN, ["grpo.gradient=exact"], [(1, 1), (4, 4)]),
 }  # fmt: skip
 # LoRA on stages (and its checkpoints across stage counts) is tests/test_pipeline.py's.
-
-
-def launch_recipe(recipe: str, *args: str, ranks: int) -> tuple[int, str]:
-    """``recipe args`` under torchrun on ``ranks`` ranks, or (``ranks`` = 1) as a plain
-    single process; ``(returncode, log)``."""
-    if ranks > 1:
-        return launch.torchrun(ROOT / "recipes" / recipe, *args, ranks=ranks)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / recipe), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    return done.returncode, done.stdout + done.stderr
-
-
-def run(recipe: str, config_path: str, output_dir: Path, *overrides: str, ranks: int) -> str:
-    """The recipe with the small settings, which must succeed; its log."""
-    args = ["--config", str(ROOT / config_path), *SMALL, f"train.output_dir={output_dir}"]
-    returncode, log = launch_recipe(recipe, *args, *overrides, ranks=ranks)
-    assert returncode == 0, f"run failed ({returncode}):\n{log[-5000:]}"
-    return log
 
 
 def assert_close(
@@ -97,9 +82,13 @@ def optimizer_moments(directory: Path) -> dict[int, dict[str, torch.Tensor]]:
 def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_path, case):
     recipe, config_path, extra, resume_on = CASES[case]
     one, staged, stopped = tmp_path / "one", tmp_path / "staged", tmp_path / "stopped"
-    log = run(recipe, config_path, staged, "train.steps=2", *STAGED, *extra, *EVAL, ranks=2)
+    log = run_on_ranks(
+        recipe, config_path, staged, "train.steps=2", *STAGED, *extra, *EVAL, ranks=2
+    )
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
-    run(recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, *EVAL, ranks=1)
+    run_on_ranks(
+        recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, *EVAL, ranks=1
+    )
     # Eval on two stages: the completions and metrics of one process (after step 1, whose
     # weights agree to float32 rounding; step 2's differ by AdamW's magnification of it).
     assert_same_eval(eval_metrics(staged / "step-000002")[1], eval_metrics(one / "step-000002")[1])
@@ -116,17 +105,17 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
             assert float((saved - value).abs().max()) <= 1e-5 * float(value.abs().max())
 
     # Stopped after step 1 and resumed on two stages: bit-equal to the uninterrupted run.
-    run(recipe, config_path, stopped, "train.steps=1", *STAGED, *extra, *EVAL, ranks=2)
+    run_on_ranks(recipe, config_path, stopped, "train.steps=1", *STAGED, *extra, *EVAL, ranks=2)
     for stages, ranks in resume_on:  # the same step-1 checkpoint, other stage counts
         other = tmp_path / f"resumed-S{stages}"
         shutil.copytree(stopped, other)
         overrides = [f"distributed.pipeline_stages={stages}", "train.save_every=1", ONE_PIECE]
-        run(recipe, config_path, other, "train.steps=2", "train.resume_from=latest",
+        run_on_ranks(recipe, config_path, other, "train.steps=2", "train.resume_from=latest",
             *overrides, *extra, ranks=ranks)  # fmt: skip
         assert_close(tensors(other / "step-000002/model"), final, 1e-3)
         state = json.loads((other / "step-000002" / "trainer_state.json").read_text())
         assert (state["step"], state["data_position"]) == (2, 2)  # one replica: one sample a step
-    run(recipe, config_path, stopped, "train.steps=2", "train.resume_from=latest", *STAGED,
+    run_on_ranks(recipe, config_path, stopped, "train.steps=2", "train.resume_from=latest", *STAGED,
         *extra, *EVAL, ranks=2)  # fmt: skip
     # The eval schedule survives the resume: both steps evaluated, each as uninterrupted.
     assert eval_metrics(stopped / "step-000002") == eval_metrics(staged / "step-000002")
@@ -145,10 +134,10 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     runs a third prompt it drops, as its ranks gather together): the same eval metrics."""
     recipe, overrides = "grpo_qwen36.py", [*STAGED, "grpo.gradient=exact"]
     sharded, averaged, resumed = tmp_path / "fsdp", tmp_path / "averaged", tmp_path / "resumed"
-    log = run(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
+    log = run_on_ranks(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
               *EVAL, ranks=4)  # fmt: skip
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
-    run(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
+    run_on_ranks(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
     assert_same_eval(
         eval_metrics(sharded / "step-000002")[1], eval_metrics(averaged / "step-000002")[1]
     )
@@ -161,7 +150,9 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     shutil.copytree(sharded, resumed)
     shutil.rmtree(resumed / "step-000002")
     (resumed / "latest").unlink(missing_ok=True)
-    run(recipe, QWEN, resumed, "train.steps=2", "train.resume_from=latest", *overrides, ranks=4)
+    run_on_ranks(
+        recipe, QWEN, resumed, "train.steps=2", "train.resume_from=latest", *overrides, ranks=4
+    )
     assert_close(tensors(resumed / "step-000002/model"), final, 1e-3)
 
 
@@ -183,9 +174,9 @@ def test_qlora_on_stages_trains_like_one_process(base, tmp_path):
             "tokenizer.path=builtin:bytes",  # the toy's ids; its directory holds no tokenizer
         ]
     staged, one = tmp_path / "staged", tmp_path / "one"
-    run("grpo_qwen36.py", config_path, staged, *overrides, "distributed.pipeline_stages=2",
+    run_on_ranks("grpo_qwen36.py", config_path, staged, *overrides, "distributed.pipeline_stages=2",
         ranks=2)  # fmt: skip
-    run("grpo_qwen36.py", config_path, one, *overrides, ranks=1)
+    run_on_ranks("grpo_qwen36.py", config_path, one, *overrides, ranks=1)
     adapters = tensors(staged / "step-000001/model")
     assert adapters and all("lora_" in name for name in adapters)  # the base is not saved
     assert any(float(v.abs().max()) > 0 for n, v in adapters.items() if "lora_B" in n)  # moved

@@ -12,9 +12,8 @@ import functools
 
 import pytest
 import torch
+from dispatch_probes import RecordIndexScores, RecordLargestOutput, assert_no_ties_at_k
 from reference import assert_grads_close, full_sequence_logps, step_grads
-from test_glm52_adapter import RecordIndexScores, assert_no_ties_at_k
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
 from longstraw_core.tiny_models import tiny_model
@@ -348,23 +347,6 @@ def test_sampling_options_and_stop_strings_equal_seeded_generate() -> None:
         assert (logps - scaled.gather(-1, response[:, None])[:, 0]).abs().max() <= 1e-5
 
 
-class RecordLargestOutput(TorchDispatchMode):
-    """The largest numel among the outputs of all ops that allocate (not views)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func.is_view:
-            return result
-        for output in result if isinstance(result, tuple | list) else (result,):
-            if isinstance(output, torch.Tensor):
-                self.largest = max(self.largest, output.numel())
-        return result
-
-
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_5_text", "glm_sparse", "glm_dense"])
 def test_the_prefix_is_never_copied(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No op during rollout makes a tensor as large as one layer's prefix keys (or latent):
@@ -379,7 +361,7 @@ def test_the_prefix_is_never_copied(case: str, monkeypatch: pytest.MonkeyPatch) 
         for record in state.layers
         if record.grows_with_prompt
     )
-    recorder = RecordLargestOutput()
+    recorder = RecordLargestOutput(views=False)
     with recorder:
         out = ls.rollout(adapter, state, num_generations=4, max_new_tokens=8)
     assert 0 < recorder.largest < smallest

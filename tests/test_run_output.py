@@ -13,7 +13,7 @@ import pytest
 from accelerate import Accelerator
 from launch import torchrun
 from rich.console import Console
-from test_checkpoint import _model, _optimizer, _train_step
+from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 
 from longstraw_core import metrics as names
 from longstraw_core import models
@@ -102,9 +102,9 @@ def test_a_lora_model_is_built_without_peft_deprecation_noise():
 
 
 def test_a_checkpoint_save_draws_no_progress_bar(tmp_path, capfd):
-    model = _model()
-    optimizer, scheduler = _optimizer(model)
-    _train_step(model, optimizer, scheduler)
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
     capfd.readouterr()
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
     out, err = capfd.readouterr()

@@ -20,13 +20,10 @@ logged metrics are compared:
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from datasets import Dataset
-from trl import GRPOConfig as TRLConfig
 from trl import GRPOTrainer
+from trl_trainer import grpo_args, grpo_trainer
 
 import longstraw_core as ls
 from longstraw_core.grpo_config import LOSS_TYPES
@@ -38,7 +35,6 @@ from longstraw_core.losses import (
     reduce_branch_stats,
 )
 from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
 
 F64 = torch.float64
 G = 4
@@ -51,50 +47,18 @@ PROMPT_LENGTH = 9
 CHUNK = 4  # the exact sweep crosses prefill chunks
 
 
-@pytest.fixture
-def float64_default():
-    """TRL builds its advantage and metric tensors in the default dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(F64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
 def trl_trainer(model, tokenizer, tmp_path, **args) -> GRPOTrainer:
     """TRL's trainer around ``model``. With ``beta > 0`` TRL would load a reference model by
     the model's hub name (a full model has no adapters to disable); the reference log-probs
     come in ``inputs["ref_per_token_logps"]`` here, so ``beta`` is set once it is built (the
     attribute ``_compute_loss`` reads)."""
     beta = args.pop("beta", 0.0)
-    config = TRLConfig(
-        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, seed=0,
-        num_generations=G, per_device_train_batch_size=G, beta=0.0, **args,
+    trainer = grpo_trainer(
+        model, tokenizer, tmp_path, lambda completions, **_: [0.0] * len(completions),
+        ["unused"], num_generations=G, per_device_train_batch_size=G, beta=0.0, **args,
     )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(
-            model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
-            args=config, processing_class=tokenizer,
-            train_dataset=Dataset.from_dict({"prompt": ["unused"]}),
-        )  # fmt: skip
-    trainer.beta = config.beta = beta
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
+    trainer.beta = trainer.args.beta = beta
     return trainer
-
-
-def grpo_args(loss_type: str, **extra) -> dict:
-    args = {"loss_type": loss_type, "max_completion_length": 8, **extra}
-    if loss_type == "cispo":
-        args["epsilon_high"] = 1.2
-    elif loss_type not in ("sapo", "vespo"):
-        args["epsilon_high"] = 0.28
-    return args
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:

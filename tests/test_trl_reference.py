@@ -32,36 +32,20 @@ import warnings
 
 import pytest
 import torch
-from datasets import Dataset
 from reference import full_sequence_logps, with_lora
 from trl import GRPOConfig as TRLConfig
 from trl import GRPOTrainer
+from trl_trainer import grpo_args, grpo_trainer
 
 import longstraw_core as ls
 from longstraw_core.losses import TOKEN_NORMALISED, branch_loss, group_advantages, loss_weights
 from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
 
 F64 = torch.float64
 G = 4
 PROMPTS = ["The cat sat on", "A dog ran past"]  # equal token counts: TRL pads prompts left
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 CHUNK = 4  # prefill chunks of the 14-token prompts: the exact sweep crosses several
-
-
-@pytest.fixture
-def float64_default():
-    """TRL builds its reward and advantage tensors in the default dtype: float64 here, so the
-    comparison is not limited by float32 rewards."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(F64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def lora_model(eos_id: int | None = None) -> torch.nn.Module:
@@ -81,19 +65,10 @@ def trl_trainer(model, tokenizer, tmp_path, rewards=None, **args) -> GRPOTrainer
     def preset_reward(completions, **_):
         return list(rewards[: len(completions)])
 
-    config = TRLConfig(
-        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, seed=0,
-        num_generations=G, per_device_train_batch_size=G * len(PROMPTS), **args,
+    return grpo_trainer(
+        model, tokenizer, tmp_path, preset_reward, PROMPTS, num_generations=G,
+        per_device_train_batch_size=G * len(PROMPTS), **args,
     )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(
-            model=model, reward_funcs=preset_reward, args=config, processing_class=tokenizer,
-            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        )  # fmt: skip
-    trainer.model.train()  # _compute_loss's "train" mode (no dropout in the tiny model)
-    trainer.current_gradient_accumulation_steps = 1  # the Trainer sets it in its loop
-    return trainer
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
@@ -136,16 +111,6 @@ def loss_grid():
     # The older types once each, off-policy, with KL and masking (test_losses holds their grid).
     for loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]:
         yield loss_type, 0.04, "token", True, False
-
-
-def grpo_args(loss_type: str, **extra):
-    """Settings both configs take: cispo needs its cap, dr_grpo its length constant."""
-    args = {"loss_type": loss_type, "max_completion_length": 8, **extra}
-    if loss_type == "cispo":
-        args["epsilon_high"] = 1.2
-    elif loss_type not in ("sapo", "vespo"):
-        args["epsilon_high"] = 0.28
-    return args
 
 
 @pytest.mark.filterwarnings("ignore:loss_type=")
