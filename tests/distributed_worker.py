@@ -295,6 +295,14 @@ def assert_like_one_process(
     assert extremes["loss"] == sharded["reduced"]["loss"]  # the others: op
 
 
+def save_gathered(result: object, path: Path) -> None:
+    """Every rank's ``result``, in rank order, saved by rank 0 at ``path``."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        torch.save(gathered, path)
+
+
 def main(out_dir: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     # A collective that no other rank joins fails after a minute instead of half an hour.
@@ -307,10 +315,7 @@ def main(out_dir: str, names: list[str]) -> None:
             shard_model(adapter)
             rollouts = rollout_group if name == "rollout" else rollout_gathers
             result = rollouts(adapter, rank)
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, result)
-            if rank == 0:
-                torch.save(gathered, out / f"{name}.pt")
+            save_gathered(result, out / f"{name}.pt")
             continue
         if name == "batch-metrics":
             topology = RunTopology(replicas=world_size, replica=rank)
@@ -320,19 +325,13 @@ def main(out_dir: str, names: list[str]) -> None:
                 "rewards-batch": topology.reward_metrics([r for r, _ in mine], "batch"),
                 "completions": topology.completion_metrics([c for _, c in mine]),
             }
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, result)
-            if rank == 0:
-                torch.save(gathered, out / f"{name}.pt")
+            save_gathered(result, out / f"{name}.pt")
             continue
         if name == "generation-batch":
             model, adapter = build(Case("qwen3", "exact"))
             shard_model(adapter)
             mine = generation_groups()[2 * rank : 2 * rank + 2]
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, train_generation(model, adapter, mine))
-            if rank == 0:
-                torch.save(gathered, out / f"{name}.pt")
+            save_gathered(train_generation(model, adapter, mine), out / f"{name}.pt")
             continue
         case = CASES[name]
         model, adapter = build(case)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from trl import GRPOTrainer
-from trl_trainer import grpo_args, grpo_trainer
+from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 
 import longstraw_core as ls
 from longstraw_core.grpo_config import LOSS_TYPES
@@ -162,16 +162,8 @@ def test_branch_losses_with_tool_masks_equal_trl(
     old, ref = drifted(model, prompt, responses, gen)
     advantages = group_advantages(torch.tensor(REWARDS))
     inputs = trl_inputs(prompt, responses, advantages, TOOL, TRUNC, mask_truncated, old, ref)
-    expected_loss = trainer._compute_loss(model, inputs)
-    expected_loss.backward()
+    expected_loss, logps = trl_loss_and_logps(trainer, model, inputs)
     expected = grads_of(model)
-
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(
-        model,
-        torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-        max(LENGTHS),
-    )
     masks = check_loss_masks(TOOL, LENGTHS)
     counts = [sum(m) for m in TOOL]
     weights = loss_weights(LENGTHS, TRUNC, config, loss_tokens=counts)

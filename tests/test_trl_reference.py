@@ -35,7 +35,7 @@ import torch
 from reference import full_sequence_logps, with_lora
 from trl import GRPOConfig as TRLConfig
 from trl import GRPOTrainer
-from trl_trainer import grpo_args, grpo_trainer
+from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 
 import longstraw_core as ls
 from longstraw_core.losses import TOKEN_NORMALISED, branch_loss, group_advantages, loss_weights
@@ -155,18 +155,10 @@ def test_loss_types_equal_trl_compute_loss(
     }
     if not on_policy:
         inputs["old_per_token_logps"] = padded(old)
-    expected_loss = trainer._compute_loss(model, inputs)
-    expected_loss.backward()
-    expected = grads_of(model)
-
     # The same per-token log-probs, from TRL's own function (its float32 log-softmax kernel),
     # cut into branches: what differs is the loss's decomposition alone.
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(
-        model,
-        torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-        torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
-        width,
-    )
+    expected_loss, logps = trl_loss_and_logps(trainer, model, inputs)
+    expected = grads_of(model)
     weights = loss_weights(LENGTHS, TRUNC, config)
     total = 0
     for i, n in enumerate(LENGTHS):

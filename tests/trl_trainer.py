@@ -46,3 +46,20 @@ def grpo_args(loss_type: str, **extra) -> dict:
     elif loss_type not in ("sapo", "vespo"):
         args["epsilon_high"] = 0.28
     return args
+
+
+def trl_loss_and_logps(
+    trainer: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's own ``_compute_loss`` on ``inputs``, backpropagated (its gradients are left in
+    ``model``), and the per-token log-probs its own function (its float32 log-softmax
+    kernel) gives the same completions, ``[G, width]``: what LongStraw's branches replay."""
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        model,
+        torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+        inputs["completion_ids"].shape[1],
+    )
+    return loss, logps
