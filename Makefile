@@ -100,7 +100,7 @@ gpu-wheels:
 # fake tensors with the GPU's kernels (no memory), each stage's tracked peak against the
 # planner's and the 96 GiB budget: docs/benchmarks/scale_check.json. By default each kind of
 # stage's worst (its first in the pipeline); STAGES=all every stage, STAGES=0,3 those (hours
-# on 2 cores; not part of `make test`, whose tests/test_scale_check.py runs reduced
+# on 2 cores; not part of `make test`, whose tests/plan/test_scale_check.py runs reduced
 # real-width versions). RUN=glm52-lora-2.1M one configuration.
 scale-check: $(STAMP)
 	$(PY) -m longstraw_core.scale_check $(if $(RUN),--run $(RUN)) $(if $(STAGES),--stages $(STAGES))

@@ -95,11 +95,11 @@ def inner_total_s() -> int:
 # The test files holding ``gpu``-marked tests: collecting only these keeps the packages other
 # test files import (wandb, datasets) off the GPU machine. ``test_gpu_check`` keeps it whole.
 GPU_TEST_FILES = (
-    "tests/test_attention.py",
-    "tests/test_gpu_emulation.py",
-    "tests/test_offload.py",
-    "tests/test_pinned.py",
-    "tests/test_qwen36_adapter.py",
+    "tests/attention/test_attention.py",
+    "tests/plan/test_gpu_emulation.py",
+    "tests/offload/test_offload.py",
+    "tests/offload/test_pinned.py",
+    "tests/families/test_qwen36_adapter.py",
 )
 # Head dims the GPU kernels take (fla's Gated DeltaNet kernels want 64 and up; flash/SDPA
 # need multiples of 8), on the tiny configs' few layers and small widths.

@@ -117,4 +117,4 @@ def finish(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> None:
         Path(args.result).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # skip gloo's teardown (tests/distributed_worker.py says why)
+    os._exit(0)  # skip gloo's teardown (tests/support/distributed_worker.py says why)

@@ -1,6 +1,8 @@
-"""Shared test settings and fixtures."""
+"""Shared test settings and fixtures (the layout: ``tests/README.md``)."""
 
 import gc
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,14 @@ import torch.distributed as dist
 # Tiny models spend more time synchronising threads than computing; one thread is faster
 # and keeps timings steady when the 2-core CI machine is busy.
 torch.set_num_threads(1)
+
+# The helpers in tests/support are importable by name in this process (pyproject's
+# ``pythonpath``) and in every process the tests start: the ranks torchrun runs (the worker
+# scripts, and test files that run themselves) and the recipes, whose rewards they hold.
+SUPPORT = Path(__file__).resolve().parent / "support"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])
+)
 
 
 @pytest.fixture

@@ -78,8 +78,8 @@ def test_the_inner_limits_fit_inside_the_outer_one():
 
 def test_every_file_with_gpu_tests_is_collected():
     marked = {
-        f"tests/{path.name}"
-        for path in (ROOT / "tests").glob("test_*.py")
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
         if re.search(r"pytest\.mark\.gpu\b", path.read_text())
     }
     marked.discard("tests/test_gpu_check.py")  # names the marker in this test only

@@ -16,7 +16,7 @@ placeholder is passed for it (a prefix segment's backward runs per key chunk, wi
 matching forward call to take it from).
 
 NOTE: what has been run. On CPU, the layouts and argument handling against a plain-torch
-stand-in with the ops' contract (``tests/test_attention.py``). The CUDA ops themselves have
+stand-in with the ops' contract (``tests/attention/test_attention.py``). The CUDA ops themselves have
 NOT run yet: ``make gpu-check`` compares them with the torch backend.
 """
 

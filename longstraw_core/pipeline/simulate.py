@@ -17,7 +17,7 @@ It is a dataflow computation, not a clock-driven one: matching depends only on t
 the streams, so the result does not depend on how the stages are visited. A schedule that
 would hang raises ``ScheduleDeadlock`` naming what every stage waits for. The planner takes
 its time estimate from here (the bubbles of the schedule's real op order), and the tests
-prove each schedule live for many shapes (``tests/test_schedule.py``).
+prove each schedule live for many shapes (``tests/pipeline/test_schedule.py``).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def replay_pieces(
     that bring the replay schedule's idle share (unit costs) to ``target``, at most ``most``.
 
     Starts from ``1F1B``'s bubble, ``(S - 1) / (G P + S - 1)``, which the schedule meets
-    (``tests/test_schedule.py``), then checks by simulation. Depends only on ``stages`` and
+    (``tests/pipeline/test_schedule.py``), then checks by simulation. Depends only on ``stages`` and
     ``branches``, so every rank (and every replica) cuts alike.
     """
     if stages <= 1 or branches < 1:

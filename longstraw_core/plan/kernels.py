@@ -62,7 +62,7 @@ def sparse_attention_scratch(
     d: dict[str, int], tokens: int, batch: int, device: str, state_bytes: int, backward: bool
 ) -> int:
     """``glm52._SparseLatentAttention``'s scratch, block of queries by block, as the code
-    allocates it (checked on fake tensors at GLM-5.2's widths, tests/test_scale_check.py):
+    allocates it (checked on fake tensors at GLM-5.2's widths, tests/plan/test_scale_check.py):
 
     - the gather (``_gather_rows``): the span's and the prefix's rows in the state's dtype and
       their selection, then the selection's float32 copy (``rows``);

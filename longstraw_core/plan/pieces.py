@@ -59,7 +59,7 @@ def replayed_counts(work: Workload) -> list[int]:
 def most_held(stages: int, stage: int, pieces: int, branches: int) -> int:
     """The most piece graphs stage ``stage`` holds in ``replay_orders(stages, [pieces] *
     branches)``: its cap, ``graphs_in_flight``, unless the ``G P`` pieces are fewer. The
-    schedule reaches it (``tests/test_plan_stages.py`` walks the orders); this could live
+    schedule reaches it (``tests/plan/test_plan_stages.py`` walks the orders); this could live
     in ``pipeline/schedule.py``."""
     return min(graphs_in_flight(stages, pieces)[stage], branches * pieces)
 

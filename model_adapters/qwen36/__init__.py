@@ -36,7 +36,7 @@ unpacks, and RoPE is single-axis).
 NOTE: what has been run. The pure-torch path is tested on CPU against the transformers
 models' own forward and their cache. The flash-linear-attention and causal-conv1d calls were
 written from those packages' sources without a GPU (the argument handling is tested on CPU
-with stand-ins); ``tests/test_qwen36_adapter.py`` compares them with the torch path when CUDA
+with stand-ins); ``tests/families/test_qwen36_adapter.py`` compares them with the torch path when CUDA
 and the packages are present.
 
 The family lives in this package, one job per module: ``family`` (its declaration: LoRA

@@ -123,7 +123,7 @@ def graphs_in_flight(
     plus ``lookahead`` per stage after it. The default, ``min(pieces, round trip)``, where the
     round trip is a piece's forward and backward in forward units (3), is the least that
     reaches 1F1B's bubble over every piece, ``(S - 1) / (G P + S - 1)``
-    (``tests/test_schedule.py``); with one piece it is 1F1B's ``S - s``."""
+    (``tests/pipeline/test_schedule.py``); with one piece it is 1F1B's ``S - s``."""
     if lookahead is None:
         round_trip = math.ceil((costs.forward + costs.backward) / costs.forward)
         lookahead = min(pieces, round_trip)

@@ -1,0 +1,136 @@
+"""What a run prints reads right: no value that looks like a bug (``nan``, ``±0.000``), no
+names cut to look alike, nobody else's noise (setuptools, peft, transformers' save bar,
+W&B's own summary), and a config error once, not once per rank."""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from accelerate import Accelerator
+from launch import torchrun
+from rich.console import Console
+from tiny_training import optimizer_and_schedule, tiny_policy, train_step
+
+from longstraw_core import metrics as names
+from longstraw_core import models
+from longstraw_core.checkpoint import save_checkpoint
+from longstraw_core.config import LoraSection, load_config
+from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tracking import RunLogger, log_with
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
+
+
+def _logger(tmp_path: Path, *overrides: str, lines: list[str] | None = None) -> RunLogger:
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", *overrides])
+    accelerator = Accelerator(cpu=True, log_with=log_with(cfg.tracking))
+    write = lines.append if lines is not None else (lambda line: None)
+    return RunLogger.from_config(accelerator, cfg, write=write)
+
+
+def test_a_step_with_nothing_replayed_shows_entropy_as_absent_and_a_small_std_in_full(
+    tmp_path,
+):
+    """A step whose groups all had zero reward variance replays no branch: its entropy is
+    NaN (nothing measured), shown as ``-``; a reward std of 5e-4 is not ``±0.000``."""
+    lines: list[str] = []
+    logger = _logger(tmp_path, "tracking.wandb=false", lines=lines)
+    logger.log(1, {names.REWARD: 0.5, names.REWARD_STD: 0.0, names.ENTROPY: float("nan")})
+    logger.log(2, {names.REWARD: 0.00052, names.REWARD_STD: 5e-4, names.ENTROPY: 5.25})
+    assert lines[0] == "step 1/4  reward 0.500 ±0.000  entropy -"
+    assert lines[1] == "step 2/4  reward 0.00052 ±0.0005  entropy 5.250"
+    wide = Console(file=io.StringIO(), width=200)
+    wide.print(logger.summary_table())
+    (row,) = [line for line in wide.file.getvalue().splitlines() if " entropy " in line]
+    assert "nan" not in row and row.split("│")[2].strip() == "-"  # first: absent, not nan
+
+
+def test_the_summary_table_names_every_metric_in_full_at_80_columns(tmp_path):
+    lines: list[str] = []
+    logger = _logger(tmp_path, "tracking.wandb=false", lines=lines)
+    alike = [
+        names.COMPLETIONS_MEAN_LENGTH, names.COMPLETIONS_MIN_LENGTH,
+        names.COMPLETIONS_MEAN_TERMINATED_LENGTH, names.COMPLETIONS_MIN_TERMINATED_LENGTH,
+        names.STEP_PEAK_MEMORY_BYTES, names.ROLLOUT_TOKENS_PER_SECOND, "state_bytes/full_attention",
+    ]  # fmt: skip
+    for step in (1, 2):
+        logger.log(step, {name: 4.194e6 * step for name in alike})
+    narrow = Console(file=io.StringIO(), width=80)
+    narrow.print(logger.summary_table())
+    rendered = narrow.file.getvalue()
+    assert "…" not in rendered and max(map(len, rendered.splitlines())) <= 80
+    shown: list[str] = []  # the metric column, a name folded over lines joined again
+    for line in rendered.splitlines():
+        cells = line.split("│")
+        if len(cells) != 8:
+            continue
+        if cells[2].strip():  # a row's first line has its numbers
+            shown.append(cells[1].strip())
+        else:
+            shown[-1] += cells[1].strip()
+    assert shown == alike
+
+
+def test_wandb_leaves_the_summary_to_ours(tmp_path, capfd):
+    """W&B prints no history or summary block of its own before our table; the offline
+    run's upload command is kept, in one line."""
+    logger = _logger(tmp_path, "tracking.mode=offline")
+    for step in (1, 2):
+        logger.log(step, {names.LOSS: 0.1 * step, names.REWARD: 0.5})
+    run_dir = logger.run_dir
+    logger.finish()
+    out, err = capfd.readouterr()
+    text = out + err
+    assert "Run history" not in text and "wandb: Run summary" not in text
+    assert f"wandb: to upload this offline run: wandb sync {run_dir}" in text
+    assert "Run summary: steps 1..2" in text  # ours
+
+
+def test_a_lora_model_is_built_without_peft_deprecation_noise():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = models.add_lora(tiny_model("qwen3"), LoraSection(enabled=True, r=4))
+    assert model.peft_config  # adapters on
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):  # elsewhere it stays
+        tiny_model("qwen3").is_gradient_checkpointing  # noqa: B018
+
+
+def test_a_checkpoint_save_draws_no_progress_bar(tmp_path, capfd):
+    model = tiny_policy()
+    optimizer, scheduler = optimizer_and_schedule(model)
+    train_step(model, optimizer, scheduler)
+    capfd.readouterr()
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err and "it/s" not in out + err
+
+
+def test_the_package_installs_without_setuptools_warnings():
+    """`pip install -e .` reads pyproject.toml through setuptools: a deprecated field (the
+    license as a table) warns at every install."""
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.multiprocess
+def test_a_config_error_under_torchrun_prints_once_and_is_the_launchers_root_cause():
+    returncode, log = torchrun(ROOT / "recipes" / "grpo_qwen36.py", "train.stepz=3", ranks=2)
+    assert returncode != 0
+    ours = [line for line in log.splitlines() if line.startswith("config error:")]
+    assert len(ours) == 1 and ours[0].startswith("config error: train.stepz: unknown key")
+    # torchrun's own failure summary quotes the line as the root cause (the ranks' error
+    # file), instead of a link to how to record one.
+    root_cause = log.split("Root Cause", 1)[1]
+    assert re.search(r"traceback\s*: config error: train.stepz: unknown key", root_cause), log
+    assert "To enable traceback" not in log

@@ -1,0 +1,160 @@
+"""Run logging: an offline W&B run records our metrics, config and table; disabled mode works."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from rich.console import Console
+from wandb_records import wandb_config, wandb_history, wandb_records
+
+from longstraw_core import metrics as names
+from longstraw_core.config import load_config, to_dict
+from longstraw_core.progress import StepProgress
+from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
+
+
+def test_offline_wandb_run_records_metrics_config_and_completions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path}", "train.steps=3"])
+    assert log_with(cfg.tracking) == ["wandb"]
+    accelerator = Accelerator(cpu=True, log_with=log_with(cfg.tracking))
+    lines: list[str] = []
+    logger = RunLogger.from_config(accelerator, cfg, completions_every=2, write=lines.append)
+    run_dir = logger.run_dir
+    assert run_dir is not None and tmp_path in run_dir.parents
+
+    for step in (1, 2, 3):
+        metrics = {
+            "reward": 0.25 * step,
+            "reward_std": torch.tensor(0.5),
+            "loss": 1.0 / step,
+            "time": {"prefill": 2.0, "step": 3.0},
+            "state_bytes": {"linear_attention": 1024, "full_attention": 4096},
+        }
+        logger.log(step, metrics)
+        rows = [{"prompt": "x" * 10_000, "completion": f"<answer>{step}</answer>", "reward": 1.0}]
+        logged = logger.log_completions(step, rows * 2)
+        assert logged == (step == 2)
+    logger.finish(print_summary=False)
+
+    assert len(lines) == 3 and lines[0].startswith("step 1/3") and "reward 0.250" in lines[0]
+    records = wandb_records(next(run_dir.glob("run-*.wandb")))
+    steps = wandb_history(records)
+    assert steps[3]["loss"] == pytest.approx(1 / 3) and steps[1]["reward"] == 0.25
+    assert steps[2]["time/prefill"] == 2.0 and steps[2]["state_bytes/full_attention"] == 4096
+    assert steps[2]["completions/_type"] == "table-file"
+    config = wandb_config(records)
+    assert config["rollout"]["num_generations"] == cfg.rollout.num_generations
+    assert config["model"] == to_dict(cfg)["model"]
+    (table,) = run_dir.glob("files/media/table/completions_2_*.table.json")
+    cells = json.loads(table.read_text())
+    assert cells["columns"] == ["prompt", "completion", "reward"] and len(cells["data"]) == 2
+    assert len(cells["data"][0][0]) < 5000  # a long prompt is clipped, head and tail
+
+
+@pytest.mark.parametrize("switch", ["tracking.wandb=false", "tracking.mode=disabled"])
+def test_disabled_tracking_still_logs_to_the_console(
+    tmp_path: Path, switch: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", switch])
+    assert log_with(cfg.tracking) is None
+    accelerator = Accelerator(cpu=True, log_with=log_with(cfg.tracking))
+    lines: list[str] = []
+    logger = RunLogger.from_config(accelerator, cfg, write=lines.append)
+    assert logger.run_dir is None
+    for step in (1, 2):
+        logger.log(step, {"reward": 0.5, "loss": 0.1 * step, "step_peak_memory_bytes": 2**30})
+    assert not logger.log_completions(2, [{"completion": "hi"}])
+    logger.finish()
+    assert "peak 1.00 GiB" in lines[0]
+    table = capsys.readouterr().out
+    assert "Run summary" in table and "loss" in table and "0.2" in table
+    assert not (tmp_path / "run").exists()  # nothing written: no W&B directory
+    resumed = RunLogger.from_config(accelerator, cfg, write=lines.append)
+    resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))  # via trainer_state.json
+    assert resumed.history == logger.history
+
+
+def test_step_line_shows_length_throughput_and_peak_memory(tmp_path: Path) -> None:
+    """Every key of the step line is a name the recipes emit (``longstraw_core.metrics``)."""
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false"])
+    lines: list[str] = []
+    logger = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lines.append)
+    step_metrics = {
+        names.REWARD: 0.5,
+        names.REWARD_STD: 0.25,
+        names.LOSS: 0.01,
+        names.ENTROPY: 5.2,
+        names.COMPLETIONS_MEAN_LENGTH: 11.6,
+        names.ROLLOUT_TOKENS_PER_SECOND: 12345.6,
+        names.STEP_PEAK_MEMORY_BYTES: 3 * 2**30,
+        names.STEP_SECONDS: 1.25,
+    }
+    logger.log(1, step_metrics)
+    eval_metrics = {names.EVAL_GREEDY_ACCURACY: 0.25, "eval/pass@8": 0.75, "eval/pass@1": 0.5}
+    logger.log(2, step_metrics | eval_metrics)  # an eval step
+    line = "reward 0.500 ±0.250  loss 0.01  entropy 5.200  len 12  tok/s 12,346  peak 3.00 GiB"
+    assert lines == [
+        f"step 1/{cfg.train.steps}  {line}  step 1.2s",
+        f"step 2/{cfg.train.steps}  {line}  step 1.2s  eval greedy 0.250  pass@8 0.750  "
+        "pass@1 0.500",
+    ]
+    shown = {key for key, _, _ in names.STEP_LINE}
+    assert shown == step_metrics.keys() | {
+        names.KL,
+        names.EVAL_GREEDY_ACCURACY,
+        names.EVAL_PASS_AT_K,
+    }
+    wide = Console(file=io.StringIO(), width=200)  # an 80-column terminal clips the names
+    wide.print(logger.summary_table())
+    table = wide.file.getvalue()
+    for key in ("completions/mean_length", "rollout_tokens_per_second", "step_peak_memory_bytes"):
+        assert key in table
+
+
+def test_num_tokens_is_the_running_total_and_resumes(tmp_path: Path) -> None:
+    """TRL's num_tokens counts every token seen so far: each step reports its own count, the
+    logger logs the sum, and a logger restored from a checkpoint continues it."""
+    cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false"])
+    logger = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lambda line: None)
+    assert logger.log(1, {names.NUM_TOKENS: 100.0})[names.NUM_TOKENS] == 100.0
+    assert logger.log(2, {names.LOSS: 0.5})[names.LOSS] == 0.5  # a step without the count
+    assert logger.log(3, {names.NUM_TOKENS: 40.0})[names.NUM_TOKENS] == 140.0
+    resumed = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lambda line: None)
+    resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))
+    assert resumed.log(4, {names.NUM_TOKENS: 10.0})[names.NUM_TOKENS] == 150.0
+
+
+def test_wandb_on_without_the_tracker_in_accelerate_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="log_with"):
+        RunLogger(Accelerator(cpu=True), output_dir=tmp_path, wandb=True, mode="offline")
+
+
+def test_flatten_metrics_names_what_it_cannot_log() -> None:
+    flat = flatten_metrics({"a": {"b": torch.tensor(2.0), "c": None}, "d": True, "e": 3})
+    assert flat == {"a/b": 2.0, "d": 1.0, "e": 3.0}
+    with pytest.raises(TypeError, match="'a/s'"):
+        flatten_metrics({"a": {"s": "text"}})
+
+
+def test_step_progress_times_each_phase() -> None:
+    progress = StepProgress(total_steps=2, enabled=False)
+    with progress.phase("prefill"):
+        assert progress.current == "prefill"
+    with progress.phase("replay"):
+        pass
+    timings = progress.step_done()
+    assert set(timings) == {"time/prefill", "time/replay", "time/step"}
+    assert timings["time/step"] >= timings["time/prefill"] + timings["time/replay"]
+    assert progress.step_done().keys() == {"time/step"} and progress.steps_done == 2
+    progress.close()
