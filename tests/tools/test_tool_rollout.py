@@ -236,8 +236,8 @@ def _toolset(tool: str = "lookup", iterations: int | None = None) -> ToolSet:
     """The config's tools: ``lookup``, ``async_lookup`` or the ``Vault`` environment."""
     environment = tool == "Vault"
     section = RolloutSection(
-        tools=[] if environment else [f"tests.test_tool_rollout:{tool}"],
-        environment="tests.test_tool_rollout:Vault" if environment else None,
+        tools=[] if environment else [f"tests.tools.test_tool_rollout:{tool}"],
+        environment="tests.tools.test_tool_rollout:Vault" if environment else None,
         max_tool_calling_iterations=iterations,
     )
     return ToolSet.load(section)

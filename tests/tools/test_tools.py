@@ -155,15 +155,15 @@ def _toolset(functions=(), environment=None, **kw) -> ToolSet:
 def test_schemas_are_transformers_own_in_trls_order(tmp_path: Path) -> None:
     cfg = load_config(
         AGENT,
-        ["rollout.tools=[tests.test_tools:multiply,tests.test_tools:fetch]",
-         "rollout.environment=tests.test_tools:Counter"],
+        ["rollout.tools=[tests.tools.test_tools:multiply,tests.tools.test_tools:fetch]",
+         "rollout.environment=tests.tools.test_tools:Counter"],
         check_paths=False,
     )  # fmt: skip
     toolset = ToolSet.load(cfg.rollout)
     env = Counter()
     assert toolset.schemas == [get_json_schema(f) for f in (multiply, fetch, env.add, env.peek)]
     assert toolset.names == ["multiply", "fetch", "add", "peek"]
-    # (pytest imports this file as test_tools, the config names it tests.test_tools)
+    # (pytest imports this file as test_tools, the config names it tests.tools.test_tools)
     assert toolset.environment.__qualname__ == "Counter" == toolset.environment_name
     assert toolset.max_iterations == 2 and toolset.timeout == 60.0
     assert list(toolset.branch_tools(env)) == toolset.names
