@@ -1,8 +1,8 @@
 """GRPO on long prompts for GLM-5.2 (MLA + DSA sparse attention + MoE), LongStraw style.
 
 Why this recipe: GLM-5.2 keeps per prompt token only a compressed latent (``c_kv`` + roped
-``k_pe``, ~50x smaller than expanded per-head K/V) and its DSA indexer keys, so its prefix
-state is the smallest of any architecture here. Each step
+``k_pe``, ~50x smaller than per-head K/V) and DSA indexer keys: the smallest prefix state here.
+Each step
 
 1. prefills the prompt once, without autograd, into that latent state (never expanded per
    head: attention runs in latent space by absorbing ``kv_b_proj``);
@@ -83,23 +83,18 @@ class Recipe(training.Session):
                 except training.NonFiniteError as error:  # raised on every rank at once
                     yield from self.skip_rollout(str(error))
                     return
-                # text; with tools each branch's messages (TRL's), tool results in them
-                completions = group.completions(out, turns, self.adapter)
+                completions = group.completions(out, turns, self.adapter)  # text; tools: messages
                 with self.progress.phase("reward"):  # TRL's call: prompts, completions, ids
                     self.trainer_state.global_step = self.step
                     ids = [response.tolist() for response in out.responses]
-                    scored = self.rewards(completions, [group.sample] * len(completions),
-                                          completion_ids=ids, trainer_state=self.trainer_state,
-                                          **group.reward_kwargs)  # fmt: skip
+                    scored = self.rewards(completions, [group.sample] * len(ids), completion_ids=ids,
+                                          trainer_state=self.trainer_state, **group.reward_kwargs)  # fmt: skip
                 if training.any_rank(scored.all_failed):
                     yield from self.skip_rollout("every reward function failed on every completion")
                     return
-                sizes, tools = training.state_bytes(state), group.tool_counts
-                rollouts.append(
-                    training.Rollout(group.sample, out, completions, scored, sizes, tools)
-                )
-                # Advantages: this group's share of the step's loss (tool results masked out
-                # of it); None: its replay waits.
+                rollouts.append(training.Rollout(group.sample, out, completions, scored,
+                                                 training.state_bytes(state), group.tool_counts))  # fmt: skip
+                # its share of the step's loss (tool results masked out); None: replay waits
                 if batch.add(group.prompt_ids, out.responses, scored.rewards, out.truncated,
                              loss_masks=out.loss_masks) is not None:  # fmt: skip
                     results[k] = self.replay(batch, k, state)

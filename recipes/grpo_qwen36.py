@@ -82,23 +82,18 @@ class Recipe(training.Session):
                 except training.NonFiniteError as error:  # raised on every rank at once
                     yield from self.skip_rollout(str(error))
                     return
-                # text; with tools each branch's messages (TRL's), tool results in them
-                completions = group.completions(out, turns, self.adapter)
+                completions = group.completions(out, turns, self.adapter)  # text; tools: messages
                 with self.progress.phase("reward"):  # TRL's call: prompts, completions, ids
                     self.trainer_state.global_step = self.step
                     ids = [response.tolist() for response in out.responses]
-                    scored = self.rewards(completions, [group.sample] * len(completions),
-                                          completion_ids=ids, trainer_state=self.trainer_state,
-                                          **group.reward_kwargs)  # fmt: skip
+                    scored = self.rewards(completions, [group.sample] * len(ids), completion_ids=ids,
+                                          trainer_state=self.trainer_state, **group.reward_kwargs)  # fmt: skip
                 if training.any_rank(scored.all_failed):
                     yield from self.skip_rollout("every reward function failed on every completion")
                     return
-                sizes, tools = training.state_bytes(state), group.tool_counts
-                rollouts.append(
-                    training.Rollout(group.sample, out, completions, scored, sizes, tools)
-                )
-                # Advantages: this group's share of the step's loss (tool results masked out
-                # of it); None: its replay waits.
+                rollouts.append(training.Rollout(group.sample, out, completions, scored,
+                                                 training.state_bytes(state), group.tool_counts))  # fmt: skip
+                # its share of the step's loss (tool results masked out); None: replay waits
                 if batch.add(group.prompt_ids, out.responses, scored.rewards, out.truncated,
                              loss_masks=out.loss_masks) is not None:  # fmt: skip
                     results[k] = self.replay(batch, k, state)
