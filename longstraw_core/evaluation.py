@@ -31,7 +31,8 @@ Metrics (``longstraw_core.metrics``; TRL has no accuracy metric, so these are Lo
   transformers' W&B callback shows as ``eval/...``): ``eval/reward``, ``eval/reward_std``,
   ``eval/rewards/<func>/mean|std``, ``eval/frac_reward_zero_std`` (a prompt's k completions
   are its group) and ``eval/completions/*``, over all eval completions at once (TRL averages
-  its eval batches' values); absent with ``eval.num_generations=0``.
+  its eval batches' values), and in an agent run ``eval/tools/*``; absent with
+  ``eval.num_generations=0``.
 
 It changes nothing of the training: the model runs in eval mode (dropout off, as TRL's
 ``evaluate``) under ``no_grad`` and goes back to train mode; the global RNG states (torch CPU
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
     from longstraw_core.offload import OffloadPolicy
     from longstraw_core.pipeline.topology import RunTopology
     from longstraw_core.rewards.inputs import Completion
-    from longstraw_core.tools import Agents
+    from longstraw_core.tools import Agents, ToolOutcome
 
 # Eval seeds sit far above the training rollouts' (train.seed * 1_000_003 + sample index).
 EVAL_SEED_OFFSET = 1 << 40
@@ -107,6 +108,7 @@ class PromptEval:
     scored: RewardResult | None = None
     lengths: list[int] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
+    tool_counts: tuple[int, int] | None = None  # an agent run's: the k samples' calls, failures
 
 
 @dataclass
@@ -146,6 +148,10 @@ def eval_metrics(prompts: Sequence[PromptEval], correct_reward: float) -> dict[s
     truncated = [cut for p in prompts for cut in p.truncated]
     trl = reward_metrics([p.scored for p in prompts])
     trl |= names.completion_metrics(lengths, truncated)
+    counts = [p.tool_counts for p in prompts if p.tool_counts is not None]
+    if counts:  # TRL's tools/* of its eval completions
+        calls, failures = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        trl |= names.tool_metrics(calls, failures, len(lengths))
     logged: dict[str, list[float]] = {}
     for p in prompts:  # what reward functions logged with log_metric
         for name, values in p.scored.logged_metrics.items():
@@ -337,7 +343,12 @@ class Evaluation:
             scored=sampled,
             lengths=[int(m.sum()) for m in outs[1].loss_masks] if k else [],  # policy's tokens
             truncated=outs[1].truncated if k else [],
+            tool_counts=_counts(group.outcomes[-1]) if k and group.outcomes else None,
         )
+
+
+def _counts(outcome: ToolOutcome) -> tuple[int, int]:
+    return outcome.calls, outcome.failures
 
 
 @contextmanager

@@ -12,7 +12,8 @@ branches follow the scripts, so the run's numbers are known in advance:
   1 and 2 lookups) and the reward functions given each branch's messages and environment;
 - ``completions/mean_length`` counts the policy's tokens only (the scripts' assistant turns);
 - the completions table shows each turn: the call, the tool's result, the answer;
-- eval runs the same tool loop (greedy): ``eval/greedy_reward`` = the mean of 1 + lookups;
+- eval runs the same tool loop (greedy and 2 samples): ``eval/greedy_reward`` = the mean of
+  1 + lookups, ``eval/tools/*`` as in training;
 - on two pipeline stages (the last stage runs the tools and sends the outcome, environments
   included) and on two FSDP replicas (each its own row; counts summed over the replicas)
   the run logs one process's numbers.
@@ -98,7 +99,7 @@ def agent_run(agent, tmp_path_factory):  # noqa: F811
         optim: {{lr: 1.0e-4, scheduler: constant}}
         train: {{steps: 1, prompts_per_step: 2, chunk_size: 256, completions_every: 1,
                  save_every: 1, seed: 0}}
-        eval: {{every: 1, data: {{path: {root / "rows.jsonl"}}}, num_generations: 0}}
+        eval: {{every: 1, data: {{path: {root / "rows.jsonl"}}}, num_generations: 2}}
         tracking: {{wandb: true, mode: offline}}
     """
     (root / "agent.yaml").write_text(textwrap.dedent(config))
@@ -139,6 +140,8 @@ def test_recipe_trains_an_agent_with_trls_tool_metrics(one_process):
     assert metrics["completions/mean_length"] == pytest.approx(sum(lengths.values()) / 2)
     assert metrics["completions/max_length"] == max(lengths.values())
     assert metrics["eval/greedy_reward"] == pytest.approx(2.5)  # the same tool loop, greedy
+    assert metrics["eval/tools/call_frequency"] == pytest.approx(6 / 4)  # and sampled
+    assert metrics["eval/tools/failure_frequency"] == pytest.approx(2 / 6)
     (run_file,) = out.glob("**/run-*.wandb")
     assert wandb_history(wandb_records(run_file))[1]["tools/call_frequency"] == 1.5
     (table,) = out.glob("**/files/media/table/completions_*.table.json")
@@ -166,7 +169,7 @@ def test_agent_run_on_two_ranks_logs_one_process_numbers(agent_run, one_process,
     one, _ = one_process
     two, _ = run_metrics(agent_run, f"two-{layout[0].split('.')[1]}", *layout, ranks=2)
     for key in ("tools/call_frequency", "tools/failure_frequency", "reward",
-                "rewards/CountingVault/mean", "completions/mean_length", "eval/greedy_reward"):  # fmt: skip
+                "rewards/CountingVault/mean", "completions/mean_length", "eval/greedy_reward", "eval/tools/call_frequency"):  # fmt: skip
         assert two[key] == pytest.approx(one[key], rel=1e-6), key
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-7)
 
