@@ -22,6 +22,7 @@ branches follow the scripts, so the run's numbers are known in advance:
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -182,3 +183,15 @@ def test_unpicklable_environment_on_stages_stops_every_rank_with_the_fix(agent_r
     assert returncode != 0
     assert "training stopped: rollout.environment" in log and "cannot be pickled" in log
     assert "lock" in log  # pickle's own reason, named
+
+
+def test_data_scan_counts_the_tools_schemas_in_the_prompt(agent_run):
+    """The prompts render with the tools' system prompt (~350 tokens here): a limit the bare
+    question fits is refused at the scan, before the model loads, naming the key."""
+    args = ["--config", str(agent_run / "agent.yaml"), f"train.output_dir={agent_run / 'scan'}",
+            "data.prompt_tokens=200", "eval.every=0"]  # fmt: skip
+    returncode, log = launch_recipe("grpo_qwen36.py", *args, ranks=1)
+    assert returncode != 0
+    assert "all 2 prompts are longer than data.prompt_tokens=200" in log
+    shortest = int(re.search(r"at least (\d+) to keep any", log).group(1))
+    assert shortest > 300  # the bare questions are ~30 tokens; the schema makes the rest
