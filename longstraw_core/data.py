@@ -253,7 +253,11 @@ class SampleSource:
 
 
 def sample_source(
-    data: DataSection, tokenizer: PreTrainedTokenizerBase, *, progress: bool | None = None
+    data: DataSection,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    progress: bool | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> SampleSource:
     """Sample ``i`` of a run's data, the same whatever came before (so runs resume exactly).
 
@@ -261,8 +265,12 @@ def sample_source(
     first (``scan_samples``), so call this before building the model: a bad record or an
     overlong prompt then fails before any weight loads. ``progress``: the scan's tqdm bar
     (None: only on a terminal; pass False on ranks other than the main one).
+    ``template_kwargs``: the prompts' ``apply_chat_template`` keywords when they are more than
+    ``data.chat_template_kwargs`` (an agent run's tools: ``tools.Agents.template_kwargs``).
     """
-    template_kwargs = dict(data.chat_template_kwargs)
+    template_kwargs = dict(
+        data.chat_template_kwargs if template_kwargs is None else template_kwargs
+    )
     if data.task is not None:
         generate = functools.partial(
             _task_sample, data.task, tokenizer, data.prompt_tokens, data.seed, data.depth,

@@ -31,7 +31,8 @@ Metrics (``longstraw_core.metrics``; TRL has no accuracy metric, so these are Lo
   transformers' W&B callback shows as ``eval/...``): ``eval/reward``, ``eval/reward_std``,
   ``eval/rewards/<func>/mean|std``, ``eval/frac_reward_zero_std`` (a prompt's k completions
   are its group) and ``eval/completions/*``, over all eval completions at once (TRL averages
-  its eval batches' values); absent with ``eval.num_generations=0``.
+  its eval batches' values), and in an agent run ``eval/tools/*``; absent with
+  ``eval.num_generations=0``.
 
 It changes nothing of the training: the model runs in eval mode (dropout off, as TRL's
 ``evaluate``) under ``no_grad`` and goes back to train mode; the global RNG states (torch CPU
@@ -67,9 +68,9 @@ from longstraw_core import metrics as names
 from longstraw_core.config import RunConfig, eval_data, eval_generations, eval_max_new_tokens
 from longstraw_core.data import DataError, SampleSource, sample_source
 from longstraw_core.guard import NonFiniteError
+from longstraw_core.prompt_group import PromptGroup
 from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics
 from longstraw_core.rollout import rollout
-from longstraw_core.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -77,6 +78,8 @@ if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.offload import OffloadPolicy
     from longstraw_core.pipeline.topology import RunTopology
+    from longstraw_core.rewards.inputs import Completion
+    from longstraw_core.tools import Agents, ToolOutcome
 
 # Eval seeds sit far above the training rollouts' (train.seed * 1_000_003 + sample index).
 EVAL_SEED_OFFSET = 1 << 40
@@ -91,20 +94,21 @@ def eval_seed(train_seed: int, index: int) -> int:
 class PromptEval:
     """One eval prompt's completions and rewards: what the metrics are computed from.
 
-    ``greedy``: the greedy completion's text, ``greedy_reward`` its weighted reward.
-    ``samples``: the k sampled completions' texts; ``scored`` their rewards (a
-    ``RewardResult`` without prompts and completions, which may be long); ``lengths`` and
-    ``truncated`` as the rollout returned them.
+    ``greedy``: the greedy completion (text, or an agent's messages), ``greedy_reward`` its
+    weighted reward. ``samples``: the k sampled completions; ``scored`` their rewards (a
+    ``RewardResult`` without prompts and completions, which may be long); ``lengths`` (the
+    policy's tokens: an agent's tool results left out, as TRL counts) and ``truncated``.
     """
 
     index: int
     sample_id: str
-    greedy: str
+    greedy: Completion  # text, or with tools the branch's messages (TRL's completion)
     greedy_reward: float
-    samples: list[str] = field(default_factory=list)
+    samples: list[Completion] = field(default_factory=list)
     scored: RewardResult | None = None
     lengths: list[int] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
+    tool_counts: tuple[int, int] | None = None  # an agent run's: the k samples' calls, failures
 
 
 @dataclass
@@ -144,6 +148,10 @@ def eval_metrics(prompts: Sequence[PromptEval], correct_reward: float) -> dict[s
     truncated = [cut for p in prompts for cut in p.truncated]
     trl = reward_metrics([p.scored for p in prompts])
     trl |= names.completion_metrics(lengths, truncated)
+    counts = [p.tool_counts for p in prompts if p.tool_counts is not None]
+    if counts:  # TRL's tools/* of its eval completions
+        calls, failures = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        trl |= names.tool_metrics(calls, failures, len(lengths))
     logged: dict[str, list[float]] = {}
     for p in prompts:  # what reward functions logged with log_metric
         for name, values in p.scored.logged_metrics.items():
@@ -172,6 +180,7 @@ class Evaluation:
         *,
         count: int = 0,
         progress: bool | None = None,
+        agents: Agents | None = None,
     ) -> None:
         self.cfg = cfg
         self.source = source
@@ -179,6 +188,8 @@ class Evaluation:
         self.topology = topology
         self.count = count  # prompts per eval
         self.progress = progress
+        self.agents = agents  # an agent run's tools: eval's branches call them as training's
+        self.template_kwargs = agents.template_kwargs if agents else cfg.data.chat_template_kwargs
         self.last: EvalReport | None = None
 
     @classmethod
@@ -189,14 +200,18 @@ class Evaluation:
         topology: RunTopology,
         *,
         progress: bool | None = None,
+        agents: Agents | None = None,
     ) -> Evaluation:
         """With ``eval.every > 0``: ``eval.data`` scanned as ``data`` is (every row converted
         and tokenized, overlong prompts refused or skipped), and ``eval.samples`` checked
         against what it holds. Raises ``DataError`` naming ``eval.data`` or ``eval.samples``."""
         if not cfg.eval.every:
-            return cls(cfg, None, tokenizer, topology)
+            return cls(cfg, None, tokenizer, topology, agents=agents)
+        kwargs = agents.template_kwargs if agents else None
         try:
-            source = sample_source(eval_data(cfg), tokenizer, progress=progress)
+            source = sample_source(
+                eval_data(cfg), tokenizer, progress=progress, template_kwargs=kwargs
+            )
         except DataError as error:
             raise DataError(f"eval.data: {error}") from None
         count = cfg.eval.samples if cfg.eval.samples is not None else source.size
@@ -205,7 +220,7 @@ class Evaluation:
                 f"eval.samples={count} but eval.data ({source.origin}) holds {source.size} "
                 f"prompts: set eval.samples to at most {source.size}, or null for all of them"
             )
-        return cls(cfg, source, tokenizer, topology, count=count, progress=progress)
+        return cls(cfg, source, tokenizer, topology, count=count, progress=progress, agents=agents)
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after optimizer step ``step``: every ``eval.every`` steps and
@@ -273,14 +288,15 @@ class Evaluation:
     ) -> PromptEval:
         """Prefill eval prompt ``index``, decode greedily and sample k, score all k + 1."""
         cfg, r = self.cfg, self.cfg.rollout
-        sample = self.source(index)
-        prompt_ids = torch.tensor(
-            encode_prompt(self.tokenizer, sample.prompt, cfg.data.chat_template_kwargs)
-        )
-        state = adapter.prefill(
-            prompt_ids, chunk_size=cfg.train.chunk_size, progress=self.progress, offload=offload
-        )
         k, new = eval_generations(cfg), eval_max_new_tokens(cfg)
+        group = PromptGroup.build(
+            self.source(index), 1 + k, self.tokenizer, self.template_kwargs, self.agents
+        )
+        sample = group.sample
+        state = adapter.prefill(
+            group.prompt_ids, chunk_size=cfg.train.chunk_size, progress=self.progress,
+            offload=offload,
+        )  # fmt: skip
         common = {
             "repetition_penalty": r.repetition_penalty,
             "eos_token_ids": [self.tokenizer.eos_token_id],
@@ -290,22 +306,27 @@ class Evaluation:
             "progress": self.progress,
             "gather_parameters": gather_parameters,
         }
-        outs = [rollout(adapter, state, 1, new, temperature=0.0, **common)]
+        # the greedy branch, then k sampled: with tools, branch 0's tool loop, then 1..k's
+        turns = group.tool_turns(slice(0, 1))
+        outs = [rollout(adapter, state, 1, new, temperature=0.0, turns=turns, **common)]
+        texts = group.completions(outs[0], turns, adapter)
         if k:
+            turns = group.tool_turns(slice(1, None))
             outs.append(
                 rollout(
                     adapter, state, k, new, temperature=r.temperature, top_p=r.top_p,
-                    top_k=r.top_k, min_p=r.min_p, **common,
+                    top_k=r.top_k, min_p=r.min_p, turns=turns, **common,
                 )
             )  # fmt: skip
+            texts += group.completions(outs[1], turns, adapter)
         del state
         responses = [response for out in outs for response in out.responses]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         scored = rewards(
             texts,
             [sample] * len(texts),
             completion_ids=[response.tolist() for response in responses],
             trainer_state=TrainerState(global_step=step, max_steps=cfg.train.steps),
+            **group.reward_kwargs,
         )
         sampled = RewardResult(
             scored.names,
@@ -320,9 +341,14 @@ class Evaluation:
             greedy_reward=scored.rewards[0],
             samples=texts[1:],
             scored=sampled,
-            lengths=[len(response) for response in responses[1:]],
+            lengths=[int(m.sum()) for m in outs[1].loss_masks] if k else [],  # policy's tokens
             truncated=outs[1].truncated if k else [],
+            tool_counts=_counts(group.outcomes[-1]) if k and group.outcomes else None,
         )
+
+
+def _counts(outcome: ToolOutcome) -> tuple[int, int]:
+    return outcome.calls, outcome.failures
 
 
 @contextmanager

@@ -68,6 +68,8 @@ COMPLETIONS_MAX_TERMINATED_LENGTH = "completions/max_terminated_length"
 # completion counting its prompt (as TRL's batch holds it). The recipes report each step's
 # count; RunLogger logs the running total (RUNNING_TOTALS; a resumed run continues it).
 NUM_TOKENS = "num_tokens"
+TOOLS_CALL_FREQUENCY = "tools/call_frequency"
+TOOLS_FAILURE_FREQUENCY = "tools/failure_frequency"
 RUNNING_TOTALS = (NUM_TOKENS,)
 
 # --- the recipes ----------------------------------------------------------------------------
@@ -126,6 +128,16 @@ def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dic
         COMPLETIONS_MEAN_TERMINATED_LENGTH: sum(ended) / len(ended),
         COMPLETIONS_MIN_TERMINATED_LENGTH: float(min(ended)),
         COMPLETIONS_MAX_TERMINATED_LENGTH: float(max(ended)),
+    }
+
+
+def tool_metrics(calls: int, failures: int, completions: int) -> dict[str, float]:
+    """TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency``
+    (failed calls per call; 0 without calls), from counts summed over the ranks (an agent
+    run: ``RunTopology.tool_metrics``)."""
+    return {
+        TOOLS_CALL_FREQUENCY: calls / completions if completions else 0.0,
+        TOOLS_FAILURE_FREQUENCY: failures / calls if calls else 0.0,
     }
 
 

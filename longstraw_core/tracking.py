@@ -26,6 +26,7 @@ shows ``metrics.STEP_LINE``.
 from __future__ import annotations
 
 import io
+import json
 import math
 import numbers
 import sys
@@ -309,12 +310,26 @@ def _matching(key: str, flat: Mapping[str, float]) -> list[tuple[str, str]]:
 
 
 def _text(value: Any) -> str:
-    """A prompt or completion as text: chat messages as ``role: content`` lines."""
+    """A prompt or completion as text: chat messages as ``role: content`` lines; an agent's
+    turns with their tool calls (``-> name(arguments)``) and results (``tool (name): ...``)."""
     if isinstance(value, str):
         return value
     if isinstance(value, Sequence) and all(isinstance(m, Mapping) for m in value):
-        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in value)
+        return "\n".join(_message_text(m) for m in value)
     return str(value)
+
+
+def _message_text(message: Mapping[str, Any]) -> str:
+    role = message.get("role", "?")
+    if role == "tool" and message.get("name"):
+        role = f"tool ({message['name']})"
+    lines = [f"{role}: {message.get('content') or ''}"]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call) if isinstance(call, Mapping) else {}
+        arguments = function.get("arguments", {})
+        shown = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        lines.append(f"  -> {function.get('name', '?')}({shown})")
+    return "\n".join(lines)
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

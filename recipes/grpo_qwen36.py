@@ -71,29 +71,31 @@ class Recipe(training.Session):
         results: dict[int, ls.GRPOStepResult] = {}
         with self.precision.step():  # bf16 working weights until the optimizer step
             for k, (sample, index) in enumerate(zip(samples, indices, strict=True)):
-                prompt_ids = self.prompt_ids(sample)
-                state = self.prefill(prompt_ids)
+                group = self.group(sample)  # prompt ids; an agent run's tools (rollout.tools)
+                state = self.prefill(group.prompt_ids)
+                turns = group.tool_turns()  # each branch's tool loop (None without tools)
                 try:
                     with self.progress.phase("rollout"):
                         out = ls.rollout(self.adapter, state, self.cfg.rollout.num_generations,
-                                         self.cfg.rollout.max_new_tokens,  # rollout.*: top_p...
+                                         self.cfg.rollout.max_new_tokens, turns=turns,
                                          seed=self.rollout_seed(index), **self.sampling)  # fmt: skip
                 except training.NonFiniteError as error:  # raised on every rank at once
                     yield from self.skip_rollout(str(error))
                     return
-                completions = self.tokenizer.batch_decode(out.responses, skip_special_tokens=True)
+                completions = group.completions(out, turns, self.adapter)  # text; tools: messages
                 with self.progress.phase("reward"):  # TRL's call: prompts, completions, ids
                     self.trainer_state.global_step = self.step
                     ids = [response.tolist() for response in out.responses]
-                    scored = self.rewards(completions, [sample] * len(completions),
-                                          completion_ids=ids, trainer_state=self.trainer_state)  # fmt: skip
+                    scored = self.rewards(completions, [group.sample] * len(ids), completion_ids=ids,
+                                          trainer_state=self.trainer_state, **group.reward_kwargs)  # fmt: skip
                 if training.any_rank(scored.all_failed):
                     yield from self.skip_rollout("every reward function failed on every completion")
                     return
-                sizes = training.state_bytes(state)
-                rollouts.append(training.Rollout(sample, out, completions, scored, sizes))
-                # Advantages: this group's share of the step's loss; None: its replay waits.
-                if batch.add(prompt_ids, out.responses, scored.rewards, out.truncated) is not None:
+                rollouts.append(training.Rollout(group.sample, out, completions, scored,
+                                                 training.state_bytes(state), group.tool_counts))  # fmt: skip
+                # its share of the step's loss (tool results masked out); None: replay waits
+                if batch.add(group.prompt_ids, out.responses, scored.rewards, out.truncated,
+                             loss_masks=out.loss_masks) is not None:  # fmt: skip
                     results[k] = self.replay(batch, k, state)
                 if k < len(samples) - 1:
                     state = None  # one prefix state at a time

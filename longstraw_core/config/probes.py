@@ -85,6 +85,8 @@ def check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_path
             f"the records have the field(s) {', '.join(taken)}, which TRL passes reward "
             "functions itself: rename them",
         )
+    if columns is not None and cfg.rollout.environment is not None:
+        columns = (*columns, "environments")  # TRL passes an agent run's environments
     for i, spec in enumerate(cfg.rewards):
         name, fn = resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs)
         problem = signature_problem(fn, columns)

@@ -316,7 +316,7 @@ def _check_rewards(cfg: RunConfig, check_paths: bool, reward_dirs: Sequence[str 
     """Each reward resolves (imported, a factory called with its arguments), and TRL's
     keyword call can bind it with the data's columns (``rewards.signature_problem``): a
     function never runs with arguments it cannot take."""
-    if not cfg.rewards:
+    if not cfg.rewards and cfg.rollout.environment is None:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
     for i, spec in enumerate(cfg.rewards):
         check_reward_resolves(i, spec, reward_dirs)

@@ -178,6 +178,14 @@ class RunTopology:
         groups = self.gather_replicas([batch_columns(result) for result in results])
         return reward_metrics(groups, scale_rewards)
 
+    def tool_metrics(self, groups: Sequence[tuple[int, int, int]]) -> dict[str, float]:
+        """TRL's ``tools/*`` over every replica's groups of the step: ``groups`` holds this
+        replica's ``(calls, failed calls, completions)`` per prompt; counts summed over the
+        replicas first, as TRL gathers them. Collective."""
+        rows = self.gather_replicas(list(groups))
+        calls, failures, completions = (sum(r[i] for r in rows) for i in range(3))
+        return names.tool_metrics(calls, failures, completions)
+
     def completion_metrics(
         self, groups: Sequence[tuple[int, Sequence[int], Sequence[bool]]]
     ) -> dict[str, float]:

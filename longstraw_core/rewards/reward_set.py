@@ -129,14 +129,16 @@ class RewardSet:
         self._lingering: dict[int, threading.Thread] = {}  # timed-out calls still running
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> RewardSet:
+    def from_config(cls, cfg: RunConfig, extra: Sequence[RewardFn] = ()) -> RewardSet:
         """The run's reward functions: ``cfg.rewards`` (names, weights, factory arguments,
-        timeouts) and ``train.raise_reward_errors``."""
-        weights = [r.weight for r in cfg.rewards]
-        timeouts = [r.timeout_seconds for r in cfg.rewards]
+        timeouts) and ``train.raise_reward_errors``; ``extra``: more sources of weight 1 and
+        the default timeout, after them (an environment's ``get_reward``, TRL's rule)."""
+        weights = [r.weight for r in cfg.rewards] + [1.0] * len(extra)
+        timeouts = [r.timeout_seconds for r in cfg.rewards] + [DEFAULT_TIMEOUT_SECONDS] * len(extra)
         return cls(
-            cfg.rewards, weights, raise_errors=cfg.train.raise_reward_errors, timeouts=timeouts
-        )
+            [*cfg.rewards, *extra], weights, raise_errors=cfg.train.raise_reward_errors,
+            timeouts=timeouts,
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -145,10 +147,12 @@ class RewardSet:
         *,
         completion_ids: Sequence[Sequence[int]],
         trainer_state: TrainerState | None = None,
+        environments: Sequence[Any] | None = None,
     ) -> RewardResult:
         """Score ``completions`` (decoded text, or messages), one ``Sample`` and one list of
         token ids each (repeat a group's sample G times). ``trainer_state``: passed as is
-        (default: a fresh ``TrainerState``, ``global_step`` 0)."""
+        (default: a fresh ``TrainerState``, ``global_step`` 0). ``environments``: an agent
+        run's, one per completion, passed to every function as TRL passes them."""
         count = len(completions)
         if len(samples) != count or len(completion_ids) != count:
             raise ValueError(
@@ -171,6 +175,8 @@ class RewardSet:
             "log_extra": logs.log_extra,
             "log_metric": logs.log_metric,
         }
+        if environments is not None:
+            kwargs["environments"] = list(environments)
         columns, failed = self._columns(kwargs, samples)
         per_row = [list(row) for row in zip(*columns, strict=True)] if columns else []
         rewards, unscorable = self._combine(per_row, samples)

@@ -12,13 +12,18 @@ branch's turns. One job per module:
   ``{"error": ...}`` results.
 - ``rendering``: the tokens a branch gets after a tool-calling turn (``tool_suffix``), the
   generation prompt (``resume_ids``), TRL's overflow rule (``overflows``).
-- ``branch``: ``ToolBranch``, one branch's loop state (tokens, loss mask, messages, counts),
-  and ``tool_metrics``.
+- ``branch``: ``ToolBranch``, one branch's loop state (tokens, loss mask, messages, counts).
 - ``checks``: ``check_config``, the config check of the tool keys.
 - ``turns``: ``ToolTurns``, the rollout's turn handler over a group's branches.
+- ``agents``: ``Agents``, a run's tools as its loop uses them, and ``AgentGroup``, a prompt's
+  environments, turn handlers and their ``ToolOutcome`` (shared from the last stage).
+
+``tool_metrics`` (TRL's ``tools/*``) is ``longstraw_core.metrics``'.
 """
 
-from longstraw_core.tools.branch import ToolBranch, tool_metrics
+from longstraw_core.metrics import tool_metrics
+from longstraw_core.tools.agents import AgentError, AgentGroup, Agents, ToolOutcome
+from longstraw_core.tools.branch import ToolBranch
 from longstraw_core.tools.checks import check_config
 from longstraw_core.tools.environments import (
     bound_tools,
@@ -43,8 +48,12 @@ from longstraw_core.tools.turns import ToolTurns
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "TOOL_CHATML_TEMPLATE",
+    "AgentError",
+    "AgentGroup",
+    "Agents",
     "ToolBranch",
     "ToolLoadError",
+    "ToolOutcome",
     "ToolResult",
     "ToolRunner",
     "ToolSchemaError",

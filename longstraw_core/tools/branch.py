@@ -104,12 +104,3 @@ class ToolBranch:
     def _finish(self) -> list[int]:
         self.done = True
         return []
-
-
-def tool_metrics(calls: int, failures: int, completions: int) -> dict[str, float]:
-    """TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency``
-    (failed calls per call; 0 without calls), from counts summed over the ranks."""
-    return {
-        "tools/call_frequency": calls / completions if completions else 0.0,
-        "tools/failure_frequency": failures / calls if calls else 0.0,
-    }

@@ -37,6 +37,12 @@ def check_config(
         )
     if imports:
         try:
-            ToolSet.load(r, search_dirs)
+            toolset = ToolSet.load(r, search_dirs)
         except ToolLoadError as exc:
             raise ConfigError(exc.key, str(exc)) from None
+        if not cfg.rewards and toolset.environment_name is None:
+            raise ConfigError(
+                "rewards",
+                f"empty, and {r.environment} has no get_reward method to score the branches; "
+                "list at least one {name, weight}, or give the environment a get_reward()",
+            )

@@ -28,6 +28,7 @@ from longstraw_core import (
 )
 from longstraw_core.rewards import RewardError
 from longstraw_core.stop import exit_after_stop
+from longstraw_core.tools import AgentError
 from longstraw_core.training.session import Session
 
 RunT = TypeVar("RunT", bound=Session)
@@ -74,7 +75,7 @@ def main(
         together = True
     except (guard.TrainingDiverged, checkpoint.CheckpointError) as error:  # raised on all ranks
         failure, together = f"training stopped: {error}", True
-    except RewardError as error:  # this rank's reward function alone
+    except (RewardError, AgentError) as error:  # this rank's reward function or tools alone
         failure = f"training stopped: {error}"
     finally:
         run.cleanup(together=together)

@@ -50,8 +50,10 @@ from longstraw_core import (
 )
 from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
+from longstraw_core.prompt_group import PromptGroup
 from longstraw_core.rewards import RewardSet, TrainerState
 from longstraw_core.stop import GracefulStop
+from longstraw_core.tools import Agents
 from longstraw_core.training.step import StepBookkeeping
 
 
@@ -61,7 +63,9 @@ class Session(StepBookkeeping):
     After ``setup``: ``cfg``, ``tokenizer``, ``adapter`` (the policy; ``model`` its module),
     ``reference`` (None with ``grpo.beta == 0``), ``grpo`` (the GRPO settings), ``offload``,
     ``rewards``, ``optimizer``, ``scheduler``, ``guard``, ``logger``, ``progress``,
-    ``topology``, ``step`` and ``data_position``, and ``sampling`` (``ls.rollout``'s options).
+    ``topology``, ``step`` and ``data_position``, ``sampling`` (``ls.rollout``'s options),
+    ``agents`` (the tools of ``rollout.tools`` / ``rollout.environment``; None without) and
+    ``template_kwargs`` (how prompts are rendered: the data's keywords, the tools' schemas).
     """
 
     def __init__(self, cfg: config.RunConfig) -> None:
@@ -96,19 +100,29 @@ class Session(StepBookkeeping):
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path, model_path=cfg.model.path)
+        # Agents: tools imported once; their schemas rendered into every prompt (and counted
+        # by the data scan against data.prompt_tokens).
+        self.agents = Agents.from_config(cfg, self.tokenizer)
+        self.template_kwargs = (
+            self.agents.template_kwargs if self.agents else dict(cfg.data.chat_template_kwargs)
+        )
         # Before any weight loads: every record checked, a changed model/lora refused.
-        self.sample_at = data.sample_source(cfg.data, self.tokenizer, progress=self.bars)
+        self.sample_at = data.sample_source(
+            cfg.data, self.tokenizer, progress=self.bars, template_kwargs=self.template_kwargs
+        )
         if self.accelerator.is_main_process and self.sample_at.skipped:
             print(f"warning: data: {self.sample_at.summary()}", file=sys.stderr)
         # eval.every > 0: eval.data is scanned now too (greedy accuracy, pass@k; eval/...).
         self.evaluation = evaluation.Evaluation.from_config(
-            cfg, self.tokenizer, self.topology, progress=self.bars
+            cfg, self.tokenizer, self.topology, progress=self.bars, agents=self.agents
         )
         output_dir.claim(cfg.train)  # writable, locked, no other run's checkpoints (one line)
         self.resume_path, self.resume_changes = resume.checkpoint_to_resume(cfg)
         # Only this rank's share: its stage's layers, read straight from the checkpoint.
         self.adapter = loading.load_policy(cfg, self.topology, self.accelerator.device)
         self.model = self.adapter.model
+        if self.agents:  # TRL drops tool results that would reach the model's last position
+            self.agents.max_positions = self.adapter.max_positions
         self.adapter.activation_checkpointing = cfg.train.activation_checkpointing
         self.reference = self._reference_policy()
         # distributed.mixed_precision=bf16 without FSDP: bf16 working weights for each step
@@ -121,7 +135,9 @@ class Session(StepBookkeeping):
         if why_not and self.accelerator.is_main_process:
             print(f"note: {why_not}", file=sys.stderr)
         self.sampling = self._sampling_options()
-        self.rewards = RewardSet.from_config(cfg)  # names, weights, factories' arguments
+        # names, weights, factories' arguments; an environment's get_reward (TRL's extra source)
+        extra = self.agents.reward_functions() if self.agents else []
+        self.rewards = RewardSet.from_config(cfg, extra)
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
@@ -140,11 +156,12 @@ class Session(StepBookkeeping):
             self.logger.load_state_dict(resumed.extra.get("logger", {}))
         self.progress = StepProgress(cfg.train.steps, initial=self.step, enabled=self.bars)
 
-    def prompt_ids(self, sample: data.Sample) -> torch.Tensor:
-        """The sample's prompt as token ids: plain text as it is, messages through the chat
-        template with ``data.chat_template_kwargs`` (TRL's rules)."""
-        options = self.cfg.data.chat_template_kwargs
-        return torch.tensor(tokenizer.encode_prompt(self.tokenizer, sample.prompt, options))
+    def group(self, sample: data.Sample) -> PromptGroup:
+        """The sample's ``rollout.num_generations`` branches: its prompt as token ids (plain
+        text as it is, messages through the chat template with ``data.chat_template_kwargs``,
+        TRL's rules) and, in an agent run, their tools (``PromptGroup``)."""
+        size = self.cfg.rollout.num_generations
+        return PromptGroup.build(sample, size, self.tokenizer, self.template_kwargs, self.agents)
 
     def prefill(self, prompt_ids: torch.Tensor) -> ls.PrefixState:
         """The prompt's prefix state, without autograd, chunk by chunk (``train.chunk_size``),
@@ -274,6 +291,8 @@ class Session(StepBookkeeping):
         """``together``: every rank got here at the same step (done, stopped, diverged), so
         they wait for rank 0 to finish W&B before any exits (torchrun ends the others then)."""
         self.progress.close()
+        if self.agents:
+            self.agents.close()
         self.logger.finish()
         if together:
             self.accelerator.wait_for_everyone()

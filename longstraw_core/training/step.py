@@ -35,6 +35,16 @@ class Rollout(NamedTuple):
     completions: list[str]
     scored: RewardResult
     state_bytes: dict[str, int]  # the prompt's prefix state by layer type
+    tool_counts: tuple[int, int] | None = None  # an agent run's tool calls and failed calls
+
+
+def policy_lengths(group: generation.CollectedGroup) -> list[int]:
+    """Each response's length as TRL's ``completions/*`` count it: the policy's own tokens
+    (an agent's tool results, loss mask 0, left out)."""
+    masks = group.loss_masks or [None] * len(group.responses)
+    return [
+        len(r) if m is None else int(m.sum()) for r, m in zip(group.responses, masks, strict=True)
+    ]
 
 
 def state_bytes(state: ls.PrefixState) -> dict[str, int]:
@@ -126,8 +136,12 @@ class StepBookkeeping:
         scale = self.grpo.scale_rewards
         batch_rewards = self.topology.reward_metrics([ro.scored for ro in rollouts], scale)
         completions = self.topology.completion_metrics(
-            [(len(g.prompt_ids), [len(r) for r in g.responses], g.truncated) for g in batch.groups]
+            [(len(g.prompt_ids), policy_lengths(g), g.truncated) for g in batch.groups]
         )
+        if any(ro.tool_counts is not None for ro in rollouts):  # every rank of an agent run
+            completions |= self.topology.tool_metrics(
+                [(*ro.tool_counts, len(ro.out.responses)) for ro in rollouts if ro.tool_counts]
+            )
         if not first:
             completions[names.NUM_TOKENS] = 0.0
         return {

@@ -9,8 +9,9 @@ replays them:
 - ``missing``: it calls ``lookup`` twice in one turn, for a key the vault lacks (the tool
   raises: an ``{"error": ...}`` result and a failure) and for one it holds, and answers.
 
-The same model then runs twice from the same prompt: LongStraw (``adapter.prefill``,
-``ls.rollout(..., temperature=0, turns=ToolTurns(...))``, ``ToolTurns.close``) and a real
+The same model then runs twice from the same prompt: LongStraw as a run makes it
+(``tools.Agents``, ``PromptGroup``: the observed prompt, ``adapter.prefill``,
+``ls.rollout(..., temperature=0, turns=group.tool_turns())``, ``group.completions``) and a real
 ``trl.GRPOTrainer`` (``tools=[lookup]``, or ``environment_factory``) whose
 ``_generate_and_score_completions`` runs ``_generate`` and ``_tool_call_loop`` with
 ``generate(do_sample=False)``; its return values are read as they pass (the methods are
@@ -50,19 +51,17 @@ from trl.chat_template_utils import qwen3_template
 
 import longstraw_core as ls
 from longstraw_core.config.schema import RolloutSection
+from longstraw_core.prompt_group import PromptGroup
+from longstraw_core.tasks import Sample
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tokenizer import load_tokenizer
 from longstraw_core.tools import (
     TOOL_CHATML_TEMPLATE,
-    ToolBranch,
-    ToolRunner,
+    Agents,
     ToolSet,
-    ToolTurns,
     has_response_parser,
-    reset_group,
     template_kwargs,
     tool_metrics,
-    with_observation,
 )
 
 G = 2
@@ -244,33 +243,26 @@ def _toolset(tool: str = "lookup", iterations: int | None = None) -> ToolSet:
 
 
 def run_longstraw(model, tok, row, *, max_new_tokens, tool="lookup", iterations=None):
-    """LongStraw's agent rollout of one row's group: the prompt's ids, the rollout's output
-    and its ``ToolTurns``."""
-    toolset = _toolset(tool, iterations)
-    environment = toolset.environment is not None
-    kw = template_kwargs(tok, toolset.schemas, {})
-    environments = [toolset.new_environment() for _ in range(G)]
-    prompt = row["prompt"]
-    if environment:
-        prompt = with_observation(prompt, reset_group(environments, row))
-    prompt_ids = _render(tok, prompt, True, kw)
+    """LongStraw's agent rollout of one row's group, as a run makes it (``tools.Agents`` and
+    ``PromptGroup``: environments reset, the observed prompt rendered with the tools, each
+    branch's tool loop, the outcome after ``close``): the prompt's ids, the rollout's output
+    and the group's ``ToolOutcome``."""
+    agents = Agents(
+        _toolset(tool, iterations), tok, {}, max_new_tokens=max_new_tokens,
+        max_positions=model.config.max_position_embeddings,
+    )  # fmt: skip
+    sample = Sample(id="row", prompt=row["prompt"], answer="", columns=dict(row))
+    group = PromptGroup.build(sample, G, tok, agents.template_kwargs, agents)
     adapter = ls.adapt(model)
-    state = adapter.prefill(torch.tensor(prompt_ids))
-    runner = ToolRunner(timeout=toolset.timeout)
-    limits = {"prompt_tokens": len(prompt_ids), "max_new_tokens": max_new_tokens,
-              "max_positions": model.config.max_position_embeddings}  # fmt: skip
-    branches = [
-        ToolBranch(tok, toolset, runner, template_kwargs=kw, environment=env, **limits)
-        for env in environments
-    ]
-    turns = ToolTurns(branches)
+    state = adapter.prefill(group.prompt_ids)
+    turns = group.tool_turns()
     out = ls.rollout(
         adapter, state, num_generations=G, max_new_tokens=max_new_tokens, temperature=0,
         eos_token_ids=[tok.eos_token_id], turns=turns, progress=False,
     )  # fmt: skip
-    turns.close(out.responses)
-    runner.close()
-    return prompt_ids, out, turns
+    assert group.completions(out, turns, adapter) == group.outcomes[0].messages
+    agents.close()
+    return group.prompt_ids.tolist(), out, group.outcomes[0]
 
 
 def run_trl(model, tok, tmp_path, rows, *, max_new_tokens, tool="lookup", iterations=None):
@@ -345,14 +337,14 @@ def test_agent_rollout_equals_trls_tool_loop(agent, byte_tok, trl_tok, tmp_path,
     for tok in tokenizers:
         calls = failures = 0
         for p, row in enumerate(rows):
-            prompt_ids, out, turns = run_longstraw(agent, tok, row, **limits)
-            calls, failures = calls + turns.calls, failures + turns.failures
+            prompt_ids, out, outcome = run_longstraw(agent, tok, row, **limits)
+            calls, failures = calls + outcome.calls, failures + outcome.failures
             for i in range(G):
                 r = p * G + i  # TRL's row: the prompt's G completions are consecutive
                 assert prompt_ids == trl["prompt_ids"][r]
                 assert out.responses[i].tolist() == trl["completion_ids"][r]
                 assert out.loss_masks[i].tolist() == trl["tool_mask"][r]
-                assert turns.messages[i] == trl["completions"][r] == trl["rewarded"][r]
+                assert outcome.messages[i] == trl["completions"][r] == trl["rewarded"][r]
                 assert out.truncated[i] == trl["truncated"][r]
         assert (calls, failures) == (trl["calls"], trl["failures"])
         assert tool_metrics(calls, failures, G * len(ROWS)) == pytest.approx(trl["metrics"])
