@@ -1,6 +1,6 @@
 """An agent run end to end (issue 27): the recipe trains a model that calls tools.
 
-The tiny qwen3 of ``tests/test_tool_rollout.py`` (overfit to call ``lookup``, read the code
+The tiny qwen3 of ``tests/tools/test_tool_rollout.py`` (overfit to call ``lookup``, read the code
 and answer) is saved as a checkpoint, and ``recipes/grpo_qwen36.py`` trains it with
 ``rollout.environment`` naming ``CountingVault`` (``Vault`` whose ``get_reward`` counts the
 branch's lookups), a module beside the config as a user writes one, on the two scripted
@@ -27,18 +27,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_recipes_pipeline import launch_recipe
+from recipe_runs import launch_recipe
 from test_tool_rollout import ENV_ROWS, SCRIPTS, agent, byte_tok, training_sequence  # noqa: F401
 from wandb_records import wandb_history, wandb_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ENVIRONMENT = '''
 from typing import Any
 
 
 class CountingVault:
-    """The test's Vault (tests/test_tool_rollout.py), counting its branch's lookups."""
+    """The test's Vault (tests/tools/test_tool_rollout.py), counting its branch's lookups."""
 
     def reset(self, vault: dict | None = None, mark: str = "", **kwargs: Any) -> str:
         self.vault, self.calls = dict(vault or {}), 0
