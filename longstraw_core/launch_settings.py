@@ -122,15 +122,8 @@ def _mixed_precision(result: Resolution) -> None:
     mapped = dataclasses.replace(
         cfg, distributed=dataclasses.replace(cfg.distributed, mixed_precision="bf16")
     )
-    try:
-        validate(mapped, check_paths=False)
-    except ConfigError as error:
-        result.refusals.append(
-            f"{setting} means distributed.mixed_precision=bf16 in LongStraw, which this run "
-            f"config cannot take: {error}"
-        )
+    if not _adopt(result, setting, "distributed.mixed_precision=bf16", mapped):
         return
-    result.cfg = mapped
     how = "FSDP2's bf16 policy" if cfg.distributed.fsdp else "bf16 working weights"
     result.notes.append(
         f"accelerate {setting} -> distributed.mixed_precision=bf16 ({how} over the float32 "
@@ -196,19 +189,26 @@ def _gradient_accumulation(result: Resolution) -> None:
         )
         return
     mapped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, prompts_per_step=steps))
-    try:
-        validate(mapped, check_paths=False)
-    except ConfigError as error:
-        result.refusals.append(
-            f"{setting} means train.prompts_per_step={steps} in LongStraw, which this run "
-            f"config cannot take: {error}"
-        )
+    if not _adopt(result, setting, f"train.prompts_per_step={steps}", mapped):
         return
-    result.cfg = mapped
     result.notes.append(
         f"accelerate {setting} -> train.prompts_per_step={steps} (each replica accumulates "
         f"{steps} prompts' groups per optimizer step)"
     )
+
+
+def _adopt(result: Resolution, setting: str, meaning: str, mapped: RunConfig) -> bool:
+    """Take ``mapped`` (the run config with ``meaning``, the setting's LongStraw key, set) as
+    the run's when it validates; else refuse ``setting``, naming what the config cannot take."""
+    try:
+        validate(mapped, check_paths=False)
+    except ConfigError as error:
+        result.refusals.append(
+            f"{setting} means {meaning} in LongStraw, which this run config cannot take: {error}"
+        )
+        return False
+    result.cfg = mapped
+    return True
 
 
 def _dynamo(result: Resolution) -> None:
