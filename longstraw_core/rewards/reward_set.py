@@ -38,6 +38,7 @@ from longstraw_core.rewards.running import (
     RewardTimeout,
     Stop,
     async_call_outcome,
+    call_in_daemon,
     call_outcome,
     stop_error,
 )
@@ -222,14 +223,9 @@ class RewardSet:
                 f"its call from an earlier batch, which exceeded the {timeout:g} s timeout, is "
                 "still running; not called again until it returns"
             )
-        box: list[Any] = []
-        thread = threading.Thread(
-            target=lambda: box.append(call_outcome(fn, kwargs)),
-            name=f"LongStraw-Reward-{self.names[index]}",
-            daemon=True,
+        thread, box = call_in_daemon(
+            lambda: call_outcome(fn, kwargs), timeout, f"LongStraw-Reward-{self.names[index]}"
         )
-        thread.start()
-        thread.join(timeout)
         if thread.is_alive():  # it runs on, abandoned (a thread cannot be stopped)
             self._lingering[index] = thread
             return RewardTimeout(f"took longer than its timeout of {timeout:g} s")

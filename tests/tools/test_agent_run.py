@@ -31,8 +31,6 @@ from recipe_runs import launch_recipe
 from test_tool_rollout import ENV_ROWS, SCRIPTS, agent, byte_tok, training_sequence  # noqa: F401
 from wandb_records import wandb_history, wandb_records
 
-ROOT = Path(__file__).resolve().parents[2]
-
 ENVIRONMENT = '''
 from typing import Any
 
