@@ -21,8 +21,7 @@ checkpoints and resume, W&B, stop signals, skipped steps, exit codes) is
 ``longstraw_core.training``'s. GLM-5.2's own knobs: ``dsa_knobs``.
 
 Run it:
-    python recipes/grpo_glm52.py                                   # tiny CPU default
-    python recipes/grpo_glm52.py train.steps=2 grpo.gradient=detached
+    python recipes/grpo_glm52.py train.steps=2 grpo.gradient=detached   # tiny CPU default
     accelerate launch --config_file configs/accelerate/32xgpu_fsdp2.yaml \\
         recipes/grpo_glm52.py --config configs/glm52/lora_grpo_32xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_glm52.py distributed.fsdp=true   # sharded CPU run
