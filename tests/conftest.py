@@ -49,3 +49,16 @@ def tokenizer():
     from longstraw_core.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with multi-process or slow tests run first. Under ``make test`` (pytest-xdist,
+    ``--dist loadfile``) a worker takes whole files in collection order: a long file taken
+    last leaves the other worker idle for its whole length, so the long ones go first (a
+    stable sort: each file's tests keep their order and stay together)."""
+    heavy = {
+        item.path
+        for item in items
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("slow")
+    }
+    items.sort(key=lambda item: item.path not in heavy)
