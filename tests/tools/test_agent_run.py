@@ -193,3 +193,18 @@ def test_data_scan_counts_the_tools_schemas_in_the_prompt(agent_run):
     assert "all 2 prompts are longer than data.prompt_tokens=200" in log
     shortest = int(re.search(r"at least (\d+) to keep any", log).group(1))
     assert shortest > 300  # the bare questions are ~30 tokens; the schema makes the rest
+
+
+@pytest.mark.multiprocess
+def test_the_shipped_agent_config_runs_a_step(tmp_path):
+    """configs/qwen36/tiny_agent_cpu.yaml end to end (shorter): the agent task, its
+    environment and rewards, the tools' metrics logged (a random toy calls no tool)."""
+    config = Path(__file__).resolve().parents[2] / "configs/qwen36/tiny_agent_cpu.yaml"
+    args = ["--config", str(config), f"train.output_dir={tmp_path}", "train.steps=1",
+            "train.save_every=1", "data.prompt_tokens=2048", "rollout.max_new_tokens=48",
+            "rollout.num_generations=2", "tracking.wandb=false"]  # fmt: skip
+    returncode, log = launch_recipe("grpo_qwen36.py", *args, ranks=1)
+    assert returncode == 0, log[-3000:]
+    state = json.loads((tmp_path / "step-000001" / "trainer_state.json").read_text())
+    (_, metrics), *_ = state["extra"]["logger"]["history"]
+    assert metrics["tools/call_frequency"] == 0.0 and "rewards/VaultEnvironment/mean" in metrics
