@@ -68,7 +68,7 @@ from longstraw_core import metrics as names
 from longstraw_core.config import RunConfig, eval_data, eval_generations, eval_max_new_tokens
 from longstraw_core.data import DataError, SampleSource, sample_source
 from longstraw_core.guard import NonFiniteError
-from longstraw_core.prompt_group import PromptGroup
+from longstraw_core.prompt_group import PromptGroup, template_kwargs
 from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics
 from longstraw_core.rollout import rollout
 
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from longstraw_core.offload import OffloadPolicy
     from longstraw_core.pipeline.topology import RunTopology
     from longstraw_core.rewards.inputs import Completion
-    from longstraw_core.tools import Agents, ToolOutcome
+    from longstraw_core.tools import Agents
 
 # Eval seeds sit far above the training rollouts' (train.seed * 1_000_003 + sample index).
 EVAL_SEED_OFFSET = 1 << 40
@@ -189,7 +189,7 @@ class Evaluation:
         self.count = count  # prompts per eval
         self.progress = progress
         self.agents = agents  # an agent run's tools: eval's branches call them as training's
-        self.template_kwargs = agents.template_kwargs if agents else cfg.data.chat_template_kwargs
+        self.template_kwargs = template_kwargs(cfg.data.chat_template_kwargs, agents)
         self.last: EvalReport | None = None
 
     @classmethod
@@ -320,6 +320,7 @@ class Evaluation:
             )  # fmt: skip
             texts += group.completions(outs[1], turns, adapter)
         del state
+        loops = group.outcomes[-1] if group.outcomes else None  # the k samples' tool loops
         responses = [response for out in outs for response in out.responses]
         scored = rewards(
             texts,
@@ -343,12 +344,8 @@ class Evaluation:
             scored=sampled,
             lengths=[int(m.sum()) for m in outs[1].loss_masks] if k else [],  # policy's tokens
             truncated=outs[1].truncated if k else [],
-            tool_counts=_counts(group.outcomes[-1]) if k and group.outcomes else None,
+            tool_counts=(loops.calls, loops.failures) if k and loops else None,
         )
-
-
-def _counts(outcome: ToolOutcome) -> tuple[int, int]:
-    return outcome.calls, outcome.failures
 
 
 @contextmanager

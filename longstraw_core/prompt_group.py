@@ -40,6 +40,14 @@ if TYPE_CHECKING:
     from longstraw_core.rollout import RolloutOutput
 
 
+def template_kwargs(
+    chat_template_kwargs: Mapping[str, Any], agents: Agents | None
+) -> dict[str, Any]:
+    """How a run renders its prompts: ``data.chat_template_kwargs``, or with tools the
+    agents' (the schemas added, and the built-in tokenizer's tool template)."""
+    return dict(agents.template_kwargs if agents is not None else chat_template_kwargs)
+
+
 @dataclass
 class PromptGroup:
     """``sample`` (its prompt as rendered: an observation added), ``prompt_ids``, the
@@ -90,7 +98,7 @@ class PromptGroup:
     def reward_kwargs(self) -> dict[str, Any]:
         """The reward call's extra keywords, for the completions of every finished rollout in
         order: TRL's ``environments`` when the run has an environment class."""
-        if not self.outcomes or not self.outcomes[0].reward_kwargs:
+        if self.agent is None or self.agent.agents.toolset.environment is None:
             return {}
         return {"environments": [env for o in self.outcomes for env in o.environments]}
 

@@ -14,8 +14,8 @@ happens here once per prompt where it can, and per branch where it must:
 3. ``group.finish(turns, responses, adapter)``: ends the branches the rollout cut, and, on
    pipeline stages, gives every stage the last stage's outcome (only the last stage ran the
    tools: each branch's messages, call and failure counts, and its environment, pickled).
-   Its ``completions`` are the message lists TRL passes reward functions, its
-   ``reward_kwargs`` the ``environments`` keyword TRL passes them all.
+   Its ``messages`` are the completions TRL passes reward functions, its ``environments``
+   the keyword TRL passes them all (with an environment class).
 
 The prompt's rendering keywords (``template_kwargs``: ``data.chat_template_kwargs`` plus the
 tools' schemas, and the built-in tokenizer's tool template) serve the data scan too, so the
@@ -64,12 +64,6 @@ class ToolOutcome:
     environments: list[Any]
     calls: int
     failures: int
-
-    @property
-    def reward_kwargs(self) -> dict[str, Any]:
-        """What TRL passes every reward function besides its usual arguments."""
-        has = bool(self.environments) and self.environments[0] is not None
-        return {"environments": self.environments} if has else {}
 
 
 class Agents:

@@ -50,7 +50,7 @@ from longstraw_core import (
 )
 from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
-from longstraw_core.prompt_group import PromptGroup
+from longstraw_core.prompt_group import PromptGroup, template_kwargs
 from longstraw_core.rewards import RewardSet, TrainerState
 from longstraw_core.stop import GracefulStop
 from longstraw_core.tools import Agents
@@ -103,9 +103,7 @@ class Session(StepBookkeeping):
         # Agents: tools imported once; their schemas rendered into every prompt (and counted
         # by the data scan against data.prompt_tokens).
         self.agents = Agents.from_config(cfg, self.tokenizer)
-        self.template_kwargs = (
-            self.agents.template_kwargs if self.agents else dict(cfg.data.chat_template_kwargs)
-        )
+        self.template_kwargs = template_kwargs(cfg.data.chat_template_kwargs, self.agents)
         # Before any weight loads: every record checked, a changed model/lora refused.
         self.sample_at = data.sample_source(
             cfg.data, self.tokenizer, progress=self.bars, template_kwargs=self.template_kwargs
