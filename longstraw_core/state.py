@@ -22,6 +22,7 @@ record's ``window`` (what the pass reads) to the device one layer at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from longstraw_core.fake import is_fake
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.base import BranchState, LayerState, Pieces, Produced
+from longstraw_core.kinds.rows import Rows
 from longstraw_core.offload import OffloadPolicy, Residency
 
 __all__ = [
@@ -222,8 +224,11 @@ class BranchCache:
 
     ``length`` branch positions have been run (position 0 is the prompt's last token, at
     prompt position ``prefix_length``); ``capacity`` is the most any growing record holds.
-    Made by
-    ``ModelAdapter.new_branch_cache``; the prefix state it belongs to is only read.
+    Made by ``ModelAdapter.new_branch_cache``; the prefix state it belongs to is only read.
+
+    Decoded in ragged steps (``decode(..., counts=)``), each branch is at its own position:
+    ``lengths`` (per branch; ``length`` is then the furthest). A cache is decoded in lock
+    step or ragged from its first step on, not both.
     """
 
     layers: list[BranchRecord]
@@ -231,6 +236,23 @@ class BranchCache:
     capacity: int
     prefix_length: int
     length: int = 0
+    lengths: list[int] | None = None
+
+    def ragged_rows(self, counts: Sequence[int], length: int, device: torch.device) -> Rows:
+        """The next ragged step's ``Rows``: each branch takes ``counts`` of ``length`` inputs
+        from where it is."""
+        if self.lengths is None:
+            if self.length:
+                raise RuntimeError(
+                    "this branch cache was decoded in lock step: it cannot go ragged"
+                )
+            self.lengths = [0] * self.batch
+        return Rows.build(self.lengths, counts, length, self.capacity, device)
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """After a ragged step: each branch has run ``counts`` more positions."""
+        self.lengths = [have + more for have, more in zip(self.lengths, counts, strict=True)]
+        self.length = max(self.lengths)
 
     def nbytes(self) -> int:
         """Bytes allocated by the branch records (preallocated to ``capacity``)."""

@@ -143,7 +143,8 @@ def attend_with_state(
         reuse = record.output_for(span.start, span.length)
         keep = [] if reuse is None and record.keeps_outputs else None
     if branch is not None:
-        keys, values = branch.append(keys, values)
+        keys, values = branch.append(keys, values, span.rows)
+    ragged = span.rows is not None
     output = segmented_attention(
         queries,
         keys,
@@ -153,6 +154,7 @@ def attend_with_state(
         prefix_grads=record.grad_segments(end=prefix_end),
         reuse=reuse,
         keep=keep,
+        branch_positions=span.rows.query_positions(span.length) if ragged else None,
     )
     if keep:
         record.write_output(span.start, keep[0])

@@ -56,7 +56,11 @@ class PublicPasses:
         )
 
     def decode(
-        self, state: PrefixState, branch: BranchCache, input_ids: torch.Tensor
+        self,
+        state: PrefixState,
+        branch: BranchCache,
+        input_ids: torch.Tensor,
+        counts: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of the next ``T`` positions of every branch in ``branch``
         (one process or sharded; pipeline stages decode with ``ring_decode``).
@@ -64,9 +68,20 @@ class PublicPasses:
         ``input_ids`` ``[B, T]`` are appended to the branches' records; the first position of
         a branch is the prompt's last token (``state.last_token``). Runs with whatever
         autograd mode is active (rollout: ``no_grad``).
+
+        ``counts`` (a ragged step, under ``no_grad``): branch ``b`` takes only its first
+        ``counts[b]`` inputs (``0``: it sits the step out), each branch from its own position;
+        the rest of its row pads it to ``T`` and its logits there mean nothing.
         """
         check_decode_inputs(state, branch, input_ids)
-        span = Span(start=state.length + branch.length, length=input_ids.shape[1], write=False)
+        length = input_ids.shape[1]
+        rows = None
+        if counts is not None:
+            rows = branch.ragged_rows(counts, length, input_ids.device)
+            start = state.length + rows.most
+        else:
+            start = state.length + branch.length
+        span = Span(start=start, length=length, write=False, rows=rows)
         if self.stage is not None:
             raise RuntimeError(
                 "on pipeline stages decoding runs the stages' ring schedule: call "
@@ -78,7 +93,10 @@ class PublicPasses:
             return self.lm_head(self.decoder.norm(hidden))
 
         logits = self._call_model(step)
-        branch.length += span.length
+        if counts is not None:
+            branch.advance(counts)
+        else:
+            branch.length += span.length
         return logits
 
     def prefill(

@@ -49,12 +49,13 @@ from collections.abc import Sequence
 
 import torch
 
-from longstraw_core.attention import blocks, cpu_flash, fused
+from longstraw_core.attention import blocks, cpu_flash, fused, torch_backend
 from longstraw_core.attention.choice import choose_backend as _choose_backend
 from longstraw_core.attention.common import AttentionOutput, Segment, accumulation_dtype
 
 # The autograd Functions keep their names, which autograd graphs show (``grad_fn``).
 from longstraw_core.attention.fused import _FlashSegmentedAttention, _SdpaSegmentedAttention
+from longstraw_core.attention.ragged import check_ragged
 from longstraw_core.attention.torch_backend import _TorchSegmentedAttention
 
 __all__ = [
@@ -89,6 +90,7 @@ def segmented_attention(
     prefix_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
     reuse: AttentionOutput | None = None,
     keep: list[AttentionOutput] | None = None,
+    branch_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of branch queries over prefix segments (fully visible) and the branch (causal).
 
@@ -113,6 +115,10 @@ def segmented_attention(
             same values, not just shapes: nothing checks that). The forward then computes
             nothing and returns ``reuse.out`` as part of the graph; backward is unchanged.
         keep: a list the forward appends this call's ``AttentionOutput`` to.
+        branch_positions: ``[B, Tq]``, a ragged decode step (``attention.ragged``): each
+            row's queries at their own branch positions, seeing that row's branch keys up to
+            them (keys past them, e.g. stale slots of a row that fell behind, are masked).
+            ``None``: bottom-right causal, as above. Forward only (under ``no_grad``).
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -120,8 +126,17 @@ def segmented_attention(
     """
     segments = tuple((ks, vs) for ks, vs in prefix)
     _check_shapes(q, k, v, segments)
-    function = _FUNCTIONS[_choose_backend(backend, q, k, v, segments)]
+    chosen = _choose_backend(backend, q, k, v, segments)
     flat = [t for segment in segments for t in segment]
+    if branch_positions is not None:
+        check_ragged(q, k, branch_positions)
+        if chosen == "torch":
+            out, _ = torch_backend._torch_attention(
+                q, k, v, scale, block_size, flat, branch_positions
+            )
+            return out
+        return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions)
+    function = _FUNCTIONS[chosen]
     sinks = _check_sinks(prefix_grads, segments)
     if reuse is not None:
         _check_reuse(reuse, q, v)

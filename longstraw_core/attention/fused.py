@@ -17,12 +17,14 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import flash_backend, sdpa_flash
+from longstraw_core.attention.blocks import group_rows
 from longstraw_core.attention.common import (
     N_LEADING_ARGS,
     AttentionOutput,
     merge,
     unflatten_segments,
 )
+from longstraw_core.attention.ragged import ragged_branch
 
 # Keys per flash-attn backward call when block_size is None (bounds the dK/dV scratch).
 FLASH_BWD_CHUNK = 1 << 16
@@ -94,12 +96,20 @@ def _flash_attention(
     v: torch.Tensor,
     scale: float,
     flat_prefix: Sequence[torch.Tensor],
+    branch_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused backends' forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``."""
+    """The fused backends' forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``.
+    ``branch_positions``: a ragged decode step, whose (short) branch segment is attended
+    with an explicit mask (``ragged``) and merged with the kernels' prefix segments."""
     batch, heads, tq, dim = q.shape
     q_flash = q.transpose(1, 2)
-    out, lse = kernels.forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
-    out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
+    if branch_positions is None:
+        out, lse = kernels.forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
+        out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
+    else:
+        out, lse = ragged_branch(group_rows(q, k.shape[1]), k, v, scale, branch_positions)
+        out = out.reshape(batch, heads, tq, -1).transpose(1, 2).float()
+        lse = lse.reshape(batch, heads, tq).transpose(1, 2).float()
     q_folded = q_flash.reshape(1, batch * tq, heads, dim)
     for k_seg, v_seg in unflatten_segments(flat_prefix):
         if k_seg.shape[1] == 0:
@@ -110,6 +120,21 @@ def _flash_attention(
         seg_lse = seg_lse[..., : batch * tq].reshape(heads, batch, tq).permute(1, 2, 0)
         out, lse = merge(out, lse, seg_out.view(batch, tq, heads, dim).float(), seg_lse)
     return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()  # flash-attn's [B, H, Tq]
+
+
+def ragged_forward(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    flat_prefix: Sequence[torch.Tensor],
+    branch_positions: torch.Tensor,
+) -> torch.Tensor:
+    """A ragged decode step (forward only) on fused ``backend``: ``[B, H, Tq, Dv]``."""
+    kernels = _FLASH_ATTN if backend == "flash" else _SDPA_FLASH
+    out, _ = _flash_attention(kernels, q, k, v, scale, flat_prefix, branch_positions)
+    return out.transpose(1, 2)
 
 
 def _fused_forward(

@@ -29,6 +29,7 @@ from longstraw_core.attention.common import (
     merge,
     unflatten_segments,
 )
+from longstraw_core.attention.ragged import ragged_branch
 
 
 def _segment_forward(
@@ -116,13 +117,18 @@ def _torch_attention(
     scale: float,
     block_size: int | None,
     flat_prefix: Sequence[torch.Tensor],
+    branch_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend's forward: ``out [B, H, Tq, Dv]`` in the dtype of ``q`` and the
-    merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype)."""
+    merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype).
+    ``branch_positions``: a ragged decode step's (``ragged``)."""
     batch, heads, tq, _ = q.shape
     q_rows = group_rows(q, k.shape[1]).to(accumulation_dtype(q.dtype))
-    positions = branch_query_positions(q, k)
-    out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+    if branch_positions is None:
+        positions = branch_query_positions(q, k)
+        out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+    else:
+        out, lse = ragged_branch(q_rows, k, v, scale, branch_positions)
     q_folded = fold_batch(q_rows)
     for k_seg, v_seg in unflatten_segments(flat_prefix):
         if k_seg.shape[1] == 0:

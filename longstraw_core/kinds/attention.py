@@ -30,6 +30,7 @@ from longstraw_core.kinds.base import (
 )
 from longstraw_core.kinds.planning import FP32, KindPlan, causal_pairs
 from longstraw_core.kinds.registry import LayerKind, register_kind
+from longstraw_core.kinds.rows import Rows
 from longstraw_core.offload.pinned import empty_buffers
 
 
@@ -158,9 +159,10 @@ class AttentionKV(RecordBase):
         device)."""
         kv_heads, _, head_dim = self.keys.shape
         options = {"dtype": self.keys.dtype, "device": device or self.keys.device}
+        # Zeros, not empty: a ragged step's padding queries may read slots nothing wrote.
         return BranchKV(
-            torch.empty(batch, kv_heads, capacity, head_dim, **options),
-            torch.empty(batch, kv_heads, capacity, self.values.shape[-1], **options),
+            torch.zeros(batch, kv_heads, capacity, head_dim, **options),
+            torch.zeros(batch, kv_heads, capacity, self.values.shape[-1], **options),
         )
 
     def summary_bytes(self) -> dict[str, int]:
@@ -200,8 +202,18 @@ class BranchKV:
     values: torch.Tensor
     length: int = 0
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``[batch, kv_heads, T, dim]`` after the valid positions; return views of all."""
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: Rows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[batch, kv_heads, T, dim]`` after the valid positions; return views of all.
+        A ragged step (``rows``) stores each row's kept inputs at its own slots and returns
+        the slots the step reads (``rows.read``); ``length`` is then not kept."""
+        if rows is not None:
+            slots = (rows.kept_rows, slice(None), rows.kept_slots)
+            kept = (rows.kept_rows, slice(None), rows.kept_inputs)
+            self.keys[slots] = keys[kept]
+            self.values[slots] = values[kept]
+            return self.keys[:, :, : rows.read], self.values[:, :, : rows.read]
         end = check_append(self.length, keys.shape[2], self.keys.shape[2])
         self.keys[:, :, self.length : end] = keys
         self.values[:, :, self.length : end] = values

@@ -1,0 +1,68 @@
+"""Ragged decode steps (``decode(..., counts=)``): branches of one batch at their own
+positions, some sitting a step out, some taking several tokens at once (an agent's tool
+result), give each branch the logits the model's own full-sequence forward gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw_core as ls
+from longstraw_core.tiny_models import tiny_model
+
+VOCAB = 512
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "qwen3_5_text": ("qwen3_5_text", {}),
+    "glm_dense": ("glm_moe_dsa", {"index_topk": 4096}),
+    "glm_sparse": ("glm_moe_dsa", {"index_topk": 6}),
+}
+# Per step, how many tokens each of the three branches takes: 0 sits out (a tool runs),
+# several at once is a tool result prefilled in one pass.
+SCHEDULE = [[1, 1, 1], [0, 3, 1], [2, 0, 1], [1, 1, 0], [3, 1, 2], [0, 0, 1]]
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_steps_equal_the_full_sequence_forward(case: str) -> None:
+    model_type, overrides = CASES[case]
+    model = tiny_model(model_type, **overrides).double()
+    adapter = ls.adapt(model)
+    prompt = _ids(30, 1)
+    state = adapter.prefill(prompt, chunk_size=8)
+    totals = [sum(step[row] for step in SCHEDULE) for row in range(3)]
+    streams = [
+        torch.cat([prompt[-1:], _ids(total - 1, 10 + row)]) for row, total in enumerate(totals)
+    ]
+    cache = adapter.new_branch_cache(state, batch=3, capacity=max(totals))
+    done, logits_of = [0, 0, 0], [[] for _ in range(3)]
+    with torch.no_grad():
+        for counts in SCHEDULE:
+            width = max(counts)
+            inputs = torch.zeros(3, width, dtype=torch.long)
+            for row, count in enumerate(counts):
+                inputs[row, :count] = streams[row][done[row] : done[row] + count]
+            logits = adapter.decode(state, cache, inputs, counts=counts)
+            for row, count in enumerate(counts):
+                logits_of[row].append(logits[row, :count])
+                done[row] += count
+        for row in range(3):
+            full = model(input_ids=torch.cat([prompt[:-1], streams[row]])[None]).logits[0]
+            expected = full[len(prompt) - 1 :]
+            got = torch.cat(logits_of[row])
+            assert got.shape == expected.shape
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    assert cache.lengths == totals
+
+
+def test_a_ragged_step_past_the_capacity_is_refused() -> None:
+    adapter = ls.adapt(tiny_model("qwen3"))
+    state = adapter.prefill(_ids(10, 2))
+    cache = adapter.new_branch_cache(state, batch=2, capacity=3)
+    with torch.no_grad():
+        adapter.decode(state, cache, torch.zeros(2, 2, dtype=torch.long), counts=[2, 1])
+        with pytest.raises(RuntimeError, match="run branch 0 to 4"):
+            adapter.decode(state, cache, torch.zeros(2, 2, dtype=torch.long), counts=[2, 0])
