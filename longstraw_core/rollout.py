@@ -62,37 +62,24 @@ whose turn ends at one step is handed over at once, so the handler runs their to
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
-from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from longstraw_core.adapters.base import ModelAdapter
-from longstraw_core.fake import is_fake, known_bool, known_list
-from longstraw_core.guard import NonFiniteError
+from longstraw_core.fake import known_bool, known_list
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
+from longstraw_core.rollout_turns import decode_with_turns
+from longstraw_core.sampled_group import SampledGroup, TurnHandler
 from longstraw_core.sampling import check_arguments, check_options, processors
 from longstraw_core.state import PrefixState
-
-
-class TurnHandler(Protocol):
-    """What the rollout asks of an agent's environment when branches end a turn."""
-
-    def after_turns(self, turns: Mapping[int, list[int]]) -> Mapping[int, Sequence[int]]:
-        """``turns``: branch index -> its response tokens so far, for every branch whose turn
-        ended at this decode step. Returns, for the branches that go on, the tokens to append
-        (the environment's turn and the model's next turn header); a branch left out (or
-        given no tokens) ends there."""
-        ...
 
 
 @dataclass
@@ -178,7 +165,7 @@ def rollout(
     adapter._check_positions(state.prompt_length, max_new_tokens)
     generator = torch.Generator(device=adapter.device)
     generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
-    group = _Group(
+    group = SampledGroup(
         state,
         num_generations,
         max_new_tokens,
@@ -203,6 +190,8 @@ def rollout(
     with torch.no_grad(), bar, gathered:
         if adapter.stage is not None:
             steps, cache_bytes = _decode_on_stages(adapter, state, group, bar)
+        elif turns is not None:
+            steps, cache_bytes = decode_with_turns(adapter, state, group, bar)
         else:
             steps, cache_bytes = _decode(adapter, state, group, bar)
     seconds = time.perf_counter() - started
@@ -227,137 +216,9 @@ def rollout(
     )
 
 
-class _Group:
-    """The group being sampled: every branch's tokens, behaviour log-probs and whether it
-    ended (on pipeline stages: kept by the last stage, which samples).
-
-    A decode step's draws for the whole group are made when the step begins
-    (``begin_step``) and each part of the group then samples its own rows (``sample``), so
-    sampling in micro-groups draws what one batch draws: ``torch.multinomial`` of one
-    sample is ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn ``[G, vocab]`` at once (its
-    fast path), which is what ``generate`` draws for the same seed.
-    """
-
-    def __init__(
-        self,
-        state: PrefixState,
-        size: int,
-        max_new_tokens: int,
-        temperature: float,
-        processors: list[LogitsProcessor],
-        stop: StopStringCriteria | None,
-        eos: torch.Tensor,
-        generator: torch.Generator,
-        logps_dtype: torch.dtype,
-        needs_prompt_tokens: bool,
-        turns: TurnHandler | None = None,
-    ) -> None:
-        device = eos.device
-        self.size, self.temperature, self.processors = size, temperature, processors
-        self.stop, self.eos, self.generator = stop, eos, generator
-        self.pad_id = int(eos[0]) if len(eos) else 0
-        # What the processors see as the sequence: the prompt's distinct tokens (the
-        # repetition penalty needs only which tokens occur), then each branch's tokens.
-        seen = torch.unique(state.prompt_ids) if needs_prompt_tokens else state.prompt_ids[:0]
-        self.seen = len(seen)
-        self.sequence = torch.cat(
-            [
-                seen.to(device).expand(size, -1),
-                torch.full((size, max_new_tokens), self.pad_id, dtype=torch.long, device=device),
-            ],
-            dim=1,
-        )
-        self.tokens = self.sequence[:, self.seen :]  # a view: the responses
-        self.logps = torch.zeros(size, max_new_tokens, dtype=logps_dtype, device=device)
-        self.finished = torch.zeros(size, dtype=torch.bool, device=device)
-        self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-        self.noise: torch.Tensor | None = None
-        # Agents: who answers ended turns, each branch's tokens still to feed it, and which
-        # tokens are the policy's own (the rest were fed).
-        self.turns = turns
-        self.queued: list[deque[int]] = [deque() for _ in range(size)]
-        self.policy = torch.ones(size, max_new_tokens, dtype=torch.bool, device=device)
-
-    def begin_step(self, vocab: int) -> None:
-        """Draw the step's noise for every branch (sampling only)."""
-        if self.temperature != 0:
-            noise = torch.empty(self.size, vocab, dtype=self.logps.dtype, device=self.eos.device)
-            # A dry run's fake tensors have no values to draw (nor a generator to draw them).
-            self.noise = (
-                noise if is_fake(noise) else noise.exponential_(1, generator=self.generator)
-            )
-
-    def sample(self, rows: range, step: int, logits: torch.Tensor) -> torch.Tensor:
-        """Sample step ``step`` of branches ``rows`` from their logits ``[len(rows), vocab]``:
-        record the tokens (the pad id for ended branches), their log-probs, and which branches
-        end; return the tokens. Non-finite logits are noted (``nonfinite``), not sampled."""
-        logits = logits.to(self.logps.dtype)
-        finite = torch.isfinite(logits).all()
-        self.nonfinite |= ~finite
-        rows_ = slice(rows.start, rows.stop)
-        scores = logits
-        for processor in self.processors:
-            scores = processor(self.sequence[rows_, : self.seen + step], scores)
-        if self.temperature == 0:
-            tokens = scores.argmax(-1)
-            log_probs = torch.log_softmax(logits, -1)
-        else:
-            log_probs = torch.log_softmax(logits / self.temperature, -1)
-            tokens = (torch.softmax(scores, -1) / self.noise[rows_]).argmax(-1)
-        tokens = tokens.masked_fill(~finite, 0)  # what ends is decided by the finite check
-        finished = self.finished[rows_]
-        tokens = tokens.masked_fill(finished, self.pad_id)
-        fed = self._feed(rows, tokens) if self.turns is not None else None
-        self.tokens[rows_, step] = tokens
-        chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
-        self.logps[rows_, step] = chosen.masked_fill(finished, 0.0)
-        ended = torch.isin(tokens, self.eos)
-        if self.stop is not None:
-            ended |= self.stop(self.tokens[rows_, : step + 1], None)
-        ended &= ~finished
-        if fed is not None:
-            self.policy[rows_, step] = ~fed
-            ended &= ~fed  # a fed turn's own end token ends nothing
-            ended = self._hand_over(rows, step, ended)
-        self.lengths[rows_] = torch.where(ended, step + 1, self.lengths[rows_])
-        self.finished[rows_] = finished | ended
-        return tokens
-
-    def _feed(self, rows: range, tokens: torch.Tensor) -> torch.Tensor:
-        """Put each branch's next queued token in place of its sample, in place; return
-        which rows were fed."""
-        fed = [bool(self.queued[row]) for row in rows]
-        for i, row in enumerate(rows):
-            if fed[i]:
-                tokens[i] = self.queued[row].popleft()
-        return torch.tensor(fed, dtype=torch.bool, device=tokens.device)
-
-    def _hand_over(self, rows: range, step: int, ended: torch.Tensor) -> torch.Tensor:
-        """Hand the branches whose turn ended at ``step`` to the turn handler; queue what it
-        appends (cut to the tokens left) and return which rows end for good."""
-        ending = [row for row, end in zip(rows, ended.tolist(), strict=True) if end]
-        if not ending:
-            return ended
-        left = self.tokens.shape[1] - (step + 1)
-        turns = {row: self.tokens[row, : step + 1].tolist() for row in ending}
-        appended = self.turns.after_turns(turns) if left > 0 else {}
-        still = ended.clone()
-        for row in ending:
-            more = list(appended.get(row, ()))[:left]
-            if more:
-                self.queued[row].extend(more)
-                still[row - rows.start] = False
-        return still
-
-    def raise_if_nonfinite(self, step: int | str) -> None:
-        raise NonFiniteError(
-            f"rollout: non-finite logits at decode step {step}: the weights or the prompt's "
-            "state hold inf/NaN (diverged training?)"
-        )
-
-
-def _decode(adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm) -> tuple[int, int]:
+def _decode(
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+) -> tuple[int, int]:
     """One process (or FSDP ranks in step): every branch decoded in one batch per step.
     Returns the steps run and the branch cache's bytes."""
     cache = adapter.new_branch_cache(state, group.size, group.tokens.shape[1])
@@ -365,7 +226,6 @@ def _decode(adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm)
     steps = 0
     for step in range(group.tokens.shape[1]):
         logits = adapter.decode(state, cache, inputs)[:, -1]
-        group.begin_step(logits.shape[-1])
         tokens = group.sample(range(group.size), step, logits)
         steps += 1
         bar.update(1)
@@ -384,7 +244,7 @@ def _decode(adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm)
 
 
 def _decode_on_stages(
-    adapter: ModelAdapter, state: PrefixState, group: _Group, bar: tqdm
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
 ) -> tuple[int, int]:
     """Pipeline stages: the group's micro-groups go around the ring of stages
     (``schedule.ring_program``): stage ``s`` decodes micro-group ``j`` while stage ``s - 1``
@@ -411,8 +271,6 @@ def _decode_on_stages(
         if not last:
             return output
         logits = output[:, -1]
-        if j == 0:
-            group.begin_step(logits.shape[-1])
         return (group.sample(rows[j], t, logits),)
 
     def spec(message: Message) -> MessageSpec:
@@ -437,7 +295,7 @@ def _decode_on_stages(
     return ring.planned_steps, sum(cache.nbytes() for cache in caches)
 
 
-def _share_group(link: StageLink, group: _Group, steps: int) -> None:
+def _share_group(link: StageLink, group: SampledGroup, steps: int) -> None:
     """The last stage's sampled group on every stage of the pipeline (one broadcast of the
     tokens, which are the policy's, lengths, ends and the non-finite flag, one of the
     log-probs)."""

@@ -60,6 +60,9 @@ class ToolRunner:
         self.timeout = timeout
         self._loop: EventLoopThread | None = None
         self._lingering: dict[tuple[int, str], threading.Thread] = {}
+        # The rollout runs each branch's turn in its own thread (``ToolTurns``): one lock
+        # guards the shared event loop and the lingering calls.
+        self._lock = threading.Lock()
         atexit.register(self.close)
 
     def run(
@@ -91,7 +94,8 @@ class ToolRunner:
         if self.timeout is None:
             return _result(name, _outcome(fn, arguments))
         key = (id(getattr(fn, "__self__", None)), name)
-        lingering = self._lingering.get(key)
+        with self._lock:
+            lingering = self._lingering.get(key)
         if lingering is not None and lingering.is_alive():
             return _failed(
                 name,
@@ -102,7 +106,8 @@ class ToolRunner:
             lambda: _outcome(fn, arguments), self.timeout, f"LongStraw-Tool-{name}"
         )
         if thread.is_alive():
-            self._lingering[key] = thread
+            with self._lock:
+                self._lingering[key] = thread
             return _failed(name, f"Tool {name} took longer than its timeout of {self.timeout:g} s")
         if not box:  # SystemExit in the thread ends only the thread
             return _failed(name, f"Tool {name} exited without a result")
@@ -111,8 +116,10 @@ class ToolRunner:
     def _run_async(
         self, pending: list[tuple[str, Callable[..., Any], dict[str, Any]]]
     ) -> list[ToolResult]:
-        if self._loop is None:
-            self._loop = EventLoopThread("LongStraw-ToolLoop")
+        with self._lock:
+            if self._loop is None:
+                self._loop = EventLoopThread("LongStraw-ToolLoop")
+            loop = self._loop
         timeout = self.timeout
 
         async def one(name: str, fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -126,14 +133,16 @@ class ToolRunner:
         async def gather() -> list[Any]:
             return await asyncio.gather(*(one(*p) for p in pending))
 
-        future = asyncio.run_coroutine_threadsafe(gather(), self._loop.loop)
+        future = asyncio.run_coroutine_threadsafe(gather(), loop.loop)
         limit = None if timeout is None else timeout + LOOP_GRACE_SECONDS
         try:
             outcomes = future.result(limit)
         except concurrent.futures.TimeoutError:  # a tool blocked the loop: leave it behind
             future.cancel()
-            self._loop.abandon()
-            self._loop = None
+            with self._lock:
+                if self._loop is loop:
+                    loop.abandon()
+                    self._loop = None
             blocked = _Failure(
                 f"the async tools' event loop was blocked past the {timeout:g} s timeout (a "
                 "call that never awaits, e.g. time.sleep in an async def)"
@@ -142,9 +151,10 @@ class ToolRunner:
         return [_result(name, o) for (name, _, _), o in zip(pending, outcomes, strict=True)]
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
 
 def _outcome(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:

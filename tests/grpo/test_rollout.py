@@ -450,15 +450,19 @@ class _ScriptedTurns:
         self.reply, self.turns = reply, turns
         self.seen: list[dict[int, list[int]]] = []
         self.answered: dict[int, int] = {}
+        self.ready: dict[int, list[int]] = {}
 
-    def after_turns(self, turns: dict[int, list[int]]) -> dict[int, list[int]]:
+    def begin_turns(self, turns: dict[int, list[int]]) -> None:
         self.seen.append({row: list(tokens) for row, tokens in turns.items()})
-        out = {}
         for row in turns:
+            self.ready[row] = []
             if self.answered.get(row, 0) < self.turns:
                 self.answered[row] = self.answered.get(row, 0) + 1
-                out[row] = self.reply
-        return out
+                self.ready[row] = self.reply
+
+    def ended_turns(self, wait: bool) -> dict[int, list[int]]:
+        ready, self.ready = self.ready, {}
+        return ready
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_5_text", "glm_sparse"])

@@ -313,12 +313,16 @@ class ScriptedTurns:
     ``reply`` (``rollout``'s ``TurnHandler``)."""
 
     def __init__(self, reply: list[int]) -> None:
-        self.reply, self.answered = reply, set()
+        self.reply, self.answered, self.ready = reply, set(), {}
 
-    def after_turns(self, turns: dict[int, list[int]]) -> dict[int, list[int]]:
-        fresh = [row for row in turns if row not in self.answered]
-        self.answered.update(fresh)
-        return {row: self.reply for row in fresh}
+    def begin_turns(self, turns: dict[int, list[int]]) -> None:
+        for row in turns:
+            self.ready[row] = [] if row in self.answered else self.reply
+            self.answered.add(row)
+
+    def ended_turns(self, wait: bool) -> dict[int, list[int]]:
+        ready, self.ready = self.ready, {}
+        return ready
 
 
 def rollouts(adapter: ls.ModelAdapter, prompt: torch.Tensor) -> dict:

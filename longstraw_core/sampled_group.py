@@ -1,0 +1,294 @@
+"""``SampledGroup``: the group a rollout samples, and the draws it samples with.
+
+Kept by the process that samples (on pipeline stages, the last stage): every branch's tokens,
+behaviour log-probs, which tokens are the policy's, and whether it ended. ``rollout``'s
+module docstring says how a token is drawn; ``NoiseBlocks`` makes the draws.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from longstraw_core.fake import is_fake
+from longstraw_core.guard import NonFiniteError
+from longstraw_core.state import PrefixState
+
+
+class TurnHandler(Protocol):
+    """What the rollout asks of an agent's environment when branches end a turn.
+
+    The rollout hands over each branch whose turn ended (``begin_turns``) and goes on
+    decoding the others; it takes the answers when they are ready (``ended_turns``), so a
+    branch whose tools run holds up no other (``ToolTurns`` runs each in a thread).
+    """
+
+    def begin_turns(self, turns: Mapping[int, list[int]]) -> None:
+        """``turns``: branch index -> its response tokens so far, for branches whose turn
+        just ended. Start their environment's work (it may run in the background)."""
+        ...
+
+    def ended_turns(self, wait: bool) -> Mapping[int, Sequence[int]]:
+        """The answers ready so far, each once: branch -> the tokens to append (the
+        environment's turn and the model's next turn header); empty: the branch ends.
+        ``wait``: block until at least one begun turn has its answer."""
+        ...
+
+
+class NoiseBlocks:
+    """The ``Exp(1)`` draws sampling divides by: block ``k`` is the ``[G, vocab]`` draw that
+    ``generate`` makes at decode step ``k`` (``torch.multinomial``'s fast path), and a branch
+    samples its response position ``k`` with its row of block ``k``.
+
+    Blocks come from one generator in the order of ``k``, whatever order they are asked
+    for in: a branch that fell behind (its tool ran while the others decoded) gets its
+    block again from the generator's state before it. So a seed gives the same draws to each
+    branch at each position, in lock step or not, on one process or on pipeline stages.
+    """
+
+    def __init__(self, generator: torch.Generator, size: int, dtype: torch.dtype) -> None:
+        self.generator, self.size, self.dtype = generator, size, dtype
+        self.states: dict[int, torch.Tensor] = {}  # generator state before block k
+        self.drawn = 0  # blocks drawn from the generator's head
+        self.cached: tuple[int, torch.Tensor] | None = None
+
+    def block(self, k: int, vocab: int) -> torch.Tensor:
+        if self.cached is not None and self.cached[0] == k:
+            return self.cached[1]
+        empty = torch.empty(self.size, vocab, dtype=self.dtype, device=self.generator.device)
+        if is_fake(empty):  # a dry run's fake tensors: no values (nor a generator) to draw
+            return empty
+        if k < self.drawn:
+            head = self.generator.get_state()
+            self.generator.set_state(self.states[k])
+            noise = empty.exponential_(1, generator=self.generator)
+            self.generator.set_state(head)
+        else:
+            while True:
+                self.states[self.drawn] = self.generator.get_state()
+                noise = empty.exponential_(1, generator=self.generator)
+                self.drawn += 1
+                if self.drawn > k:
+                    break
+        self.cached = (k, noise)
+        return noise
+
+    def forget_before(self, k: int) -> None:
+        """No branch samples a position before ``k`` again."""
+        for old in [key for key in self.states if key < k]:
+            del self.states[old]
+
+
+class SampledGroup:
+    """The group being sampled: every branch's tokens, behaviour log-probs, which tokens are
+    the policy's, and whether it ended (on pipeline stages: kept by the last stage).
+
+    Lock step (``sample``): every branch samples decode step ``t`` at response position
+    ``t``; finished branches are fed the pad id. Ragged (``sample_rows``, agents): each
+    branch samples at its own position, and what its environment appends is recorded at
+    once (``append_fed``).
+    """
+
+    def __init__(
+        self,
+        state: PrefixState,
+        size: int,
+        max_new_tokens: int,
+        temperature: float,
+        processors: list[LogitsProcessor],
+        stop: StopStringCriteria | None,
+        eos: torch.Tensor,
+        generator: torch.Generator,
+        logps_dtype: torch.dtype,
+        needs_prompt_tokens: bool,
+        turns: TurnHandler | None = None,
+    ) -> None:
+        device = eos.device
+        self.size, self.temperature, self.processors = size, temperature, processors
+        self.stop, self.eos = stop, eos
+        self.max_new_tokens = max_new_tokens
+        self.pad_id = int(eos[0]) if len(eos) else 0
+        # What the processors see as the sequence: the prompt's distinct tokens (the
+        # repetition penalty needs only which tokens occur), then each branch's tokens.
+        seen = torch.unique(state.prompt_ids) if needs_prompt_tokens else state.prompt_ids[:0]
+        self.seen = len(seen)
+        # Past a ragged branch's end its row holds a token the prompt has: the penalty is
+        # over the set of tokens, so the rows of branches of other lengths can be batched.
+        filler = int(seen[0]) if turns is not None and self.seen else self.pad_id
+        self.sequence = torch.cat(
+            [
+                seen.to(device).expand(size, -1),
+                torch.full((size, max_new_tokens), filler, dtype=torch.long, device=device),
+            ],
+            dim=1,
+        )
+        self.tokens = self.sequence[:, self.seen :]  # a view: the responses
+        self.logps = torch.zeros(size, max_new_tokens, dtype=logps_dtype, device=device)
+        self.finished = torch.zeros(size, dtype=torch.bool, device=device)
+        self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.noise = NoiseBlocks(generator, size, logps_dtype) if temperature != 0 else None
+        # Agents: who answers ended turns, each branch's tokens still to feed it (lock step),
+        # and which tokens are the policy's own (the rest were appended).
+        self.turns = turns
+        self.queued: list[deque[int]] = [deque() for _ in range(size)]
+        self.policy = torch.ones(size, max_new_tokens, dtype=torch.bool, device=device)
+        # Ragged: each branch's tokens so far (host side).
+        self.filled = [0] * size
+
+    # --- lock step ---------------------------------------------------------------------------
+
+    def sample(self, rows: range, step: int, logits: torch.Tensor) -> torch.Tensor:
+        """Sample step ``step`` of branches ``rows`` from their logits ``[len(rows), vocab]``:
+        record the tokens (the pad id for ended branches), their log-probs, and which branches
+        end; return the tokens. Non-finite logits are noted (``nonfinite``), not sampled."""
+        rows_ = slice(rows.start, rows.stop)
+        tokens, log_probs = self._draw(
+            self.sequence[rows_, : self.seen + step], logits, rows_, [step] * len(rows)
+        )
+        finished = self.finished[rows_]
+        tokens = tokens.masked_fill(finished, self.pad_id)
+        fed = self._feed(rows, tokens) if self.turns is not None else None
+        self.tokens[rows_, step] = tokens
+        chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
+        self.logps[rows_, step] = chosen.masked_fill(finished, 0.0)
+        ended = torch.isin(tokens, self.eos)
+        if self.stop is not None:
+            ended |= self.stop(self.tokens[rows_, : step + 1], None)
+        ended &= ~finished
+        if fed is not None:
+            self.policy[rows_, step] = ~fed
+            ended &= ~fed  # a fed turn's own end token ends nothing
+            ended = self._hand_over(rows, step, ended)
+        self.lengths[rows_] = torch.where(ended, step + 1, self.lengths[rows_])
+        self.finished[rows_] = finished | ended
+        return tokens
+
+    def _feed(self, rows: range, tokens: torch.Tensor) -> torch.Tensor:
+        """Put each branch's next queued token in place of its sample, in place; return
+        which rows were fed."""
+        fed = [bool(self.queued[row]) for row in rows]
+        for i, row in enumerate(rows):
+            if fed[i]:
+                tokens[i] = self.queued[row].popleft()
+        return torch.tensor(fed, dtype=torch.bool, device=tokens.device)
+
+    def _hand_over(self, rows: range, step: int, ended: torch.Tensor) -> torch.Tensor:
+        """Hand the branches whose turn ended at ``step`` to the turn handler and wait for
+        its answers; queue what it appends (cut to the tokens left) and return which rows
+        end for good."""
+        ending = [row for row, end in zip(rows, ended.tolist(), strict=True) if end]
+        if not ending:
+            return ended
+        left = self.tokens.shape[1] - (step + 1)
+        appended: dict[int, Sequence[int]] = {}
+        if left > 0:
+            self.turns.begin_turns({row: self.tokens[row, : step + 1].tolist() for row in ending})
+            while len(appended) < len(ending):
+                appended.update(self.turns.ended_turns(wait=True))
+        still = ended.clone()
+        for row in ending:
+            more = list(appended.get(row, ()))[:left]
+            if more:
+                self.queued[row].extend(more)
+                still[row - rows.start] = False
+        return still
+
+    # --- ragged (agents) ---------------------------------------------------------------------
+
+    def sample_rows(self, rows: Sequence[int], logits: torch.Tensor) -> list[bool]:
+        """Sample the next token of each branch in ``rows`` (at its own position) from its
+        logits ``[len(rows), vocab]``; record it, its log-prob and whether it ends the
+        branch's turn (an EOS or a stop string), which is returned. Non-finite logits are
+        noted (``nonfinite``), not sampled."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
+        positions = [self.filled[row] for row in rows]
+        width = self.seen + max(positions)
+        tokens, log_probs = self._draw(self.sequence[index, :width], logits, index, positions)
+        self.tokens[index, positions] = tokens
+        self.logps[index, positions] = log_probs.gather(-1, tokens[:, None])[:, 0]
+        ended = torch.isin(tokens, self.eos)
+        if self.stop is not None:
+            for i, (row, position) in enumerate(zip(rows, positions, strict=True)):
+                ended[i] |= self.stop(self.tokens[row : row + 1, : position + 1], None)[0]
+        for row in rows:
+            self.filled[row] += 1
+        return ended.tolist()
+
+    def append_fed(self, row: int, tokens: Sequence[int]) -> int:
+        """Record the tokens an environment appended to branch ``row`` (not the policy's),
+        cut to its budget; returns how many were kept."""
+        start = self.filled[row]
+        kept = list(tokens)[: self.max_new_tokens - start]
+        if kept:
+            end = start + len(kept)
+            self.tokens[row, start:end] = torch.tensor(kept, device=self.tokens.device)
+            self.policy[row, start:end] = False
+            self.filled[row] = end
+        return len(kept)
+
+    def score_fed(self, row: int, logits: torch.Tensor) -> None:
+        """The policy's log-probs of the last ``len(logits)`` tokens appended to branch
+        ``row``, from the logits before each (as a lock-step rollout records them; they never
+        enter the loss)."""
+        end = self.filled[row]
+        start = end - logits.shape[0]
+        scale = self.temperature if self.temperature != 0 else 1.0
+        log_probs = torch.log_softmax(logits.to(self.logps.dtype) / scale, -1)
+        fed = self.tokens[row, start:end]
+        self.logps[row, start:end] = log_probs.gather(-1, fed[:, None])[:, 0]
+
+    def end_rows(self, ended: Mapping[int, bool]) -> None:
+        """Branches that are done: at their tokens so far, ``True`` when they ended (an EOS,
+        a stop string, or an environment ending them), ``False`` when cut (truncated)."""
+        for row, done in ended.items():
+            self.lengths[row] = self.filled[row]
+            self.finished[row] = done
+
+    # --- shared ------------------------------------------------------------------------------
+
+    def _draw(
+        self,
+        sequence: torch.Tensor,
+        logits: torch.Tensor,
+        rows: slice | torch.Tensor,
+        positions: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens drawn for ``rows`` (at response ``positions``) and every token's
+        log-prob; non-finite logits are noted (``nonfinite``) and draw token 0."""
+        logits = logits.to(self.logps.dtype)
+        finite = torch.isfinite(logits).all()
+        self.nonfinite |= ~finite
+        scores = logits
+        for processor in self.processors:
+            scores = processor(sequence, scores)
+        if self.temperature == 0:
+            tokens = scores.argmax(-1)
+            log_probs = torch.log_softmax(logits, -1)
+        else:
+            log_probs = torch.log_softmax(logits / self.temperature, -1)
+            tokens = (torch.softmax(scores, -1) / self._noise(rows, positions, logits)).argmax(-1)
+        return tokens.masked_fill(~finite, 0), log_probs
+
+    def _noise(
+        self, rows: slice | torch.Tensor, positions: Sequence[int], logits: torch.Tensor
+    ) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        if isinstance(rows, slice):  # lock step: one position
+            return self.noise.block(positions[0], vocab)[rows]
+        noise = torch.empty_like(logits)
+        for position in sorted(set(positions)):
+            at = [i for i, p in enumerate(positions) if p == position]
+            noise[at] = self.noise.block(position, vocab)[rows[at]]
+        return noise
+
+    def raise_if_nonfinite(self, step: int | str) -> None:
+        raise NonFiniteError(
+            f"rollout: non-finite logits at decode step {step}: the weights or the prompt's "
+            "state hold inf/NaN (diverged training?)"
+        )
