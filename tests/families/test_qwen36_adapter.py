@@ -463,6 +463,7 @@ def test_decode_steps_use_the_fused_recurrent_kernel_without_autograd(monkeypatc
     kernels = qwen36.deltanet_kernels(deltanet, torch.device("cuda"), torch.bfloat16)
     assert kernels.names[1] == "fla" and kernels.rule_for(1) is kernels.step
     assert kernels.rule_for(5) is kernels.delta_rule
+    assert kernels.rule_for(5, ragged=True) is kernels.step  # padding steps are the identity
 
     generator = torch.Generator().manual_seed(21)
     q, k = (torch.randn(2, 1, 2, 8, generator=generator) for _ in range(2))
