@@ -39,9 +39,15 @@ class DeltaNetKernels:
     names: tuple[str, str]
     step: DeltaRuleFn | None = None
 
-    def rule_for(self, length: int) -> DeltaRuleFn:
-        """The delta-rule kernel for a span of ``length`` positions."""
-        return self.step if length == 1 and self.step is not None else self.delta_rule
+    def rule_for(self, length: int, *, ragged: bool = False) -> DeltaRuleFn:
+        """The delta-rule kernel for a decoding span of ``length`` positions.
+
+        A ragged step (``ragged``) steps token by token at any length: its padding steps
+        then leave each state exactly as it was, and a branch's numbers do not depend on how
+        its tokens were grouped into steps (the chunked kernel sums them in another order).
+        """
+        stepwise = length == 1 or ragged
+        return self.step if stepwise and self.step is not None else self.delta_rule
 
 
 @functools.cache

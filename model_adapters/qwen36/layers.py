@@ -54,7 +54,8 @@ def run_gated_deltanet(
     starts from the stored recurrent state. A prefill chunk (``span.write``) stores the new
     conv inputs and final state; a branch reads the record and leaves it as it was. With
     ``branch`` (decoding ``B`` branches), each branch starts from its own states instead and
-    they are replaced by the ones it ends with.
+    they are replaced by the ones it ends with. In a ragged step (``span.rows``) each branch
+    ends after its own kept inputs (``_skip_padding``, ``_ragged_conv_state``).
     """
     batch, length, _ = hidden.shape
     mixed_qkv, z, b, a = deltanet_projections(deltanet, hidden)
@@ -77,10 +78,15 @@ def run_gated_deltanet(
 
     beta = b.sigmoid()
     g = -deltanet.A_log.float().exp() * F.softplus(a.float() + deltanet.dt_bias)
-    # A decode step's one position takes the step kernel; with autograd (a branch replayed
-    # in pieces on pipeline stages) the chunked one, whose backward is the replay's.
+    rows = span.rows if branch is not None else None
+    if rows is not None:
+        key, value, g, beta = _skip_padding(rows.counts, key, value, g, beta)
+    # A decode step's one position takes the step kernel, and so does a ragged step at any
+    # length; with autograd (a branch replayed in pieces on pipeline stages) the chunked
+    # one, whose backward is the replay's.
     decoding = branch is not None and not torch.is_grad_enabled()
-    delta_rule = kernels.rule_for(length) if decoding else kernels.delta_rule
+    ragged = rows is not None
+    delta_rule = kernels.rule_for(length, ragged=ragged) if decoding else kernels.delta_rule
     output, final_state = delta_rule(
         query,
         key,
@@ -97,10 +103,43 @@ def run_gated_deltanet(
         # sweep, which keeps them to the chunk's backward, and a view would keep all of
         # conv_input (the whole chunk) alive with them past a checkpointed layer's forward.
         record.update(span.start, length, conv_input[0, :, kept:].clone(), final_state[0])
-    if branch is not None:
+    if rows is not None:
+        window = _ragged_conv_state(conv_input, rows.counts, conv_state.shape[-1])
+        branch.update(window, final_state)
+    elif branch is not None:
         branch.update(conv_input[:, :, kept:], final_state)
 
     output = deltanet.norm(
         output.reshape(-1, deltanet.head_v_dim), z.reshape(-1, deltanet.head_v_dim)
     )
     return deltanet.out_proj(output.reshape(batch, length, -1))
+
+
+def _skip_padding(
+    counts: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key, value, log decay and write strength with a ragged step's padding inputs (``t >=
+    counts[b]``) zeroed, so that each padding step is the identity on the recurrent state.
+
+    The step ``S <- S * exp(g) + k (beta (v - S^T k))^T`` is then exactly ``S * 1 + 0``; a
+    selection, not a product with a mask, so a padding input that overflowed cannot carry a
+    NaN into the state (the L2 norm of a zero key is zero). Padding outputs mean nothing.
+    """
+    length = key.shape[1]
+    kept = torch.arange(length, device=counts.device) < counts[:, None]  # [B, T]
+    kept = kept.to(key.device)
+    key, value = (torch.where(kept[..., None, None], x, 0) for x in (key, value))
+    g, beta = (torch.where(kept[..., None], x, 0) for x in (g, beta))
+    return key, value, g, beta
+
+
+def _ragged_conv_state(conv_input: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
+    """Each row's conv window after its own kept inputs: ``conv_input [B, D, window + T]``'s
+    ``window`` columns ending at column ``window + counts[b]`` (a row that sat out keeps the
+    window it had)."""
+    columns = counts.to(conv_input.device)[:, None] + torch.arange(window, device=conv_input.device)
+    return conv_input.gather(2, columns[:, None, :].expand(-1, conv_input.shape[1], -1))

@@ -33,7 +33,8 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
-from longstraw_core.kinds.recurrent import RecurrentState
+from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
+from longstraw_core.state import BranchCache
 from longstraw_core.tiny_models import slow_gated_deltanet_decay, tiny_model
 from model_adapters import qwen36
 
@@ -295,6 +296,47 @@ def test_branches_read_the_state_and_leave_it_unchanged() -> None:
             assert torch.equal(record.keys, saved)
 
 
+def _branch_states(cache: BranchCache) -> list[torch.Tensor]:
+    layers = [r for r in cache.layers if isinstance(r, BranchRecurrent)]
+    return [t.clone() for r in layers for t in (r.conv, r.recurrent)]
+
+
+def test_ragged_steps_skip_padding_and_match_lock_step_decoding() -> None:
+    """Ragged steps (``decode(..., counts=)``): a row that sits a step out keeps its conv and
+    recurrent states bit for bit, and every row ends with the states and logits of decoding
+    its tokens one at a time in lock step. Here they agree to 2e-15 (the float32 recurrent
+    states bit for bit), but transformers' delta rule runs in float32: inputs that differ in
+    their last float64 bits (batch shapes) can round to the next float32, which other inputs
+    showed as up to 5e-7 in the logits, hence the margin. The full-sequence forward is
+    tests/grpo/test_ragged_decode.py's."""
+    model = _model(dtype=torch.float64)
+    adapter = ls.adapt(model)
+    state = adapter.prefill(_ids(20, 30), chunk_size=8)
+    streams = torch.stack([_ids(6, 31), _ids(6, 32)])
+    schedule = [[1, 0], [3, 2], [0, 4], [2, 0]]  # padding after a row's tokens, rows sitting out
+    lock_step = adapter.new_branch_cache(state, batch=2, capacity=6)
+    ragged = adapter.new_branch_cache(state, batch=2, capacity=6)
+    done, got = [0, 0], [[], []]
+    with torch.no_grad():
+        expected = [adapter.decode(state, lock_step, streams[:, i : i + 1]) for i in range(6)]
+        for counts in schedule:
+            inputs = torch.zeros(2, max(counts), dtype=torch.long)
+            for row, count in enumerate(counts):
+                inputs[row, :count] = streams[row, done[row] : done[row] + count]
+            before = _branch_states(ragged)
+            logits = adapter.decode(state, ragged, inputs, counts=counts)
+            for row, count in enumerate(counts):
+                got[row].append(logits[row, :count])
+                done[row] += count
+                for old, new in zip(before, _branch_states(ragged), strict=True):
+                    assert torch.equal(old[row], new[row]) == (count == 0)
+    expected = torch.cat(expected, dim=1)
+    for row in range(2):
+        torch.testing.assert_close(torch.cat(got[row]), expected[row], rtol=0, atol=2e-6)
+    for mine, theirs in zip(_branch_states(ragged), _branch_states(lock_step), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+
+
 def test_state_accounting_by_layer_type() -> None:
     model = _model()
     adapter = ls.adapt(model)
@@ -421,6 +463,7 @@ def test_decode_steps_use_the_fused_recurrent_kernel_without_autograd(monkeypatc
     kernels = qwen36.deltanet_kernels(deltanet, torch.device("cuda"), torch.bfloat16)
     assert kernels.names[1] == "fla" and kernels.rule_for(1) is kernels.step
     assert kernels.rule_for(5) is kernels.delta_rule
+    assert kernels.rule_for(5, ragged=True) is kernels.step  # padding steps are the identity
 
     generator = torch.Generator().manual_seed(21)
     q, k = (torch.randn(2, 1, 2, 8, generator=generator) for _ in range(2))

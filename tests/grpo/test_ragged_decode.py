@@ -17,6 +17,12 @@ CASES = {
     "glm_dense": ("glm_moe_dsa", {"index_topk": 4096}),
     "glm_sparse": ("glm_moe_dsa", {"index_topk": 6}),
 }
+# transformers computes the gated delta rule and its RMSNorms in float32 whatever the model's
+# dtype, with the chunked kernel over the reference's whole sequence and the step kernel for
+# decoded tokens: lock-step decoding one token at a time is as far from the full-sequence
+# forward as these ragged steps are (both 1.7e-5 here), while ragged and lock-step decoding
+# agree to 2e-15 (float32 round-off at worst, tests/families/test_qwen36_adapter.py).
+LOGITS_ATOL = {"qwen3_5_text": 3e-5}
 # Per step, how many tokens each of the three branches takes: 0 sits out (a tool runs),
 # several at once is a tool result prefilled in one pass.
 SCHEDULE = [[1, 1, 1], [0, 3, 1], [2, 0, 1], [1, 1, 0], [3, 1, 2], [0, 0, 1]]
@@ -54,7 +60,8 @@ def test_ragged_steps_equal_the_full_sequence_forward(case: str) -> None:
             expected = full[len(prompt) - 1 :]
             got = torch.cat(logits_of[row])
             assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+            atol = LOGITS_ATOL.get(case, 1e-9)
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=atol)
     assert cache.lengths == totals
 
 
