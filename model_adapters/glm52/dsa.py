@@ -69,7 +69,8 @@ def select_topk(
 
     ``branch_positions`` ``[B, T]``: a ragged decode step, each query at its own branch
     position (``span_keys`` then holds the slots the step reads); a query never selects its
-    branch's slots past itself (padding of a row that is behind the others).
+    branch's slots past itself (the step's later inputs, the unwritten slots of a row that is
+    behind the others).
     """
     batch, length = queries.shape[:2]
     prefix_length = prefix_keys.shape[0]
