@@ -29,6 +29,7 @@ from longstraw_core.kinds.base import (
 )
 from longstraw_core.kinds.planning import FP32, INT64, KindPlan, causal_pairs
 from longstraw_core.kinds.registry import LayerKind, register_kind
+from longstraw_core.kinds.rows import Rows
 from longstraw_core.offload.pinned import empty_buffers
 
 
@@ -133,10 +134,11 @@ class LatentKV(RecordBase):
         """Empty per-branch latent (and index keys) for ``batch`` branches of ``capacity``,
         on ``device`` (default: the record's)."""
         options = {"dtype": self.latent.dtype, "device": device or self.latent.device}
+        # Zeros, not empty: a ragged step's padding queries may read slots nothing wrote.
         index_keys = None
         if self.index_keys is not None:
-            index_keys = torch.empty(batch, capacity, self.index_keys.shape[-1], **options)
-        latent = torch.empty(batch, capacity, self.latent.shape[-1], **options)
+            index_keys = torch.zeros(batch, capacity, self.index_keys.shape[-1], **options)
+        latent = torch.zeros(batch, capacity, self.latent.shape[-1], **options)
         return BranchLatent(latent, index_keys)
 
     def summary_bytes(self) -> dict[str, int]:
@@ -179,16 +181,25 @@ class BranchLatent:
     length: int = 0
 
     def append(
-        self, latent: torch.Tensor, index_keys: torch.Tensor | None
+        self, latent: torch.Tensor, index_keys: torch.Tensor | None, rows: Rows | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Store ``[batch, T, ...]`` rows after the valid positions; return views of all."""
-        end = check_append(self.length, latent.shape[1], self.latent.shape[1])
+        """Store ``[batch, T, ...]`` rows after the valid positions; return views of all.
+        A ragged step (``rows``) stores each row's kept inputs at its own slots and returns
+        the slots the step reads (``rows.read``); ``length`` is then not kept."""
         if (index_keys is None) != (self.index_keys is None):
             raise RuntimeError("index keys must be appended exactly on layers that keep them")
-        self.latent[:, self.length : end] = latent
-        if index_keys is not None:
-            self.index_keys[:, self.length : end] = index_keys
-        self.length = end
+        if rows is not None:
+            slots, kept = (rows.kept_rows, rows.kept_slots), (rows.kept_rows, rows.kept_inputs)
+            self.latent[slots] = latent[kept]
+            if index_keys is not None:
+                self.index_keys[slots] = index_keys[kept]
+            end = rows.read
+        else:
+            end = check_append(self.length, latent.shape[1], self.latent.shape[1])
+            self.latent[:, self.length : end] = latent
+            if index_keys is not None:
+                self.index_keys[:, self.length : end] = index_keys
+            self.length = end
         index_view = None if self.index_keys is None else self.index_keys[:, :end]
         return self.latent[:, :end], index_view
 

@@ -148,8 +148,11 @@ class GlmMoeDsaAdapter(ModelAdapter):
             record.write(span.start, latent[0], None if index_keys is None else index_keys[0])
             if state_only:
                 return None, None
+        branch_positions = None
+        if span.rows is not None:  # a ragged decode step: each row at its own position
+            branch_positions = span.rows.query_positions(span.length)
         if branch is not None:
-            latent, index_keys = branch.append(latent, index_keys)
+            latent, index_keys = branch.append(latent, index_keys, span.rows)
         if attention.indexer is not None and not dense:
             selection = select_topk(
                 index_queries,
@@ -158,6 +161,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
                 index_keys,
                 attention.indexer.index_topk,
                 attention.indexer.softmax_scale,
+                branch_positions,
             )
         output = latent_attention(
             queries,
@@ -167,6 +171,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
             attention.kv_lora_rank,
             attention.scaling,
             prefix_grad=record.latent_grad(prefix_end),
+            branch_positions=branch_positions,
         )
         output = torch.einsum("bhtr,hvr->bthv", output, w_uv).flatten(2)
         return attention.o_proj(output), selection

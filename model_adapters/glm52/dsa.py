@@ -53,6 +53,7 @@ def select_topk(
     span_keys: torch.Tensor,
     topk: int,
     scale: float,
+    branch_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``topk`` highest-scoring visible positions per query, ``[B, T, topk]``.
 
@@ -65,11 +66,19 @@ def select_topk(
     score matrix is built and merging costs at most about one extra pass. Entries are
     absolute positions; ``-1`` pads the rows of queries that see fewer than ``topk``
     positions (they attend to all they see).
+
+    ``branch_positions`` ``[B, T]``: a ragged decode step, each query at its own branch
+    position (``span_keys`` then holds the slots the step reads); a query never selects its
+    branch's slots past itself (the step's later inputs, the unwritten slots of a row that is
+    behind the others).
     """
     batch, length = queries.shape[:2]
     prefix_length = prefix_keys.shape[0]
-    first = prefix_length + span_keys.shape[1] - length
-    query_positions = first + torch.arange(length, device=queries.device)
+    if branch_positions is None:
+        first = prefix_length + span_keys.shape[1] - length
+        query_positions = (first + torch.arange(length, device=queries.device))[None]
+    else:
+        query_positions = prefix_length + branch_positions.to(queries.device)
     best_scores = queries.new_empty(batch, length, 0, dtype=torch.float32)
     best_positions = query_positions.new_empty(batch, length, 0)
     work = work_elements_like(queries)
@@ -78,7 +87,8 @@ def select_topk(
     for keys, offset in representative(blocks, queries):
         scores = _index_scores(queries, weights, keys.to(queries.device), scale, work)
         positions = offset + torch.arange(keys.shape[-2], device=queries.device)
-        scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
+        hidden = positions[None, None, :] > query_positions[:, :, None]  # [B or 1, T, n]
+        scores = scores.masked_fill(hidden, float("-inf"))
         scores = torch.cat([best_scores, scores], dim=-1)
         positions = torch.cat([best_positions, positions.expand(batch, length, -1)], dim=-1)
         best_scores, picked = scores.topk(min(topk, scores.shape[-1]), dim=-1)

@@ -20,6 +20,7 @@ def latent_attention(
     value_dim: int,
     scale: float,
     prefix_grad: torch.Tensor | None = None,
+    branch_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in latent space: ``[B, H, T, value_dim]`` from absorbed ``queries``.
 
@@ -32,7 +33,9 @@ def latent_attention(
     ``segmented_attention`` (prefix by reference); otherwise each query attends to its
     selected positions only. ``prefix_grad`` (exact mode), shaped like ``prefix_latent``:
     backward *adds* the prefix's gradient into it, block by block, instead of returning one
-    (no prefix-sized temporary).
+    (no prefix-sized temporary). ``branch_positions`` ``[B, T]``: a ragged decode step's
+    query positions in each branch (``segmented_attention``; a sparse ``selection`` already
+    holds each query's own positions).
     """
     if span_latent.dim() == 2:
         span_latent = span_latent[None]
@@ -45,7 +48,13 @@ def latent_attention(
             if prefix_grad is not None:  # key and value views of one buffer: both add into it
                 sinks = [(prefix_grad[None], prefix_grad[None, :, :value_dim])]
         return segmented_attention(
-            queries, keys, keys[..., :value_dim], prefix, scale=scale, prefix_grads=sinks or None
+            queries,
+            keys,
+            keys[..., :value_dim],
+            prefix,
+            scale=scale,
+            prefix_grads=sinks or None,
+            branch_positions=branch_positions,
         )
     output = _SparseLatentAttention.apply(
         queries.transpose(1, 2),

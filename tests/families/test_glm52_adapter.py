@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dispatch_probes import RecordIndexScores, RecordLargestOutput, assert_no_ties_at_k
+from float64_internals import Float64Internals
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -20,7 +21,6 @@ from reference import (
     trl_group_loss,
     with_lora,
 )
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
@@ -285,18 +285,6 @@ def test_a_shared_first_layer_is_refused() -> None:
 EXACT_RTOL = 1e-10  # float64 throughout (observed: ~1e-14)
 LENGTHS = [7, 3, 5]
 REWARDS = [1.0, -0.5, 0.25]
-
-
-class Float64Internals(TorchFunctionMode):
-    """``.to(float32)`` / ``.type(float32)`` of a float64 tensor returns it in float64."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.to, torch.Tensor.type) and args[0].dtype == torch.float64:
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs = {**kwargs, "dtype": torch.float64}
-        return func(*args, **kwargs)
 
 
 def _exact_model(model_type: str, topk: int, seed: int = 0, float64_internals: bool = True):

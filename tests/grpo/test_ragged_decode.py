@@ -4,8 +4,12 @@ result), give each branch the logits the model's own full-sequence forward gives
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from dispatch_probes import RecordIndexScores, assert_no_ties_at_k
+from float64_internals import Float64Internals
 
 import longstraw_core as ls
 from longstraw_core.tiny_models import tiny_model
@@ -14,8 +18,12 @@ VOCAB = 512
 CASES = {
     "qwen3": ("qwen3", {}),
     "qwen3_5_text": ("qwen3_5_text", {}),
-    "glm_dense": ("glm_moe_dsa", {"index_topk": 4096}),
-    "glm_sparse": ("glm_moe_dsa", {"index_topk": 6}),
+    # Eager experts: the MoE's grouped matmul has no float64 kernel on CPU.
+    "glm_dense": ("glm_moe_dsa", {"index_topk": 4096, "experts_implementation": "eager"}),
+    "glm_sparse": ("glm_moe_dsa", {"index_topk": 6, "experts_implementation": "eager"}),
+    # Queries see 30 to 36 positions: in some steps one row's queries see more than top-k,
+    # another's fewer (they attend to all they see), or only a waiting row's padding does.
+    "glm_straddling": ("glm_moe_dsa", {"index_topk": 33, "experts_implementation": "eager"}),
 }
 # transformers computes the gated delta rule and its RMSNorms in float32 whatever the model's
 # dtype, with the chunked kernel over the reference's whole sequence and the step kernel for
@@ -23,6 +31,9 @@ CASES = {
 # forward as these ragged steps are (both 1.7e-5 here), while ragged and lock-step decoding
 # agree to 2e-15 (float32 round-off at worst, tests/families/test_qwen36_adapter.py).
 LOGITS_ATOL = {"qwen3_5_text": 3e-5}
+# GLM's MoE router computes in float32 even in a float64 model (~1e-7 on both sides, whatever
+# the mechanism): both sides run its casts in float64, so 1e-9 shows float64 round-off.
+FLOAT32_ISLANDS = {"glm_moe_dsa"}
 # Per step, how many tokens each of the three branches takes: 0 sits out (a tool runs),
 # several at once is a tool result prefilled in one pass.
 SCHEDULE = [[1, 1, 1], [0, 3, 1], [2, 0, 1], [1, 1, 0], [3, 1, 2], [0, 0, 1]]
@@ -38,14 +49,15 @@ def test_ragged_steps_equal_the_full_sequence_forward(case: str) -> None:
     model = tiny_model(model_type, **overrides).double()
     adapter = ls.adapt(model)
     prompt = _ids(30, 1)
-    state = adapter.prefill(prompt, chunk_size=8)
     totals = [sum(step[row] for step in SCHEDULE) for row in range(3)]
     streams = [
         torch.cat([prompt[-1:], _ids(total - 1, 10 + row)]) for row, total in enumerate(totals)
     ]
-    cache = adapter.new_branch_cache(state, batch=3, capacity=max(totals))
-    done, logits_of = [0, 0, 0], [[] for _ in range(3)]
-    with torch.no_grad():
+    internals = Float64Internals() if model_type in FLOAT32_ISLANDS else contextlib.nullcontext()
+    with internals, torch.no_grad():
+        state = adapter.prefill(prompt, chunk_size=8)
+        cache = adapter.new_branch_cache(state, batch=3, capacity=max(totals))
+        done, logits_of = [0, 0, 0], [[] for _ in range(3)]
         for counts in SCHEDULE:
             width = max(counts)
             inputs = torch.zeros(3, width, dtype=torch.long)
@@ -55,8 +67,14 @@ def test_ragged_steps_equal_the_full_sequence_forward(case: str) -> None:
             for row, count in enumerate(counts):
                 logits_of[row].append(logits[row, :count])
                 done[row] += count
+        topk = overrides.get("index_topk", 0)
         for row in range(3):
-            full = model(input_ids=torch.cat([prompt[:-1], streams[row]])[None]).logits[0]
+            sequence = torch.cat([prompt[:-1], streams[row]])
+            recorder = RecordIndexScores(topk)  # a tie at the k-th score would be a coin toss
+            with recorder:
+                full = model(input_ids=sequence[None]).logits[0]
+            if 0 < topk < len(sequence):
+                assert_no_ties_at_k(recorder)
             expected = full[len(prompt) - 1 :]
             got = torch.cat(logits_of[row])
             assert got.shape == expected.shape
