@@ -49,14 +49,15 @@ prompt's end (vLLM's rule). Finished branches stay in the batch (their later tok
 masked) until every branch has finished or ``max_new_tokens`` is reached.
 
 Agents (``turns``, a ``TurnHandler``: ``longstraw_core.tools``): when a branch's turn ends (an
-EOS or a stop string), the handler is given the branch's tokens so far and may answer with
-tokens to append: the environment's turn (the tool results as the chat template renders
-them) and the header of the model's next turn. The branch then goes on: those tokens are fed
-to it one a decode step, as teacher-forced inputs that extend its own state without autograd
-(the prefix state is never written), and are marked 0 in ``out.loss_masks`` (TRL's
-``tool_mask``: they are scored by replay, as inputs later tokens read, but never enter the
-loss). They count against ``max_new_tokens``; what would overflow it is cut. Every branch
-whose turn ends at one step is handed over at once, so the handler runs their tools together.
+EOS or a stop string), the handler is given the branch's tokens so far and answers, when it is
+ready, with tokens to append (the environment's turn, the next turn's header) or none (the
+branch ends). The group then decodes in ragged steps (``rollout_turns``): a waiting branch
+sits steps out while the others go on, and its answer is prefilled after the turn's end token
+(one step on one process, one token a ring step on stages). Appended tokens are marked 0 in
+``out.loss_masks`` (TRL's ``tool_mask``: replay scores them, as inputs later tokens read, but
+they never enter the loss) and count against ``max_new_tokens``; what would overflow is cut.
+A branch draws its token at response position ``k`` from its row of the ``k``-th draw
+(``sampled_group.NoiseBlocks``), so when answers come changes nothing that is sampled.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from longstraw_core.fake import known_bool, known_list
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
-from longstraw_core.rollout_turns import decode_with_turns
+from longstraw_core.rollout_turns import decode_with_turns, decode_with_turns_on_stages
 from longstraw_core.sampled_group import SampledGroup, TurnHandler
 from longstraw_core.sampling import check_arguments, check_options, processors
 from longstraw_core.state import PrefixState
@@ -148,8 +149,8 @@ def rollout(
             memory while decoding) instead of once per decode step (config
             ``distributed.rollout_gather``). No effect unsharded.
         turns: an agent's environment (``TurnHandler``): branches whose turn ends are handed
-            to it, and go on with the tokens it appends (see the module docstring). On
-            pipeline stages it runs on the last stage, which samples.
+            to it, and go on with the tokens it appends while the others decode (see the
+            module docstring). On pipeline stages it runs on the last stage, which samples.
 
     Returns:
         ``RolloutOutput``; ``stats`` holds ``decode_seconds``, ``steps`` (batched decode
@@ -189,7 +190,11 @@ def rollout(
     gathered = adapter.parameters_gathered() if gather_parameters else nullcontext()
     with torch.no_grad(), bar, gathered:
         if adapter.stage is not None:
-            steps, cache_bytes = _decode_on_stages(adapter, state, group, bar)
+            on_stages = _decode_on_stages if turns is None else decode_with_turns_on_stages
+            steps, cache_bytes = on_stages(adapter, state, group, bar)
+            _share_group(adapter.stage.link, group, min(steps, max_new_tokens))
+            if known_bool(group.nonfinite, fake=False):
+                group.raise_if_nonfinite(f"<= {steps - 1}")
         elif turns is not None:
             steps, cache_bytes = decode_with_turns(adapter, state, group, bar)
         else:
@@ -289,9 +294,6 @@ def _decode_on_stages(
             ring.stop_at(t)
 
     run_program(link, ring_steps(ring, link.stage), compute, spec, collective)
-    _share_group(link, group, ring.planned_steps)
-    if known_bool(group.nonfinite, fake=False):
-        group.raise_if_nonfinite(f"<= {ring.planned_steps - 1}")
     return ring.planned_steps, sum(cache.nbytes() for cache in caches)
 
 

@@ -4,13 +4,18 @@ whose tools run holds up no other.
 Each branch moves through its own turns: it decodes a token a step until its turn ends (an
 EOS or a stop string); it is then handed to the ``TurnHandler`` (which runs its tools in
 the background) and sits the steps out (``decode(..., counts=)`` with ``0`` for it) while the
-others go on; when its answer is ready, the turn's end token and the appended tokens (tool
-results, the next turn's header) are prefilled in one step of that branch, without autograd,
-and the logits at the last of them draw its next token. Appended tokens are recorded as the
-environment's (``loss_masks`` 0) and count against ``max_new_tokens``; what would overflow is
-cut. On one process a step with nothing to decode waits for the first answer; FSDP ranks
-decode in step (one collective a step), so a rank with nothing to decode runs an empty step
-(no branch keeps anything) rather than holding up its peers.
+others go on. When its answer is ready, the appended tokens (tool results, the next turn's
+header) are recorded as the environment's (``loss_masks`` 0) and fed after the turn's end
+token, without autograd, and the logits after the last of them draw the branch's next token;
+the logits before each appended token give its log-prob (it never enters the loss).
+Appended tokens count against ``max_new_tokens``; what would overflow is cut.
+
+One process feeds a whole answer in one step (a multi-token prefill of that branch while
+the others take one token); pipeline stages feed one token a step (every message of the ring
+has a fixed shape). On one process a step with nothing to decode waits for the first answer.
+FSDP ranks decode in step (one collective a step), so a rank with nothing to decode runs an
+empty step (no branch keeps anything) rather than holding up its peers. On stages the last
+stage samples and runs the tools; every stage reads each step's counts from the messages.
 """
 
 from __future__ import annotations
@@ -19,86 +24,97 @@ import torch
 from tqdm.auto import tqdm
 
 from longstraw_core.adapters.base import ModelAdapter
+from longstraw_core.pipeline.runner import run_program
+from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
+from longstraw_core.pipeline.transport import MessageSpec, Payload
 from longstraw_core.sampled_group import SampledGroup
 from longstraw_core.state import PrefixState
 
 
-class _Branches:
-    """Where each branch of the group is: its inputs for the next step (``pending``), the
-    end token it holds while its turn's answer is awaited (``held``), and which are done."""
+class TurnSteps:
+    """Where each branch is: ``fed[row]`` inputs run (input 0 is the prompt's last token,
+    input ``k`` the response's token ``k - 1``; the logits after input ``k`` predict response
+    token ``k``), which branches wait on an answer, and which are done (``True``: ended,
+    ``False``: cut at the budget).
 
-    def __init__(self, group: SampledGroup, first: int) -> None:
-        self.group = group
-        self.pending: list[list[int]] = [[first] for _ in range(group.size)]
-        self.held: dict[int, int] = {}
+    A branch's next inputs run from input ``fed`` to the newest response token: the logits
+    after a token the branch already holds (an appended one) score it, and those after the
+    newest draw the next. ``width`` caps a branch's inputs per step (``None``: all).
+    """
+
+    def __init__(self, group: SampledGroup, first_token: int, width: int | None) -> None:
+        self.group, self.first, self.width = group, first_token, width
+        self.fed = [0] * group.size
+        self.waiting: set[int] = set()
         self.done: dict[int, bool] = {}
-        # Answers that used the budget up: fed only to score them, then the branch is cut.
-        self.closing: set[int] = set()
+        self.ended_turn = [False] * group.size  # the newest token ended a turn
+
+    def inputs(self, row: int) -> list[int]:
+        if row in self.done or row in self.waiting:
+            return []
+        response, fed = self.group.responses[row], self.fed[row]
+        end = min(len(response), self.group.max_new_tokens - 1)  # the last predicts nothing
+        ids = [self.first if k == 0 else response[k - 1] for k in range(fed, end + 1)]
+        return ids if self.width is None else ids[: self.width]
 
     @property
-    def active(self) -> list[int]:
-        return [row for row, inputs in enumerate(self.pending) if inputs]
-
-    @property
-    def all_done(self) -> bool:
-        return len(self.done) == self.group.size
+    def going(self) -> bool:
+        """Some branch is not done (it decodes, or waits on an answer)."""
+        return len(self.done) < self.group.size
 
     def lowest_position(self) -> int:
-        """No branch samples a response position before this one again."""
+        """No branch draws a response position before this one again."""
         going = [row for row in range(self.group.size) if row not in self.done]
-        return min((self.group.filled[row] for row in going), default=self.group.max_new_tokens)
+        return min((len(self.group.responses[r]) for r in going), default=self.group.max_new_tokens)
 
     def take_answers(self, wait: bool) -> None:
-        """Answers that are ready (with ``wait``: at least one): the answered branch goes on
-        with its end token and the appended tokens, or ends."""
-        if not self.held:
+        """Answers that are ready (with ``wait``: at least one): the branch goes on after its
+        end token with the appended tokens, or ends there (an empty answer)."""
+        if not self.waiting:
             return
         for row, appended in self.group.turns.ended_turns(wait=wait).items():
-            token = self.held.pop(row)
-            kept = self.group.append_fed(row, appended)
-            if kept == 0:
-                self.done[row] = True  # the environment ended it at its end token
+            self.waiting.discard(row)
+            self.ended_turn[row] = False
+            if self.group.append_fed(row, appended) == 0:
+                self.done[row] = True
+
+    def after_step(self, rows: list[int], counts: list[int], logits: torch.Tensor) -> None:
+        """The step fed ``counts[i]`` inputs to branch ``rows[i]`` (logits ``[len(rows), T,
+        vocab]``): score the tokens they predict that the branches hold, draw the next token
+        of those that reached their newest, and hand over the turns that ended."""
+        group, sampling, last = self.group, [], []
+        for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
+            if count == 0:
                 continue
-            self.pending[row] = [token, *list(appended)[:kept]]
-            if self.group.filled[row] >= self.group.max_new_tokens:
-                # The answer used the budget up: fed (but its last token) only to score it.
-                self.pending[row].pop()
-                self.closing.add(row)
-
-    def after_step(self, counts: list[int], logits: torch.Tensor) -> list[int]:
-        """The log-probs of the answers this step prefilled; returns the branches that
-        sample now (the others were closing: cut at the budget)."""
-        sampling = []
-        for row in self.active:
-            closing = row in self.closing
-            fed = counts[row] - (0 if closing else 1)
-            if fed > 0:
-                self.group.score_fed(row, logits[row, :fed])
-            if closing:
-                self.closing.discard(row)
-                self.pending[row] = []
-                self.done[row] = False
-            else:
+            first = self.fed[row]
+            self.fed[row] += count
+            held = len(group.responses[row])
+            scored = min(count, held - first)  # predictions of tokens the branch holds
+            if scored > 0:
+                group.score_fed(row, first, logits[i, :scored])
+            if first + count > held:
                 sampling.append(row)
-        return sampling
+                last.append(i * logits.shape[1] + count - 1)
+        if sampling:
+            flat = logits.reshape(-1, logits.shape[-1])
+            ended = group.sample_rows(sampling, flat[torch.tensor(last, device=flat.device)])
+            for row, end in zip(sampling, ended, strict=True):
+                self.ended_turn[row] = end
+            turns = {
+                row: list(group.responses[row])
+                for row, end in zip(sampling, ended, strict=True)
+                if end and len(group.responses[row]) < group.max_new_tokens
+            }
+            if turns:
+                self.waiting.update(turns)
+                group.turns.begin_turns(turns)
+        for row in rows:
+            if row not in self.done and row not in self.waiting and not self.inputs(row):
+                # Nothing left to feed: at the budget, or ended with no answer to wait on.
+                self.done[row] = self.ended_turn[row]
 
-    def after_sampling(self, rows: list[int], ended: list[bool]) -> None:
-        """Each sampled branch's next inputs: its token, or (its turn ended) a wait for the
-        handler's answer; branches at the budget are done."""
-        group, ending = self.group, {}
-        for row, end in zip(rows, ended, strict=True):
-            filled = group.filled[row]
-            token = int(group.tokens[row, filled - 1])
-            self.pending[row] = []
-            if filled >= group.max_new_tokens:
-                self.done[row] = end  # no budget left for an answer: TRL cuts here too
-            elif end:
-                self.held[row] = token
-                ending[row] = group.tokens[row, :filled].tolist()
-            else:
-                self.pending[row] = [token]
-        if ending:
-            group.turns.begin_turns(ending)
+    def finish(self) -> None:
+        self.group.end_rows(self.done)
 
 
 def decode_with_turns(
@@ -108,36 +124,108 @@ def decode_with_turns(
     docstring). Returns the decode steps run and the branch cache's bytes."""
     size, device = group.size, adapter.device
     cache = adapter.new_branch_cache(state, size, group.max_new_tokens)
-    branches = _Branches(group, int(state.last_token))
+    steps = TurnSteps(group, int(state.last_token), width=None)
     sharded = adapter.parallel is not None
     bar.reset(total=None)
-    steps = 0
+    count = 0
     while True:
-        branches.take_answers(wait=not sharded and not branches.active)
-        active = branches.active
-        if active or sharded:
-            counts = [len(inputs) for inputs in branches.pending]
-            width = max(1, *counts)
-            inputs = torch.full((size, width), group.pad_id, dtype=torch.long)
-            for row in active:
-                inputs[row, : counts[row]] = torch.tensor(branches.pending[row])
-            logits = adapter.decode(state, cache, inputs.to(device), counts=counts)
-            steps += 1
+        inputs = [steps.inputs(row) for row in range(size)]
+        if not any(inputs) and not sharded and steps.waiting:
+            steps.take_answers(wait=True)
+            continue
+        steps.take_answers(wait=False)
+        inputs = [steps.inputs(row) for row in range(size)]
+        if any(inputs) or (sharded and steps.going):
+            counts = [len(ids) for ids in inputs]
+            batch = torch.full((size, max(1, *counts)), group.pad_id, dtype=torch.long)
+            for row, ids in enumerate(inputs):
+                batch[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logits = adapter.decode(state, cache, batch.to(device), counts=counts)
+            steps.after_step(list(range(size)), counts, logits)
+            count += 1
             bar.update(1)
-            sampling = branches.after_step(counts, logits)
-            if sampling:
-                last = torch.tensor([counts[row] - 1 for row in sampling], device=logits.device)
-                index = torch.tensor(sampling, device=logits.device)
-                ended = group.sample_rows(sampling, logits[index, last])
-                branches.after_sampling(sampling, ended)
-                if group.noise is not None:
-                    group.noise.forget_before(branches.lowest_position())
-        finite, done = adapter.everywhere_each(
-            not bool(group.nonfinite), branches.all_done and not branches.held
-        )
+            if group.noise is not None:
+                group.noise.forget_before(steps.lowest_position())
+        finite, done = adapter.everywhere_each(not bool(group.nonfinite), not steps.going)
         if not finite:
-            group.raise_if_nonfinite(steps - 1)
+            group.raise_if_nonfinite(count - 1)
         if done:
             break
-    group.end_rows(branches.done)
-    return steps, cache.nbytes()
+    steps.finish()
+    return count, cache.nbytes()
+
+
+def decode_with_turns_on_stages(
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+) -> tuple[int, int]:
+    """Pipeline stages, with ``group.turns``: the ring of ``rollout._decode_on_stages``
+    with one input a branch a step, or none while it waits (module docstring). The last
+    stage sends the first each micro-group's next tokens and counts, and every stage passes
+    the counts on with its hidden states. The ring may run past ``max_new_tokens`` steps
+    (branches sit steps out); it is planned for twice as many, and the last stage waits for
+    an answer rather than let a waiting branch run out of steps. Returns the ring steps run
+    and this stage's branch caches' bytes."""
+    link = adapter.stage.link
+    rows = micro_groups(group.size, link.stages)
+    budget = group.max_new_tokens
+    ring = Ring(link.stages, len(rows), 2 * budget)
+    caches = [adapter.new_branch_cache(state, len(r), budget) for r in rows]
+    steps = TurnSteps(group, int(state.last_token), width=1) if link.is_last else None
+    long = {"dtype": torch.long, "device": adapter.device}
+
+    def next_inputs(j: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's tokens and counts for micro-group ``j``'s step ``t + 1``."""
+        steps_left = ring.max_steps - (t + 2)  # after step t + 1
+        for row in rows[j]:
+            while row in steps.waiting and budget - steps.fed[row] > steps_left:
+                steps.take_answers(wait=True)  # it would run out of ring steps: wait now
+        steps.take_answers(wait=False)
+        inputs = [steps.inputs(row) for row in rows[j]]
+        tokens = [ids[0] if ids else group.pad_id for ids in inputs]
+        return torch.tensor(tokens, **long), torch.tensor([len(ids) for ids in inputs], **long)
+
+    def compute(step: Compute, received: dict[Key, Payload]) -> Payload | None:
+        j, t = step.microbatch
+        if link.is_first:
+            if t == 0:
+                ids, counts = (
+                    state.last_token.expand(len(rows[j])),
+                    torch.ones(len(rows[j]), **long),
+                )
+            else:
+                ids, counts = received[("T", j, t - 1)]
+            output = adapter.ring_decode(
+                state, caches[j], ids[:, None], None, counts=counts.tolist(), step=t
+            )
+        else:
+            *hidden, counts = received[("H", j, t)]
+            output = adapter.ring_decode(
+                state, caches[j], None, tuple(hidden), counts=counts.tolist(), step=t
+            )
+        if j == len(rows) - 1:
+            bar.update(1)
+        if not link.is_last:
+            return (*output, counts)
+        steps.after_step(list(rows[j]), counts.tolist(), output)
+        return next_inputs(j, t)
+
+    def spec(message: Message) -> MessageSpec:
+        kind, j, t = message.key
+        count = ((len(rows[j]),), torch.long)
+        if kind == "T":
+            return (count, count)
+        return (*adapter.decode_spec(state, len(rows[j]), t), count)
+
+    def collective(name: Key) -> None:
+        _, t = name
+        flags = torch.zeros(2, **long)
+        if link.is_last:
+            flags[0] = int(steps.going)
+            flags[1] = group.nonfinite
+        if link.signal_any(flags, every_replica=adapter.parallel is not None)[0] == 0:
+            ring.stop_at(t)
+
+    run_program(link, ring_steps(ring, link.stage), compute, spec, collective)
+    if link.is_last:
+        steps.finish()
+    return ring.planned_steps, sum(cache.nbytes() for cache in caches)

@@ -139,7 +139,7 @@ class SampledGroup:
         self.queued: list[deque[int]] = [deque() for _ in range(size)]
         self.policy = torch.ones(size, max_new_tokens, dtype=torch.bool, device=device)
         # Ragged: each branch's tokens so far (host side).
-        self.filled = [0] * size
+        self.responses: list[list[int]] = [[] for _ in range(size)]
 
     # --- lock step ---------------------------------------------------------------------------
 
@@ -207,7 +207,7 @@ class SampledGroup:
         branch's turn (an EOS or a stop string), which is returned. Non-finite logits are
         noted (``nonfinite``), not sampled."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
-        positions = [self.filled[row] for row in rows]
+        positions = [len(self.responses[row]) for row in rows]
         width = self.seen + max(positions)
         tokens, log_probs = self._draw(self.sequence[index, :width], logits, index, positions)
         self.tokens[index, positions] = tokens
@@ -216,28 +216,27 @@ class SampledGroup:
         if self.stop is not None:
             for i, (row, position) in enumerate(zip(rows, positions, strict=True)):
                 ended[i] |= self.stop(self.tokens[row : row + 1, : position + 1], None)[0]
-        for row in rows:
-            self.filled[row] += 1
+        for row, token in zip(rows, tokens.tolist(), strict=True):
+            self.responses[row].append(token)
         return ended.tolist()
 
     def append_fed(self, row: int, tokens: Sequence[int]) -> int:
         """Record the tokens an environment appended to branch ``row`` (not the policy's),
         cut to its budget; returns how many were kept."""
-        start = self.filled[row]
-        kept = list(tokens)[: self.max_new_tokens - start]
+        start = len(self.responses[row])
+        kept = [int(token) for token in tokens][: self.max_new_tokens - start]
         if kept:
             end = start + len(kept)
             self.tokens[row, start:end] = torch.tensor(kept, device=self.tokens.device)
             self.policy[row, start:end] = False
-            self.filled[row] = end
+            self.responses[row] += kept
         return len(kept)
 
-    def score_fed(self, row: int, logits: torch.Tensor) -> None:
-        """The policy's log-probs of the last ``len(logits)`` tokens appended to branch
-        ``row``, from the logits before each (as a lock-step rollout records them; they never
-        enter the loss)."""
-        end = self.filled[row]
-        start = end - logits.shape[0]
+    def score_fed(self, row: int, start: int, logits: torch.Tensor) -> None:
+        """The policy's log-probs of branch ``row``'s appended tokens from response position
+        ``start`` on, one per row of ``logits`` (those before each token), as a lock-step
+        rollout records them; they never enter the loss."""
+        end = start + logits.shape[0]
         scale = self.temperature if self.temperature != 0 else 1.0
         log_probs = torch.log_softmax(logits.to(self.logps.dtype) / scale, -1)
         fed = self.tokens[row, start:end]
@@ -247,7 +246,7 @@ class SampledGroup:
         """Branches that are done: at their tokens so far, ``True`` when they ended (an EOS,
         a stop string, or an environment ending them), ``False`` when cut (truncated)."""
         for row, done in ended.items():
-            self.lengths[row] = self.filled[row]
+            self.lengths[row] = len(self.responses[row])
             self.finished[row] = done
 
     # --- shared ------------------------------------------------------------------------------

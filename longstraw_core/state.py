@@ -247,7 +247,7 @@ class BranchCache:
                     "this branch cache was decoded in lock step: it cannot go ragged"
                 )
             self.lengths = [0] * self.batch
-        return Rows.build(self.lengths, counts, length, self.capacity, device)
+        return Rows.build(self.lengths, counts, length, self.capacity, self.prefix_length, device)
 
     def advance(self, counts: Sequence[int]) -> None:
         """After a ragged step: each branch has run ``counts`` more positions."""

@@ -143,7 +143,7 @@ def attend_with_state(
         reuse = record.output_for(span.start, span.length)
         keep = [] if reuse is None and record.keeps_outputs else None
     if branch is not None:
-        keys, values = branch.append(keys, values, span.rows)
+        keys, values = branch.append(keys, values, ragged=span.rows)
     ragged = span.rows is not None
     output = segmented_attention(
         queries,

@@ -22,8 +22,8 @@ class Span:
     ``write=True`` is a prefill chunk: its keys/values are written into the state and it
     attends to the state before ``start``. ``write=False`` is a branch: it attends to the
     whole state and leaves it untouched. ``rows`` (decode only): a ragged step, each row at
-    its own branch position; ``start`` is then the furthest row's (``prefix + rows.most``),
-    so ``start + length`` still bounds every position of the span.
+    its own branch position; ``start`` is then at least the furthest row's (``prefix +
+    rows.most``), so ``start + length`` still bounds every position of the span.
     """
 
     start: int
@@ -34,6 +34,5 @@ class Span:
     def position_ids(self, device: torch.device) -> torch.Tensor:
         """``[1, T]``, or ``[B, T]`` for a ragged step."""
         if self.rows is not None:
-            prefix = self.start - self.rows.most
-            return (prefix + self.rows.query_positions(self.length)).to(device)
+            return (self.rows.prefix + self.rows.query_positions(self.length)).to(device)
         return torch.arange(self.start, self.start + self.length, device=device)[None]

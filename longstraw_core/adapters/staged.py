@@ -244,12 +244,23 @@ class StagedPasses:
         branch: BranchCache,
         ids: torch.Tensor | None,
         received: Payload | None,
+        counts: Sequence[int] | None = None,
+        step: int | None = None,
     ) -> Payload | torch.Tensor:
         """One decode step of ``branch``'s rows on this stage (rollout's ring): from ``ids``
         ``[B, 1]`` on the first stage, else from the previous stage's ``received`` output.
-        Returns the message for the next stage, or the logits ``[B, 1, vocab]`` on the last."""
-
-        span = Span(start=state.length + branch.length, length=1, write=False)
+        Returns the message for the next stage, or the logits ``[B, 1, vocab]`` on the last.
+        ``counts`` (agents): a ragged step at ring step ``step``, each row taking its one
+        input (``1``) or sitting the step out (``0``); the span starts where ``decode_spec``
+        says step ``step`` does, past every row's position."""
+        rows = None
+        if counts is not None:
+            rows = branch.ragged_rows(counts, 1, self.device)
+            if step is None or step < rows.most:
+                raise ValueError(f"ring step {step} is behind a row at {rows.most}")
+            span = Span(start=state.length + step, length=1, write=False, rows=rows)
+        else:
+            span = Span(start=state.length + branch.length, length=1, write=False)
 
         def work() -> Any:
             hidden, carried, _ = self._stage_input(ids, received)
@@ -259,7 +270,10 @@ class StagedPasses:
             return hidden, carried
 
         output = self._call_model(work)
-        branch.length += 1
+        if counts is not None:
+            branch.advance(counts)
+        else:
+            branch.length += 1
         return output
 
     def decode_spec(self, state: PrefixState, rows: int, step: int) -> MessageSpec:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_core.attention.blocks import block_length, key_blocks
 from longstraw_core.attention.common import accumulation_dtype
 
 
@@ -22,16 +23,30 @@ def ragged_branch(
     """``(out [B, KVH, R, Dv], lse [B, KVH, R])`` of grouped queries ``q_rows``
     ``[B, KVH, R, Dk]`` (``R = n_rep * Tq``, ``blocks.group_rows``) over each row's branch keys
     ``k``/``v`` ``[B, KVH, K, D]``; ``positions`` ``[B, Tq]``: a query sees keys ``<=`` its
-    position. Every query must see at least one key (its own)."""
+    position. Every query must see at least one key (its own). Keys are visited in blocks
+    under the torch backend's score budget (``blocks.block_length``) with an online softmax,
+    so a long tool result prefilled against a long branch builds no ``[R, K]`` matrix."""
     dtype = accumulation_dtype(q_rows.dtype)
-    n_rep = q_rows.shape[2] // positions.shape[1]
-    scores = (q_rows.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
-    keys = torch.arange(k.shape[2], device=q_rows.device)
-    hidden = keys > positions.repeat(1, n_rep).to(q_rows.device)[:, None, :, None]
-    scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse[..., None]) @ v.to(dtype)
-    return out, lse
+    q = q_rows.to(dtype)
+    n_rep = q.shape[2] // positions.shape[1]
+    visible_to = positions.repeat(1, n_rep).to(q.device)[:, None, :, None]
+    row_max = q.new_full(q.shape[:-1], float("-inf"))
+    row_sum = q.new_zeros(q.shape[:-1])
+    acc = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    block = block_length(None, q, k, v)
+    for start in key_blocks(k.shape[2], block):
+        keys = k[:, :, start : start + block].to(dtype)
+        scores = (q @ keys.transpose(-1, -2)) * scale
+        index = torch.arange(start, start + keys.shape[2], device=q.device)
+        scores = scores.masked_fill(index > visible_to, float("-inf"))
+        new_max = torch.maximum(row_max, scores.amax(-1))
+        shift = new_max.masked_fill(new_max == float("-inf"), 0.0)  # no key seen yet
+        decay = torch.exp(row_max - shift)
+        probs = torch.exp(scores - shift[..., None])
+        row_sum = row_sum * decay + probs.sum(-1)
+        acc = acc * decay[..., None] + probs @ v[:, :, start : start + block].to(dtype)
+        row_max = new_max
+    return acc / row_sum[..., None], row_max + torch.log(row_sum)
 
 
 def check_ragged(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:

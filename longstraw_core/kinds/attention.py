@@ -203,17 +203,17 @@ class BranchKV:
     length: int = 0
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, rows: Rows | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, ragged: Rows | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``[batch, kv_heads, T, dim]`` after the valid positions; return views of all.
-        A ragged step (``rows``) stores each row's kept inputs at its own slots and returns
-        the slots the step reads (``rows.read``); ``length`` is then not kept."""
-        if rows is not None:
-            slots = (rows.kept_rows, slice(None), rows.kept_slots)
-            kept = (rows.kept_rows, slice(None), rows.kept_inputs)
+        A ragged step (``ragged``) stores each row's kept inputs at its own slots and returns
+        the slots the step reads (``ragged.read``); ``length`` is then not kept."""
+        if ragged is not None:
+            slots = (ragged.kept_rows, slice(None), ragged.kept_slots)
+            kept = (ragged.kept_rows, slice(None), ragged.kept_inputs)
             self.keys[slots] = keys[kept]
             self.values[slots] = values[kept]
-            return self.keys[:, :, : rows.read], self.values[:, :, : rows.read]
+            return self.keys[:, :, : ragged.read], self.values[:, :, : ragged.read]
         end = check_append(self.length, keys.shape[2], self.keys.shape[2])
         self.keys[:, :, self.length : end] = keys
         self.values[:, :, self.length : end] = values

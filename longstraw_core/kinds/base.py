@@ -367,8 +367,13 @@ class GrowingPiece:
         self.visible = list(chain.leaves)
         self.appended = False
 
-    def append(self, *rows: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """The branch's rows so far, this piece's last."""
+    def append(
+        self, *rows: torch.Tensor | None, ragged: object = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The branch's rows so far, this piece's last. ``ragged``: a decode step's
+        ``Rows``, never given here (a branch replayed in pieces is one branch, in order)."""
+        if ragged is not None:
+            raise RuntimeError("a branch replayed in pieces takes no ragged decode step")
         if not self.appended:
             self.appended = True
             leaves = tuple(piece_leaf(row) for row in rows)

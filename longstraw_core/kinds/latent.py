@@ -181,19 +181,22 @@ class BranchLatent:
     length: int = 0
 
     def append(
-        self, latent: torch.Tensor, index_keys: torch.Tensor | None, rows: Rows | None = None
+        self, latent: torch.Tensor, index_keys: torch.Tensor | None, ragged: Rows | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store ``[batch, T, ...]`` rows after the valid positions; return views of all.
-        A ragged step (``rows``) stores each row's kept inputs at its own slots and returns
-        the slots the step reads (``rows.read``); ``length`` is then not kept."""
+        A ragged step (``ragged``) stores each row's kept inputs at its own slots and returns
+        the slots the step reads (``ragged.read``); ``length`` is then not kept."""
         if (index_keys is None) != (self.index_keys is None):
             raise RuntimeError("index keys must be appended exactly on layers that keep them")
-        if rows is not None:
-            slots, kept = (rows.kept_rows, rows.kept_slots), (rows.kept_rows, rows.kept_inputs)
+        if ragged is not None:
+            slots, kept = (
+                (ragged.kept_rows, ragged.kept_slots),
+                (ragged.kept_rows, ragged.kept_inputs),
+            )
             self.latent[slots] = latent[kept]
             if index_keys is not None:
                 self.index_keys[slots] = index_keys[kept]
-            end = rows.read
+            end = ragged.read
         else:
             end = check_append(self.length, latent.shape[1], self.latent.shape[1])
             self.latent[:, self.length : end] = latent

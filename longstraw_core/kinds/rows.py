@@ -23,7 +23,8 @@ class Rows:
     ``offsets + t``; its padding is computed but never kept (records take the first
     ``counts`` inputs only) and its outputs are ignored. ``kept_rows``/``kept_inputs``/
     ``kept_slots`` ``[N]``: each kept input's row, index in the step and branch slot;
-    ``most``: the largest offset; ``read``: branch slots the step's attention reads.
+    ``most``: the largest offset; ``read``: branch slots the step's attention reads;
+    ``prefix``: the prefix's positions (a branch's position 0 sits at ``prefix``).
     """
 
     offsets: torch.Tensor
@@ -33,6 +34,7 @@ class Rows:
     kept_slots: torch.Tensor
     most: int
     read: int
+    prefix: int
 
     @classmethod
     def build(
@@ -41,6 +43,7 @@ class Rows:
         counts: Sequence[int],
         length: int,
         capacity: int,
+        prefix: int,
         device: torch.device,
     ) -> Rows:
         """The step for rows at ``offsets`` taking ``counts`` of ``length`` inputs, in
@@ -68,12 +71,9 @@ class Rows:
             kept_slots=torch.tensor([offsets[r] + t for r, t in kept], **as_long),
             most=most,
             read=min(capacity, most + length),
+            prefix=prefix,
         )
 
     def query_positions(self, length: int) -> torch.Tensor:
         """Branch position of each row's ``length`` inputs, ``[B, length]``."""
         return self.offsets[:, None] + torch.arange(length, device=self.offsets.device)
-
-    def last_kept(self) -> torch.Tensor:
-        """``[B]``: the index of each row's last kept input (``-1`` for a row that sat out)."""
-        return self.counts - 1

@@ -152,7 +152,7 @@ class GlmMoeDsaAdapter(ModelAdapter):
         if span.rows is not None:  # a ragged decode step: each row at its own position
             branch_positions = span.rows.query_positions(span.length)
         if branch is not None:
-            latent, index_keys = branch.append(latent, index_keys, span.rows)
+            latent, index_keys = branch.append(latent, index_keys, ragged=span.rows)
         if attention.indexer is not None and not dense:
             selection = select_topk(
                 index_queries,

@@ -91,3 +91,24 @@ def test_a_ragged_step_past_the_capacity_is_refused() -> None:
         adapter.decode(state, cache, torch.zeros(2, 2, dtype=torch.long), counts=[2, 1])
         with pytest.raises(RuntimeError, match="run branch 0 to 4"):
             adapter.decode(state, cache, torch.zeros(2, 2, dtype=torch.long), counts=[2, 0])
+
+
+def test_ragged_branch_attention_in_key_blocks_equals_one_softmax(monkeypatch) -> None:
+    """The ragged branch segment visits keys in blocks (a long prefilled tool result builds
+    no ``[queries, keys]`` matrix); with a tiny block budget it equals one masked softmax."""
+    from longstraw_core.attention import blocks, ragged
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 4 * 5, 8, generator=gen, dtype=torch.float64)  # 4 heads a kv head
+    k = torch.randn(3, 2, 11, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(3, 2, 11, 6, generator=gen, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10], [3, 4, 5, 6, 7]])
+    whole = ragged.ragged_branch(q, k, v, 0.3, positions)
+    monkeypatch.setattr(blocks, "MAX_SCORE_ELEMENTS", 360)  # one key a block
+    out, lse = ragged.ragged_branch(q, k, v, 0.3, positions)
+    scores = (q @ k.transpose(-1, -2)) * 0.3
+    hidden = torch.arange(11) > positions.repeat(1, 4)[:, None, :, None]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole[0], out, rtol=1e-12, atol=1e-12)
