@@ -310,18 +310,26 @@ STOP_STRINGS = [chr(c) for c in range(ord("a"), ord("z") + 1)]  # any lower-case
 
 class ScriptedTurns:
     """An agent's environment in miniature: every branch's first ended turn is answered with
-    ``reply`` (``rollout``'s ``TurnHandler``)."""
+    ``reply``, ready only ``row + 2`` calls of ``ended_turns`` later (``rollout``'s
+    ``TurnHandler``): branches wait different numbers of steps, on stages and on one process
+    alike, and the responses must not depend on it."""
 
     def __init__(self, reply: list[int]) -> None:
-        self.reply, self.answered, self.ready = reply, set(), {}
+        self.reply, self.answered, self.due, self.calls = reply, set(), {}, 0
 
     def begin_turns(self, turns: dict[int, list[int]]) -> None:
         for row in turns:
-            self.ready[row] = [] if row in self.answered else self.reply
+            answer = [] if row in self.answered else self.reply
             self.answered.add(row)
+            self.due[row] = (self.calls + row + 2, answer)
 
     def ended_turns(self, wait: bool) -> dict[int, list[int]]:
-        ready, self.ready = self.ready, {}
+        self.calls += 1
+        if wait and self.due:
+            self.calls = max(self.calls, min(due for due, _ in self.due.values()))
+        ready = {row: answer for row, (due, answer) in self.due.items() if due <= self.calls}
+        for row in ready:
+            del self.due[row]
         return ready
 
 
