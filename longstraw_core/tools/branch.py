@@ -14,6 +14,7 @@ scored) before decoding resumes, or ``[]``: the branch is finished.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,11 @@ from longstraw_core.tools.loading import ToolSet
 from longstraw_core.tools.parsing import parse_turn
 from longstraw_core.tools.rendering import overflows, resume_ids, tool_suffix
 from longstraw_core.tools.running import ToolRunner
+
+# Branches end their turns in worker threads (``ToolTurns``) and share one tokenizer; a fast
+# tokenizer is not safe to call from several threads at once ("Already borrowed"), so its
+# calls (parsing a turn, rendering the results) take turns; the tools themselves do not.
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class ToolBranch:
@@ -80,7 +86,8 @@ class ToolBranch:
         self.loss_mask += [1] * len(turn)
         if not turn:
             return self._finish()
-        message = parse_turn(self.tokenizer, turn, self.parse_prefix, self.toolset.schemas)
+        with _TOKENIZER_LOCK:
+            message = parse_turn(self.tokenizer, turn, self.parse_prefix, self.toolset.schemas)
         self.messages.append(message)
         calls = message.get("tool_calls")
         if not calls or self.iterations >= self.toolset.max_iterations:
@@ -89,7 +96,8 @@ class ToolBranch:
         self.calls += len(calls)
         self.failures += sum(r.failed for r in results)
         tool_messages = [r.message for r in results]
-        suffix = tool_suffix(self.tokenizer, tool_messages, self.template_kwargs).ids
+        with _TOKENIZER_LOCK:
+            suffix = tool_suffix(self.tokenizer, tool_messages, self.template_kwargs).ids
         if overflows(
             self.prompt_tokens, len(self.completion_ids), len(suffix), self.max_new_tokens,
             self.max_positions,
