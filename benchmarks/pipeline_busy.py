@@ -108,6 +108,12 @@ def main() -> None:
         "--value-heads", type=int, default=64, help="DeltaNet value heads (per-branch state)"
     )
     args = parser.parse_args()
+    keys = MODEL["linear_num_key_heads"]
+    if args.value_heads < keys or args.value_heads % keys:
+        parser.error(
+            f"--value-heads {args.value_heads}: Gated DeltaNet needs a multiple of the "
+            f"{keys} key heads (each key head serves a whole group of value heads)"
+        )
     if args.worker:
         worker(args)
         return

@@ -40,7 +40,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             f"longstraw_core.{name}"
             for name in (
                 "distributed", "generation", "losses", "reference_policy", "replay", "rollout",
-                "sampling",
+                "rollout_turns", "sampled_group", "sampling",
             )
         ),
     ),

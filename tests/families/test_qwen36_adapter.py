@@ -19,7 +19,7 @@ import pytest
 import torch
 from reference import (
     assert_grads_close,
-    assigned_recurrent_states,
+    assign_recurrent_states,
     detached_reference_logps,
     full_sequence_logps,
     group_reference,
@@ -69,10 +69,12 @@ def cache_reference_with_state_leaves(
             leaves[index] = (conv, recurrent)
     branch = torch.cat([prompt[-1:], response[:-1]])[None]
     positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + branch.shape[1])[None]
-    with assigned_recurrent_states():
-        logits = model(
-            input_ids=branch, cache=cache, position_ids=positions, use_cache=True
-        ).logits[0]
+    logits = model(
+        input_ids=branch,
+        cache=assign_recurrent_states(cache),
+        position_ids=positions,
+        use_cache=True,
+    ).logits[0]
     return torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0], leaves
 
 
@@ -204,8 +206,7 @@ def test_one_chunk_prefill_equals_the_cache_to_float64_precision() -> None:
     adapter = ls.adapt(model)
     prompt, response = _ids(PROMPT_LENGTH, 21), _ids(8, 22)
     ours = adapter.score(adapter.prefill(prompt, chunk_size=PROMPT_LENGTH), response)
-    with assigned_recurrent_states():
-        reference = detached_reference_logps(model, prompt, response)
+    reference = detached_reference_logps(model, prompt, response)
     assert (ours - reference).abs().max() <= 1e-12
 
 
@@ -216,8 +217,7 @@ def test_lora_on_deltanet_and_attention_projections() -> None:
     adapter = ls.adapt(peft_model)
     prompt, response = _ids(33, 10), _ids(7, 11)
     ours = adapter.score(adapter.prefill(prompt, chunk_size=10), response)
-    with assigned_recurrent_states():
-        reference = detached_reference_logps(peft_model, prompt, response)
+    reference = detached_reference_logps(peft_model, prompt, response)
     assert (ours - reference).abs().max() <= FLOAT64_LOGP_ATOL
     grads = parameter_grads(peft_model, ours.sum())
     assert grads and all("lora_" in name for name in grads)
@@ -250,8 +250,7 @@ def test_grpo_step_detached_gradients_equal_whole_group_reference() -> None:
     }
     model.zero_grad(set_to_none=True)
 
-    with assigned_recurrent_states():
-        logps = [detached_reference_logps(model, prompt, r) for r in responses]
+    logps = [detached_reference_logps(model, prompt, r) for r in responses]
     width = max(len(r) for r in responses)
     padded = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in logps])
     old_padded = torch.stack([torch.nn.functional.pad(o, (0, width - len(o))) for o in old])

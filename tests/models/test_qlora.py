@@ -23,7 +23,6 @@ import torch
 from recipe_runs import assert_resumed_like_straight, run_recipe, weights
 from reference import (
     assert_grads_close,
-    assigned_recurrent_states,
     detached_reference_logps,
     full_sequence_logps,
     group_reference,
@@ -161,10 +160,9 @@ def test_lora_gradients_equal_the_dequantized_models(pair, gradient: str) -> Non
     with torch.no_grad(), reference.disable_adapter():
         ref_logps = [full_sequence_logps(reference, prompt, r) for r in responses]
     logps_fn = full_sequence_logps if gradient == "exact" else detached_reference_logps
-    with assigned_recurrent_states():  # transformers' DeltaNet cache, autograd-safe
-        loss, expected = group_reference(
-            reference, logps_fn, prompt, responses, REWARDS, config, ref=ref_logps
-        )
+    loss, expected = group_reference(
+        reference, logps_fn, prompt, responses, REWARDS, config, ref=ref_logps
+    )
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
     assert grads.keys() == expected.keys() and all(".lora_" in name for name in grads)
     assert sum(g.abs().sum() for g in expected.values()) > 0

@@ -7,21 +7,19 @@
 - ``detached_reference_logps``: the transformers cache of all prompt tokens but the last,
   computed under ``no_grad``; then the last prompt token and the response run with autograd
   on a copy of that cache. This is what LongStraw's detached mode must equal, gradients
-  included. ``assigned_recurrent_states`` lets that cache run a linear-attention (Gated
-  DeltaNet) model with autograd.
+  included. ``assign_recurrent_states`` lets a cache run a linear-attention (Gated
+  DeltaNet) model with autograd (``detached_reference_logps`` applies it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
-from unittest import mock
+import functools
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 
 def _gather_logps(
@@ -48,7 +46,7 @@ def detached_reference_logps(
     if len(prompt) > 1:
         with torch.no_grad():
             cache = model(input_ids=prompt[None, :-1], use_cache=True).past_key_values
-        cache = copy.deepcopy(cache)
+        cache = assign_recurrent_states(copy.deepcopy(cache))
     branch = torch.cat([prompt[-1:], response[:-1]])[None]
     positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + branch.shape[1])[None]
     logits = model(
@@ -224,20 +222,28 @@ def with_lora(
     return peft_model
 
 
-@contextlib.contextmanager
-def assigned_recurrent_states() -> Iterator[None]:
-    """transformers' linear-attention cache with the new recurrent state assigned, not copied.
+def assign_recurrent_states(cache: Cache) -> Cache:
+    """``cache`` with each linear-attention layer assigning its new recurrent state, not
+    copying it into the cached tensor in place; returns ``cache``.
 
-    The cache copies each new state into the cached tensor in place, which the delta rule
-    saved for backward: a cached continuation run with autograd then fails. Only the
-    reference runs under this patch; the adapter never uses the transformers cache.
+    transformers' cache copies each new state into the tensor the delta rule saved for
+    backward, so a cached continuation run with autograd fails. Each such layer becomes an
+    instance of a subclass that assigns instead (``_assigning``); only the references use
+    it, the adapter never uses the transformers cache.
     """
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layer.__class__ = _assigning(type(layer))
+    return cache
 
+
+@functools.cache
+def _assigning(layer_class: type[LinearAttentionLayer]) -> type[LinearAttentionLayer]:
     def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.recurrent_states[state_idx] = recurrent_states
         return recurrent_states
 
-    with mock.patch.object(LinearAttentionLayer, "update_recurrent_state", update_recurrent_state):
-        yield
+    name = f"Assigning{layer_class.__name__}"
+    return type(name, (layer_class,), {"update_recurrent_state": update_recurrent_state})
