@@ -54,8 +54,9 @@ class TurnSteps:
             return []
         response, fed = self.group.responses[row], self.fed[row]
         end = min(len(response), self.group.max_new_tokens - 1)  # the last predicts nothing
-        ids = [self.first if k == 0 else response[k - 1] for k in range(fed, end + 1)]
-        return ids if self.width is None else ids[: self.width]
+        if self.width is not None:
+            end = min(end, fed + self.width - 1)
+        return [self.first if k == 0 else response[k - 1] for k in range(fed, end + 1)]
 
     @property
     def going(self) -> bool:
@@ -126,7 +127,7 @@ def decode_with_turns(
     cache = adapter.new_branch_cache(state, size, group.max_new_tokens)
     steps = TurnSteps(group, int(state.last_token), width=None)
     sharded = adapter.parallel is not None
-    bar.reset(total=None)
+    bar.total = None  # ragged steps: as many as the waits make
     count = 0
     while True:
         inputs = [steps.inputs(row) for row in range(size)]

@@ -51,8 +51,12 @@ class NoiseBlocks:
     branch at each position, in lock step or not, on one process or on pipeline stages.
     """
 
-    def __init__(self, generator: torch.Generator, size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, generator: torch.Generator, size: int, dtype: torch.dtype, keep_states: bool
+    ) -> None:
         self.generator, self.size, self.dtype = generator, size, dtype
+        # Lock step never asks for a block again: only ragged sampling keeps the states.
+        self.keep_states = keep_states
         self.states: dict[int, torch.Tensor] = {}  # generator state before block k
         self.drawn = 0  # blocks drawn from the generator's head
         self.cached: tuple[int, torch.Tensor] | None = None
@@ -70,7 +74,8 @@ class NoiseBlocks:
             self.generator.set_state(head)
         else:
             while True:
-                self.states[self.drawn] = self.generator.get_state()
+                if self.keep_states:
+                    self.states[self.drawn] = self.generator.get_state()
                 noise = empty.exponential_(1, generator=self.generator)
                 self.drawn += 1
                 if self.drawn > k:
@@ -132,7 +137,11 @@ class SampledGroup:
         self.finished = torch.zeros(size, dtype=torch.bool, device=device)
         self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-        self.noise = NoiseBlocks(generator, size, logps_dtype) if temperature != 0 else None
+        self.noise = (
+            NoiseBlocks(generator, size, logps_dtype, keep_states=turns is not None)
+            if temperature != 0
+            else None
+        )
         # Agents: who answers ended turns, each branch's tokens still to feed it (lock step),
         # and which tokens are the policy's own (the rest were appended).
         self.turns = turns

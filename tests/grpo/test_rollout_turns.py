@@ -143,3 +143,18 @@ def test_when_answers_come_does_not_change_what_is_sampled() -> None:
     for a, b in zip(at_once.logps, late.logps, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert [m.tolist() for m in at_once.loss_masks] == [m.tolist() for m in late.loss_masks]
+
+
+def test_noise_blocks_asked_in_any_order_are_the_blocks_drawn_in_order() -> None:
+    """Block ``k`` is the ``k``-th ``[G, vocab]`` Exp(1) draw of the seeded generator, as
+    ``generate`` draws it, also when asked for after later blocks (a branch that fell
+    behind) or again."""
+    from longstraw_core.sampled_group import NoiseBlocks
+
+    generator = torch.Generator().manual_seed(9)
+    in_order = [torch.empty(3, 7).exponential_(1, generator=generator) for _ in range(5)]
+    blocks = NoiseBlocks(torch.Generator().manual_seed(9), 3, torch.float32, keep_states=True)
+    for k in [2, 0, 4, 1, 1, 3, 0]:
+        assert torch.equal(blocks.block(k, 7), in_order[k]), k
+    blocks.forget_before(3)
+    assert sorted(blocks.states) == [3, 4]
