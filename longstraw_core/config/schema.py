@@ -163,11 +163,15 @@ class RolloutSection:
     # an environment class (module:Class) built once per branch, whose public methods are
     # tools, reset(**row) is called with the sample's columns and get_reward() is an extra
     # reward; tool rounds per branch (TRL's max_tool_calling_iterations; null: no limit); and
-    # how long a tool call may run before it fails with {"error": ...} (null: no limit).
+    # how long a tool call may run before it fails with {"error": ...} (null: no limit); how
+    # many branches' tool rounds may run at once (null: every branch's, each in its own
+    # thread; 1: one after another, TRL's order, for tools that are not thread-safe). The
+    # other branches go on decoding while a branch's tools run either way.
     tools: list[str] = field(default_factory=list)
     environment: str | None = None
     max_tool_calling_iterations: int | None = None
     tool_timeout_seconds: float | None = 60.0  # tools.DEFAULT_TIMEOUT_SECONDS
+    tool_threads: int | None = None
 
 
 def _grpo_section() -> type:

@@ -142,7 +142,8 @@ class AgentGroup:
             kwargs = {"template_kwargs": a.template_kwargs, "environment": env, **limits}
             return ToolBranch(a.tokenizer, a.toolset, a.runner, **kwargs)
 
-        return ToolTurns([branch(env) for env in self.environments[rows]])
+        branches = [branch(env) for env in self.environments[rows]]
+        return ToolTurns(branches, threads=a.toolset.threads)
 
     def finish(
         self, turns: ToolTurns, responses: Sequence[torch.Tensor], adapter: ModelAdapter

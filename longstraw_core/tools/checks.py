@@ -35,6 +35,13 @@ def check_config(
             "rollout.tool_timeout_seconds",
             f"{timeout!r} is invalid; allowed: seconds > 0, or null for no limit",
         )
+    threads = r.tool_threads
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ConfigError(
+            "rollout.tool_threads",
+            f"{threads!r} is invalid; allowed: an int >= 1 (branches whose tools may run at "
+            "once; 1: one after another), or null for every branch's",
+        )
     if imports:
         try:
             toolset = ToolSet.load(r, search_dirs)

@@ -35,13 +35,15 @@ class ToolSet:
     """A run's tools: standalone ``functions``, an ``environment`` class (or None), their
     ``schemas`` in TRL's order (the functions, then the environment's methods by name),
     ``max_iterations`` (``rollout.max_tool_calling_iterations``; None: ``sys.maxsize``, TRL's
-    no limit) and ``timeout`` (``rollout.tool_timeout_seconds``)."""
+    no limit), ``timeout`` (``rollout.tool_timeout_seconds``) and ``threads``
+    (``rollout.tool_threads``: branches whose tool rounds may run at once; None: all)."""
 
     functions: list[Callable[..., Any]] = field(default_factory=list)
     environment: type | None = None
     schemas: list[Schema] = field(default_factory=list)
     max_iterations: int = sys.maxsize
     timeout: float | None = None
+    threads: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.schemas)
@@ -114,6 +116,7 @@ class ToolSet:
             schemas=schemas,
             max_iterations=sys.maxsize if iterations is None else iterations,
             timeout=rollout.tool_timeout_seconds,
+            threads=rollout.tool_threads,
         )
 
 

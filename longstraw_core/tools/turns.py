@@ -3,12 +3,14 @@
 ``rollout(..., turns=ToolTurns(branches))`` hands it each branch whose turn ended
 (``begin_turns``); the branch's ``ToolBranch`` parses the turn, runs its tool calls and
 answers with the tokens the rollout feeds the branch next (the tool results and the model's
-next turn header), or ends the branch. That work runs in a worker thread per branch, so the
-rollout goes on decoding the other branches while a tool runs and takes each answer when it
-is ready (``ended_turns``). Tools of different branches may therefore run at the same time:
-each branch has its own environment (``rollout.environment``), while a plain function tool
-(``rollout.tools``) may be called from several threads at once and must allow it. One
-branch's own calls run as TRL runs them (synchronous ones in order, async ones together).
+next turn header), or ends the branch. That work runs in worker threads (one per branch, or
+``threads``: ``rollout.tool_threads``), so the rollout goes on decoding the other branches
+while a tool runs and takes each answer when it is ready (``ended_turns``). Tools of
+different branches may therefore run at the same time: each branch has its own environment
+(``rollout.environment``), while a plain function tool (``rollout.tools``) may be called from
+several threads at once and must allow it (or set ``rollout.tool_threads: 1``: one branch's
+turn at a time, TRL's order). One branch's own calls run as TRL runs them (synchronous ones
+in order, async ones together).
 
 ``close(responses)`` ends the branches the rollout cut at ``max_new_tokens`` as TRL does: the
 cut turn is parsed and its complete calls run (an environment may count them), but their
@@ -29,10 +31,11 @@ from longstraw_core.tools.branch import ToolBranch
 class ToolTurns:
     """The group's tool loops, branch ``i`` answered by ``branches[i]``."""
 
-    def __init__(self, branches: Sequence[ToolBranch]) -> None:
+    def __init__(self, branches: Sequence[ToolBranch], threads: int | None = None) -> None:
         self.branches = list(branches)
+        workers = len(self.branches) if threads is None else min(threads, len(self.branches))
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, len(self.branches)), thread_name_prefix="LongStraw-Turn"
+            max_workers=max(1, workers), thread_name_prefix="LongStraw-Turn"
         )
         self._running: dict[int, concurrent.futures.Future[list[int]]] = {}
 

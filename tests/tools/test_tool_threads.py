@@ -63,3 +63,28 @@ def test_a_tool_waiting_on_another_branch_does_not_block_it() -> None:
     assert (turns.calls, turns.failures) == (2, 0)
     assert all(answers[row] == branches[row].completion_ids[-len(answers[row]) :] for row in (0, 1))
     runner.close()
+
+
+def test_one_tool_thread_runs_the_branches_turns_one_after_another() -> None:
+    """``rollout.tool_threads: 1`` (TRL's order, for tools that are not thread-safe): branch
+    1's ``release`` waits for branch 0's ``hold`` to finish, so ``hold`` runs into the
+    timeout and counts a failure; the rollout still takes each answer when it is ready."""
+    _released.clear()
+    tok = builtin_tokenizer()
+    toolset = ToolSet([hold, release], None, [tool_schema(hold), tool_schema(release)])
+    kw = template_kwargs(tok, toolset.schemas)
+    runner = ToolRunner(timeout=1.0)
+    branches = [
+        ToolBranch(tok, toolset, runner, prompt_tokens=50, max_new_tokens=4096, template_kwargs=kw)
+        for _ in range(2)
+    ]
+    turns = ToolTurns(branches, threads=1)
+    turns.begin_turns({0: _turn(tok, "hold")})
+    turns.begin_turns({1: _turn(tok, "release")})
+    answers: dict[int, list[int]] = {}
+    while len(answers) < 2:
+        answers.update(turns.ended_turns(wait=True))
+    assert (turns.calls, turns.failures) == (2, 1)
+    assert "longer than its timeout" in branches[0].messages[-1]["content"]
+    assert branches[1].messages[-1]["content"] == "released"
+    runner.close()

@@ -509,6 +509,7 @@ def _tools_module(directory: Path) -> None:
         (["rollout.max_tool_calling_iterations=-1"], "rollout.max_tool_calling_iterations",
          [">= 0"]),
         (["rollout.tool_timeout_seconds=0"], "rollout.tool_timeout_seconds", ["seconds > 0"]),
+        (["rollout.tool_threads=0"], "rollout.tool_threads", ["int >= 1"]),
     ],
 )  # fmt: skip
 def test_bad_tools_are_refused_at_load_naming_the_function(
@@ -533,5 +534,6 @@ def test_the_agent_recipe_config_loads_its_tools() -> None:
     defaults = RolloutSection()  # no tools, TRL's defaults
     assert (defaults.tools, defaults.environment) == ([], None)
     assert (defaults.max_tool_calling_iterations, defaults.tool_timeout_seconds) == (None, 60.0)
+    assert defaults.tool_threads is None and toolset.threads is None
     with pytest.raises(ToolSchemaError, match="Google-style"):
         tool_schema(lambda x: x)
