@@ -13,7 +13,10 @@ ends the branch. Two runs from the same state and seed:
 
 Reported: each run's wall seconds and decode steps, the ratio, and whether the responses
 are the same (they must be: a branch's draws depend on its position, not on when answers
-come). Output: a table and ``benchmarks/results/agent_waits.json``.
+come). Then one step in which a branch takes an ``--answer-tokens`` answer while the other
+``G - 1`` take one token: the answer prefilled for its branch alone (``BranchCache.narrow``,
+what the rollout does) against one batch padded to the answer's length (best of 3 each).
+Output: a table and ``benchmarks/results/agent_waits.json``.
 
     python benchmarks/agent_waits.py                     # ~1 minute on 2 cores
 """
@@ -77,6 +80,27 @@ class SleepingTools:
         return ready
 
 
+def answer_step(adapter, state, group: int, answer: int) -> dict[str, float]:
+    """One decode step with an ``answer``-token prefill in branch 0: padded into one batch
+    against branch 0 alone plus the others' one-token batch (the best of 3 each)."""
+    ids = torch.randint(0, 512, (group, answer), generator=torch.Generator().manual_seed(1))
+    counts = [answer] + [1] * (group - 1)
+    timings: dict[str, list[float]] = {"padded": [], "alone": []}
+    with torch.no_grad():
+        for _ in range(3):
+            cache = adapter.new_branch_cache(state, group, answer + 1)
+            started = time.perf_counter()
+            adapter.decode(state, cache, ids, counts=counts)
+            timings["padded"].append(time.perf_counter() - started)
+            cache = adapter.new_branch_cache(state, group, answer + 1)
+            started = time.perf_counter()
+            adapter.decode(state, cache.narrow(0, 1), ids[:1], counts=[answer])
+            adapter.decode(state, cache, ids[:, :1], counts=[0] + [1] * (group - 1))
+            timings["alone"].append(time.perf_counter() - started)
+    padded, alone = min(timings["padded"]), min(timings["alone"])
+    return {"padded_seconds": padded, "alone_seconds": alone, "ratio": padded / alone}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group", type=int, default=8)
@@ -84,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--slow-seconds", type=float, default=1.0)
     parser.add_argument("--fast-seconds", type=float, default=0.05)
+    parser.add_argument("--answer-tokens", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
     adapter = ls.adapt(tiny_model("qwen3", vocab_size=512, hidden_size=128, num_hidden_layers=4))
@@ -112,8 +137,15 @@ def main() -> None:
     for name, run in runs.items():
         print(f"{name:<10} {run['seconds']:8.2f} {run['steps']:6d} {run['tokens']:7d}")
     print(f"lock step / waiting: {ratio:.2f}x; same responses: {same}")
+    prefill = answer_step(adapter, state, args.group, args.answer_tokens)
+    print(
+        f"a {args.answer_tokens}-token answer beside {args.group - 1} one-token branches: "
+        f"padded {prefill['padded_seconds']:.3f} s, alone {prefill['alone_seconds']:.3f} s "
+        f"({prefill['ratio']:.2f}x)"
+    )
     RESULTS.mkdir(exist_ok=True)
     record = {
+        "answer_step": prefill,
         "args": vars(args),
         "runs": {k: {f: v for f, v in r.items() if f != "responses"} for k, r in runs.items()},
         "ratio": ratio,

@@ -10,9 +10,11 @@ token, without autograd, and the logits after the last of them draw the branch's
 the logits before each appended token give its log-prob (it never enters the loss).
 Appended tokens count against ``max_new_tokens``; what would overflow is cut.
 
-One process feeds a whole answer in one step (a multi-token prefill of that branch while
-the others take one token); pipeline stages feed one token a step (every message of the ring
-has a fixed shape). On one process a step with nothing to decode waits for the first answer.
+One process feeds a whole answer in one step: a multi-token prefill of that branch alone
+(``BranchCache.narrow``: its rows of every record, so the others are not padded to the
+answer's length) beside the others' one-token step; FSDP ranks pad it into their one batched
+call a step (each forward may gather parameters); pipeline stages feed one token a step
+(every message of the ring has a fixed shape). On one process a step with nothing to decode waits for the first answer.
 FSDP ranks decode in step (one collective a step), so a rank with nothing to decode runs an
 empty step (no branch keeps anything) rather than holding up its peers. On stages the last
 stage samples and runs the tools; every stage reads each step's counts from the messages.
@@ -137,12 +139,20 @@ def decode_with_turns(
         steps.take_answers(wait=False)
         inputs = [steps.inputs(row) for row in range(size)]
         if any(inputs) or (sharded and steps.going):
-            counts = [len(ids) for ids in inputs]
-            batch = torch.full((size, max(1, *counts)), group.pad_id, dtype=torch.long)
-            for row, ids in enumerate(inputs):
-                batch[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logits = adapter.decode(state, cache, batch.to(device), counts=counts)
-            steps.after_step(list(range(size)), counts, logits)
+            # An answer (several inputs) is prefilled for its branch alone (a narrowed cache),
+            # not padded across the batch; FSDP ranks keep one call a step (its gathers).
+            alone = [] if sharded else [row for row, ids in enumerate(inputs) if len(ids) > 1]
+            for row in alone:
+                ids = torch.tensor([inputs[row]], dtype=torch.long, device=device)
+                logits = adapter.decode(state, cache.narrow(row, row + 1), ids, [ids.shape[1]])
+                steps.after_step([row], [ids.shape[1]], logits)
+            counts = [0 if row in alone else len(ids) for row, ids in enumerate(inputs)]
+            if any(counts) or not alone:
+                batch = torch.full((size, max(1, *counts)), group.pad_id, dtype=torch.long)
+                for row, ids in enumerate(inputs):
+                    batch[row, : counts[row]] = torch.tensor(ids[: counts[row]], dtype=torch.long)
+                logits = adapter.decode(state, cache, batch.to(device), counts=counts)
+                steps.after_step(list(range(size)), counts, logits)
             count += 1
             bar.update(1)
             if group.noise is not None:

@@ -237,22 +237,48 @@ class BranchCache:
     prefix_length: int
     length: int = 0
     lengths: list[int] | None = None
+    # A narrowed cache (``narrow``): the whole and the first branch's index there.
+    whole: tuple[BranchCache, int] | None = field(default=None, repr=False)
 
     def ragged_rows(self, counts: Sequence[int], length: int, device: torch.device) -> Rows:
         """The next ragged step's ``Rows``: each branch takes ``counts`` of ``length`` inputs
         from where it is."""
+        lengths = self._ragged_lengths()
+        return Rows.build(lengths, counts, length, self.capacity, self.prefix_length, device)
+
+    def narrow(self, start: int, stop: int) -> BranchCache:
+        """Branches ``start..stop`` as a cache of their own, ragged, whose steps land in this
+        one's records and lengths: a long answer is prefilled for its branch alone, not
+        padded across the batch."""
+        lengths = self._ragged_lengths()
+        return BranchCache(
+            layers=[layer.narrow(start, stop) for layer in self.layers],
+            batch=stop - start,
+            capacity=self.capacity,
+            prefix_length=self.prefix_length,
+            length=max(lengths[start:stop], default=0),
+            lengths=lengths[start:stop],
+            whole=(self, start),
+        )
+
+    def _ragged_lengths(self) -> list[int]:
         if self.lengths is None:
             if self.length:
                 raise RuntimeError(
                     "this branch cache was decoded in lock step: it cannot go ragged"
                 )
             self.lengths = [0] * self.batch
-        return Rows.build(self.lengths, counts, length, self.capacity, self.prefix_length, device)
+        return self.lengths
 
     def advance(self, counts: Sequence[int]) -> None:
         """After a ragged step: each branch has run ``counts`` more positions."""
         self.lengths = [have + more for have, more in zip(self.lengths, counts, strict=True)]
         self.length = max(self.lengths)
+        if self.whole is not None:
+            whole, start = self.whole
+            every = [0] * whole.batch
+            every[start : start + len(counts)] = counts
+            whole.advance(every)
 
     def nbytes(self) -> int:
         """Bytes allocated by the branch records (preallocated to ``capacity``)."""

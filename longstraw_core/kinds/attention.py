@@ -220,6 +220,10 @@ class BranchKV:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def narrow(self, start: int, stop: int) -> BranchKV:
+        """Views of branches ``start..stop`` (their appends land here)."""
+        return BranchKV(self.keys[start:stop], self.values[start:stop], self.length)
+
     def nbytes(self) -> int:
         return tensor_nbytes(self.keys) + tensor_nbytes(self.values)
 

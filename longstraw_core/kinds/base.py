@@ -94,6 +94,11 @@ class BranchState(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def narrow(self, start: int, stop: int) -> BranchState:
+        """Branches ``start..stop`` as records of their own whose every write lands in these
+        (rollout prefills an answer for one branch without the others' rows)."""
+        ...
+
 
 class LayerState(Protocol):
     """One layer's share of the prefix state: the calls every kind answers."""

@@ -206,6 +206,11 @@ class BranchLatent:
         index_view = None if self.index_keys is None else self.index_keys[:, :end]
         return self.latent[:, :end], index_view
 
+    def narrow(self, start: int, stop: int) -> BranchLatent:
+        """Views of branches ``start..stop`` (their appends land here)."""
+        keys = None if self.index_keys is None else self.index_keys[start:stop]
+        return BranchLatent(self.latent[start:stop], keys, self.length)
+
     def nbytes(self) -> int:
         total = tensor_nbytes(self.latent)
         return total if self.index_keys is None else total + tensor_nbytes(self.index_keys)

@@ -180,6 +180,40 @@ class BranchRecurrent:
     def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv, self.recurrent = conv, recurrent
 
+    def narrow(self, start: int, stop: int) -> NarrowRecurrent:
+        """Branches ``start..stop``, whose updates are written back into these."""
+        return NarrowRecurrent(self, start, stop)
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
+
+
+class NarrowRecurrent:
+    """Some branches of a ``BranchRecurrent`` (``narrow``): they start from its states and
+    their ``update`` copies the new ones into it, in place."""
+
+    kind: ClassVar[str] = "linear_attention"
+
+    def __init__(self, whole: BranchRecurrent, start: int, stop: int) -> None:
+        self.whole, self.rows = whole, slice(start, stop)
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.whole.conv[self.rows]
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        return self.whole.recurrent[self.rows]
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        # In place (rollout runs under no_grad): the whole's tensors are its own, at most
+        # views of an earlier step's outputs, which nothing reads any more.
+        self.whole.conv[self.rows] = conv
+        self.whole.recurrent[self.rows] = recurrent
+
+    def narrow(self, start: int, stop: int) -> NarrowRecurrent:
+        return NarrowRecurrent(self.whole, self.rows.start + start, self.rows.start + stop)
+
     def nbytes(self) -> int:
         return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
 
