@@ -14,9 +14,10 @@ One process feeds a whole answer in one step: a multi-token prefill of that bran
 (``BranchCache.narrow``: its rows of every record, so the others are not padded to the
 answer's length) beside the others' one-token step; FSDP ranks pad it into their one batched
 call a step (each forward may gather parameters); pipeline stages feed one token a step
-(every message of the ring has a fixed shape). On one process a step with nothing to decode waits for the first answer.
-FSDP ranks decode in step (one collective a step), so a rank with nothing to decode runs an
-empty step (no branch keeps anything) rather than holding up its peers. On stages the last
+(every message of the ring has a fixed shape). On one process a step with nothing to decode
+waits for the first answer. FSDP ranks decode in step (one collective a step), so a rank
+with nothing to decode runs an empty step (no branch keeps anything) rather than holding up
+its peers. On stages the last
 stage samples and runs the tools; every stage reads each step's counts from the messages.
 """
 
