@@ -7,7 +7,6 @@ module docstring says how a token is drawn; ``NoiseBlocks`` makes the draws.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -93,10 +92,10 @@ class SampledGroup:
     """The group being sampled: every branch's tokens, behaviour log-probs, which tokens are
     the policy's, and whether it ended (on pipeline stages: kept by the last stage).
 
-    Lock step (``sample``): every branch samples decode step ``t`` at response position
-    ``t``; finished branches are fed the pad id. Ragged (``sample_rows``, agents): each
-    branch samples at its own position, and what its environment appends is recorded at
-    once (``append_fed``).
+    Lock step (``sample``, without agents): every branch samples decode step ``t`` at
+    response position ``t``; finished branches are fed the pad id. Ragged (``sample_rows``,
+    agents: ``rollout_turns``): each branch samples at its own position, and what its
+    environment appends is recorded at once (``append_fed``).
     """
 
     def __init__(
@@ -142,10 +141,9 @@ class SampledGroup:
             if temperature != 0
             else None
         )
-        # Agents: who answers ended turns, each branch's tokens still to feed it (lock step),
-        # and which tokens are the policy's own (the rest were appended).
+        # Agents: who answers ended turns, and which tokens are the policy's own (the rest
+        # were appended).
         self.turns = turns
-        self.queued: list[deque[int]] = [deque() for _ in range(size)]
         self.policy = torch.ones(size, max_new_tokens, dtype=torch.bool, device=device)
         # Ragged: each branch's tokens so far (host side).
         self.responses: list[list[int]] = [[] for _ in range(size)]
@@ -162,7 +160,6 @@ class SampledGroup:
         )
         finished = self.finished[rows_]
         tokens = tokens.masked_fill(finished, self.pad_id)
-        fed = self._feed(rows, tokens) if self.turns is not None else None
         self.tokens[rows_, step] = tokens
         chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
         self.logps[rows_, step] = chosen.masked_fill(finished, 0.0)
@@ -170,43 +167,9 @@ class SampledGroup:
         if self.stop is not None:
             ended |= self.stop(self.tokens[rows_, : step + 1], None)
         ended &= ~finished
-        if fed is not None:
-            self.policy[rows_, step] = ~fed
-            ended &= ~fed  # a fed turn's own end token ends nothing
-            ended = self._hand_over(rows, step, ended)
         self.lengths[rows_] = torch.where(ended, step + 1, self.lengths[rows_])
         self.finished[rows_] = finished | ended
         return tokens
-
-    def _feed(self, rows: range, tokens: torch.Tensor) -> torch.Tensor:
-        """Put each branch's next queued token in place of its sample, in place; return
-        which rows were fed."""
-        fed = [bool(self.queued[row]) for row in rows]
-        for i, row in enumerate(rows):
-            if fed[i]:
-                tokens[i] = self.queued[row].popleft()
-        return torch.tensor(fed, dtype=torch.bool, device=tokens.device)
-
-    def _hand_over(self, rows: range, step: int, ended: torch.Tensor) -> torch.Tensor:
-        """Hand the branches whose turn ended at ``step`` to the turn handler and wait for
-        its answers; queue what it appends (cut to the tokens left) and return which rows
-        end for good."""
-        ending = [row for row, end in zip(rows, ended.tolist(), strict=True) if end]
-        if not ending:
-            return ended
-        left = self.tokens.shape[1] - (step + 1)
-        appended: dict[int, Sequence[int]] = {}
-        if left > 0:
-            self.turns.begin_turns({row: self.tokens[row, : step + 1].tolist() for row in ending})
-            while len(appended) < len(ending):
-                appended.update(self.turns.ended_turns(wait=True))
-        still = ended.clone()
-        for row in ending:
-            more = list(appended.get(row, ()))[:left]
-            if more:
-                self.queued[row].extend(more)
-                still[row - rows.start] = False
-        return still
 
     # --- ragged (agents) ---------------------------------------------------------------------
 
