@@ -133,11 +133,9 @@ def decode_with_turns(
     bar.total = None  # ragged steps: as many as the waits make
     count = 0
     while True:
-        inputs = [steps.inputs(row) for row in range(size)]
-        if not any(inputs) and not sharded and steps.waiting:
-            steps.take_answers(wait=True)
-            continue
-        steps.take_answers(wait=False)
+        # Nothing to decode on one process: wait for the first answer.
+        idle = not sharded and not any(steps.inputs(row) for row in range(size))
+        steps.take_answers(wait=idle)
         inputs = [steps.inputs(row) for row in range(size)]
         if any(inputs) or (sharded and steps.going):
             # An answer (several inputs) is prefilled for its branch alone (a narrowed cache),

@@ -22,26 +22,20 @@ def check_config(
     """Raise ``ConfigError`` for a bad tool setting; ``imports=False`` leaves the tools
     unimported (as ``check_rewards=False`` does the reward functions)."""
     r = cfg.rollout
-    iterations = r.max_tool_calling_iterations
-    if iterations is not None and (isinstance(iterations, bool) or iterations < 0):
-        raise ConfigError(
-            "rollout.max_tool_calling_iterations",
-            f"{iterations!r} is invalid; allowed: an int >= 0 (tool rounds per branch), or null "
-            "for no limit",
-        )
+    _check_count(
+        "rollout.max_tool_calling_iterations", r.max_tool_calling_iterations, 0,
+        "tool rounds per branch", "for no limit",
+    )  # fmt: skip
     timeout = r.tool_timeout_seconds
     if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
         raise ConfigError(
             "rollout.tool_timeout_seconds",
             f"{timeout!r} is invalid; allowed: seconds > 0, or null for no limit",
         )
-    threads = r.tool_threads
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ConfigError(
-            "rollout.tool_threads",
-            f"{threads!r} is invalid; allowed: an int >= 1 (branches whose tools may run at "
-            "once; 1: one after another), or null for every branch's",
-        )
+    _check_count(
+        "rollout.tool_threads", r.tool_threads, 1,
+        "branches whose tools may run at once; 1: one after another", "for every branch's",
+    )  # fmt: skip
     if imports:
         try:
             toolset = ToolSet.load(r, search_dirs)
@@ -53,3 +47,11 @@ def check_config(
                 f"empty, and {r.environment} has no get_reward method to score the branches; "
                 "list at least one {name, weight}, or give the environment a get_reward()",
             )
+
+
+def _check_count(key: str, value: int | None, least: int, meaning: str, null: str) -> None:
+    """``value`` is null or an int ``>= least`` (not a bool), else a ``ConfigError`` on ``key``."""
+    if value is not None and (isinstance(value, bool) or value < least):
+        raise ConfigError(
+            key, f"{value!r} is invalid; allowed: an int >= {least} ({meaning}), or null {null}"
+        )
