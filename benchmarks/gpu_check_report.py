@@ -152,6 +152,10 @@ class Report:
         for phase in self.phases.values():
             if phase.status == "pending":
                 phase.status, phase.error = "skipped", "not run: the check was stopped"
+            for step in phase.steps.values():  # cut short before its own record was made
+                if step.status == "running":
+                    step.status = "killed" if phase.status == "killed" else "crashed"
+                    step.error = step.error or phase.error
         self.finished = True
         self.write()
 
@@ -173,9 +177,9 @@ def run_step(
     returns an error or None. Recorded whatever happens."""
     step = Step(name, status="running", limit_s=limit, log=str(log))
     phase.steps[name] = step
-    report.write()
     start = time.monotonic()
-    try:
+    try:  # from the first write on: a signal that lands mid-write still marks the step
+        report.write()
         step.returncode, timed_out = run_limited(command, limit=limit, log=log, cwd=cwd, env=env)
         step.tail = read_tail(log)
         if timed_out:

@@ -319,6 +319,51 @@ def test_a_phase_that_raises_is_recorded_and_the_check_goes_on(tmp_path):
     assert phases["after"]["status"] == "passed"
 
 
+class _StoppedWhileWriting(Report):
+    """A report whose ``stop_at``-th write is cut by SIGTERM just after the file was
+    replaced: where the outer ``timeout`` can land when it reacts to a step's "running"."""
+
+    def __init__(self, path: Path, stop_at: int) -> None:
+        super().__init__(path, {})
+        self.writes, self.stop_at = 0, stop_at
+
+    def write(self) -> None:
+        super().write()
+        self.writes += 1
+        if self.writes == self.stop_at:
+            raise gpu_check_report.Killed("SIGTERM")
+
+
+def test_a_signal_during_the_steps_first_write_marks_it_killed(tmp_path):
+    out = tmp_path / "r.json"
+    report = _StoppedWhileWriting(out, stop_at=3)  # plan, phase start, step start
+    report.plan({"recipes": 10.0, "benchmark": 10.0})
+    with pytest.raises(gpu_check_report.Killed), report.phase("recipes") as phase:
+        run_step(
+            report, phase, "qwen3", _python("pass"), limit=30, log=tmp_path / "a", cwd=tmp_path
+        )
+    report.finish()
+    record = json.loads(out.read_text())
+    recipes = record["phases"]["recipes"]
+    assert record["status"] == "killed" and recipes["status"] == "killed"
+    assert recipes["steps"]["qwen3"]["status"] == "killed"
+    assert record["phases"]["benchmark"]["status"] == "skipped"
+
+
+def test_a_step_left_running_is_closed_at_the_end(tmp_path):
+    """Whatever cut a step short before it recorded its end, the record never says running."""
+    report = Report(tmp_path / "r.json", {})
+    report.plan({"killed": 1.0, "raised": 1.0})
+    report.phases["killed"].status = "killed"
+    report.phases["raised"].status, report.phases["raised"].error = "crashed", "OSError: disk"
+    for phase in report.phases.values():
+        phase.steps["s"] = Step("s", status="running")
+    report.finish()
+    steps = {n: p["steps"]["s"] for n, p in json.loads(report.path.read_text())["phases"].items()}
+    assert steps["killed"]["status"] == "killed"
+    assert (steps["raised"]["status"], steps["raised"]["error"]) == ("crashed", "OSError: disk")
+
+
 @pytest.mark.multiprocess
 def test_a_check_stopped_by_its_outer_limit_records_what_it_was_doing(tmp_path):
     """SIGTERM (what `timeout` sends) mid-recipe: the step and its phase are `killed`, the
