@@ -51,7 +51,11 @@ REWARDS = [1.0, -0.5, 0.1]  # none at the mean: every branch replays
 # GLM: a DSA top-k below the positions the last queries see, so the indexer selects.
 OVERRIDES = {"glm_moe_dsa": {"index_topk": 12}}
 LOGP_ATOL = 1e-5  # float32 log-probs (observed <= 3.4e-6, Qwen3.6)
-GRAD_RTOL = 2e-5  # relative to each gradient's largest entry (observed <= 2.3e-6)
+# Relative to each gradient's largest entry. Observed <= 2.8e-6 (qwen3, GLM); Qwen3.5 up to
+# 3.8e-5 on an AMD EPYC host (2.3e-6 on another): its Gated DeltaNet runs in float32 as
+# transformers' chunked kernel on one side and our prefill's own chunking on the other, so
+# its float32 round-off depends on the CPU's matmul kernels.
+GRAD_RTOL = {"qwen3_5_text": 1e-4}
 
 
 def _ids(length: int, seed: int) -> torch.Tensor:
@@ -148,7 +152,7 @@ def test_logprobs_equal_the_dequantized_model(pair) -> None:
 
 @pytest.mark.parametrize("gradient", ["detached", "exact"])
 def test_lora_gradients_equal_the_dequantized_models(pair, gradient: str) -> None:
-    _, policy, reference = pair
+    model_type, policy, reference = pair
     adapter = ls.adapt(policy)
     prompt, responses = _ids(30, 3), [_ids(n, 40 + n) for n in LENGTHS]
     config = ls.GRPOConfig(gradient=gradient, beta=0.04)
@@ -166,7 +170,7 @@ def test_lora_gradients_equal_the_dequantized_models(pair, gradient: str) -> Non
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
     assert grads.keys() == expected.keys() and all(".lora_" in name for name in grads)
     assert sum(g.abs().sum() for g in expected.values()) > 0
-    assert_grads_close(grads, expected, rtol=GRAD_RTOL)
+    assert_grads_close(grads, expected, rtol=GRAD_RTOL.get(model_type, 2e-5))
 
 
 def test_absorbed_kv_b_proj_without_an_adapter_reads_its_dequantized_weight() -> None:

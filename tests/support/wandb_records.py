@@ -4,16 +4,35 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
 from wandb.proto import wandb_internal_pb2
 
 
-def wandb_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
-    """The records of a ``run-*.wandb`` file: W&B's 7-byte header, then LevelDB-log blocks
-    of 32 KiB whose chunks (7-byte header: crc, length, type) hold protobuf Records."""
+def wandb_records(run_file: Path, wait_s: float = 60.0) -> list[wandb_internal_pb2.Record]:
+    """The records of a finished run's ``run-*.wandb`` file, up to its ``exit`` record.
+
+    W&B's service process writes the file, and may still be writing its last records (the
+    last step's history, the exit) when ``finish()`` has returned on a loaded machine: read
+    again until the exit record is there, for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _read_records(run_file)
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        if time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _read_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
+    """W&B's 7-byte header, then LevelDB-log blocks of 32 KiB whose chunks (7-byte header:
+    crc, length, type) hold protobuf Records; a chunk not yet whole ends the list."""
     data, block, position = run_file.read_bytes(), 32768, 7
+    if len(data) < 7:
+        return []
     assert data[:4] == b":W&B"
     records, pending = [], b""
     while position + 7 <= len(data):
@@ -21,6 +40,8 @@ def wandb_records(run_file: Path) -> list[wandb_internal_pb2.Record]:
             position += block - position % block
             continue
         _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if position + 7 + length > len(data):
+            break
         if kind == 0:  # zero padding up to the next block
             position += block - position % block
             continue
