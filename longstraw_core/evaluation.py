@@ -62,14 +62,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import TrainerState
 
 from longstraw_core import metrics as names
 from longstraw_core.config import RunConfig, eval_data, eval_generations, eval_max_new_tokens
 from longstraw_core.data import DataError, SampleSource, sample_source
 from longstraw_core.guard import NonFiniteError
 from longstraw_core.prompt_group import PromptGroup, template_kwargs
-from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics
+from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics, trainer_state_at
 from longstraw_core.rollout import rollout
 
 if TYPE_CHECKING:
@@ -326,7 +325,7 @@ class Evaluation:
             texts,
             [sample] * len(texts),
             completion_ids=[response.tolist() for response in responses],
-            trainer_state=TrainerState(global_step=step, max_steps=cfg.train.steps),
+            trainer_state=trainer_state_at(step, cfg.train.steps),
             **group.reward_kwargs,
         )
         sampled = RewardResult(

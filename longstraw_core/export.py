@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from longstraw_core import checkpoint, models
@@ -48,6 +47,7 @@ from longstraw_core.checkpoint.files import (
     verify_checksums,
 )
 from longstraw_core.config import ConfigError, RunConfig, config_from_dict
+from longstraw_core.peft_types import is_peft_model
 from longstraw_core.quantization import dequantize_
 from longstraw_core.tokenizer import is_builtin, load_tokenizer
 
@@ -183,7 +183,7 @@ def _trained_policy(cfg: RunConfig, resolved: Path) -> tuple[PreTrainedModel, in
         dequantize_(base, dtype=getattr(torch, section.dtype))
     model = models.add_lora(base, cfg.lora)
     info = checkpoint.load_checkpoint(resolved, model, restore_rng=False, verify=False)
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         model = model.merge_and_unload()
     return model.eval(), info.step
 

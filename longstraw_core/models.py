@@ -9,9 +9,9 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     PreTrainedModel,
@@ -24,6 +24,9 @@ from longstraw_core import hub
 from longstraw_core.config import LoraSection, ModelSection, OptimSection, lora_targets
 from longstraw_core.quantization import quantize_nf4
 from longstraw_core.tiny_models import tiny_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 _SCHEDULES = {
     "constant": lambda opt, warmup, steps: get_constant_schedule_with_warmup(opt, warmup),
@@ -62,6 +65,8 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
     """Wrap ``model`` with PEFT LoRA adapters when ``lora.enabled`` (only they then train)."""
     if not lora.enabled:
         return model
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -75,6 +80,8 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
 def load_lora(model: PreTrainedModel, directory: str | Path) -> PeftModel:
     """``PeftModel.from_pretrained`` for adapters this package saved: the modules they were
     trained on get them back (see ``_targets_as_written``)."""
+    from peft import PeftModel
+
     with _targets_as_written(), _without_peft_deprecation():
         return PeftModel.from_pretrained(model, directory)
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from peft import PeftModel
 
 from longstraw_core.adapters.base import Item, ModelAdapter
+from longstraw_core.peft_types import is_peft_model
 from longstraw_core.state import PrefixState
 
 
@@ -22,7 +22,7 @@ class LoraDisabledReference:
     """``adapter`` with its PEFT adapters disabled while it prefills and scores."""
 
     def __init__(self, adapter: ModelAdapter) -> None:
-        if not isinstance(adapter.model, PeftModel):
+        if not is_peft_model(adapter.model):
             raise ValueError(
                 "lora_reference needs an adapter of a peft model (peft.get_peft_model); for a "
                 "fully fine-tuned policy pass ref_adapter=ls.adapt(frozen_reference_model)"

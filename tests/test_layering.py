@@ -54,3 +54,19 @@ def test_the_shipped_families_come_from_the_entry_point() -> None:
     (entry,) = entry_points(group=registry.ENTRY_POINT_GROUP, name="longstraw")
     assert entry.value == "model_adapters"
     assert [f.name for f in registry.families()][:3] == ["dense", "qwen36", "glm52"]
+
+
+def test_the_package_the_planner_and_the_config_checks_leave_peft_and_bitsandbytes_out() -> None:
+    """peft imports bitsandbytes, and bitsandbytes torch's compiler stack (~2 s of every
+    process's start): only what trains (adapters, the scheduler, rewards' ``TrainerState``)
+    loads them, not ``import longstraw_core``, the planner CLI or config validation."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, longstraw_core, longstraw_core.plan.cli, longstraw_core.config\n"
+        "import longstraw_core.checkpoint, longstraw_core.rewards\n"
+        "print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -6,10 +6,9 @@ and leaves the model untouched."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from longstraw_core.checkpoint.errors import CheckpointError, listed
@@ -28,7 +27,11 @@ from longstraw_core.checkpoint.reading import (
     weight_files,
 )
 from longstraw_core.checkpoint.resolution import earlier_hint
+from longstraw_core.peft_types import is_peft_model
 from longstraw_core.pipeline.stage import staged_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def check_before_loading(
@@ -57,7 +60,7 @@ def check_before_loading(
             verify_checksums(directory, entries)
         except CheckpointError as error:
             raise CheckpointError(f"{error}; {earlier_hint(directory)}") from None
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         _check_adapter_shapes(directory, model)
     else:
         _check_weight_shapes(directory, model)
@@ -68,7 +71,7 @@ def _check_kind(directory: Path, model: PreTrainedModel | PeftModel) -> None:
     saved = directory / "model"
     lora = (saved / "adapter_config.json").is_file()
     full = bool(weight_files(saved))
-    if isinstance(model, PeftModel) and not lora:
+    if is_peft_model(model) and not lora:
         if full:
             raise CheckpointError(
                 f"{directory} holds full model weights (model/{weight_files(saved)[0]}) but "
@@ -76,7 +79,7 @@ def _check_kind(directory: Path, model: PreTrainedModel | PeftModel) -> None:
                 "or resume from a LoRA checkpoint"
             )
         raise CheckpointError(f"{directory} holds no LoRA adapters (model/adapter_config.json)")
-    if not isinstance(model, PeftModel) and not full:
+    if not is_peft_model(model) and not full:
         if lora:
             raise CheckpointError(
                 f"{directory} holds LoRA adapters (adapter_config.json) but this run trains "

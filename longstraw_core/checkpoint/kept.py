@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -39,8 +38,11 @@ from longstraw_core.checkpoint.sharded import gather_state
 from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
 from longstraw_core.distributed import any_rank
 from longstraw_core.guard import TrainingDiverged, first_non_finite, optimizer_tensors
+from longstraw_core.peft_types import is_peft_model
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from longstraw_core.config import TrainSection
 
 
@@ -182,7 +184,7 @@ def _model_tensors(model: PreTrainedModel | PeftModel) -> dict[str, torch.Tensor
     """What ``save_pretrained`` reads of a model in one process: its state dict (a LoRA
     model: the trainable adapters only, as a sharded model's gather takes them)."""
     state = model.state_dict()
-    if not isinstance(model, PeftModel):
+    if not is_peft_model(model):
         return state
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {name: value for name, value in state.items() if name in trainable}

@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from longstraw_core.checkpoint.checks import check_before_loading
@@ -19,6 +18,9 @@ from longstraw_core.checkpoint.ranks import on_rank0, this_rank
 from longstraw_core.checkpoint.reading import torch_load
 from longstraw_core.checkpoint.resolution import resolve_checkpoint, warn_of_later
 from longstraw_core.checkpoint.rng import own_rng_file, set_rng_state
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 @dataclass

@@ -7,11 +7,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
-from peft.utils import set_peft_model_state_dict
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
@@ -25,6 +23,10 @@ from longstraw_core.checkpoint.reading import (
 )
 from longstraw_core.checkpoint.sharded import is_sharded, load_sharded
 from longstraw_core.checkpoint.staged import is_staged, load_staged, save_staged_adapters
+from longstraw_core.peft_types import is_peft_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def save_state(
@@ -41,7 +43,7 @@ def save_state(
     with _no_progress_bars():
         if model_state is None:
             model.save_pretrained(directory / "model")
-        elif isinstance(model, PeftModel) and is_staged(model):  # gathered from the stages
+        elif is_peft_model(model) and is_staged(model):  # gathered from the stages
             save_staged_adapters(directory / "model", model, model_state)
         else:
             model.save_pretrained(directory / "model", state_dict=model_state)
@@ -78,7 +80,7 @@ def load_state(
     elif is_sharded(model):
         load_sharded(directory, model, optimizer)
     else:
-        lora = isinstance(model, PeftModel)
+        lora = is_peft_model(model)
         weights = (read_adapters if lora else read_weights)(directory / "model")
         optimizer_state = None
         if optimizer is not None:
@@ -95,6 +97,8 @@ def load_state(
 
 
 def _load_adapters(directory: Path, model: PeftModel, saved: dict[str, torch.Tensor]) -> None:
+    from peft.utils import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(model, saved)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if result.unexpected_keys or missing:

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
-from peft.utils import load_peft_weights
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from longstraw_core.checkpoint.errors import CheckpointError, unreadable
 from longstraw_core.checkpoint.resolution import earlier_hint
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def weight_files(directory: Path) -> list[str]:
@@ -72,6 +73,8 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def read_adapters(directory: Path) -> dict[str, torch.Tensor]:
     """The saved adapters, as PEFT stores them (without the adapter's name)."""
+    from peft.utils import load_peft_weights
+
     try:
         return load_peft_weights(str(directory), device="cpu")
     except Exception as error:  # SafetensorError, OSError, a hub lookup of a local path

@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from longstraw_core.checkpoint.files import (
@@ -43,6 +42,9 @@ from longstraw_core.checkpoint.space import (
 )
 from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
 from longstraw_core.failpoints import failpoint
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def save_checkpoint(

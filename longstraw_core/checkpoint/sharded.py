@@ -5,10 +5,9 @@ rank 0 into every rank's shards to load (``torch.distributed.checkpoint.state_di
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +28,10 @@ from longstraw_core.checkpoint.reading import (
     torch_load,
     untied_missing,
 )
+from longstraw_core.peft_types import is_peft_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -49,7 +52,7 @@ def gather_state(
     if not is_sharded(model):
         return None, optimizer.state_dict()
     options = StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=isinstance(model, PeftModel)
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=is_peft_model(model)
     )
     model_state = get_model_state_dict(model, options=options)
     if not optimizer.state:  # before the first step: nothing to gather (and DCP would
@@ -76,7 +79,7 @@ def load_sharded(
     error = None
     if this_rank() == 0:
         try:
-            if isinstance(model, PeftModel):
+            if is_peft_model(model):
                 weights = _adapter_weights(directory / "model", model)
             else:
                 weights = _full_weights(directory / "model", model)

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
-from peft.utils import get_peft_model_state_dict
 
 from longstraw_core.checkpoint.errors import CheckpointError
+from longstraw_core.peft_types import is_peft_model
 from longstraw_core.state import format_bytes
 
 # Files besides the tensors (RNG states, JSON, the manifest, safetensors headers).
@@ -37,7 +36,9 @@ def bytes_needed(
 ) -> int:
     """About the bytes the checkpoint will take: the tensors it writes, plus small files."""
     if model_state is None:
-        if isinstance(model, PeftModel):  # save_pretrained writes the adapters alone
+        if is_peft_model(model):  # save_pretrained writes the adapters alone
+            from peft.utils import get_peft_model_state_dict
+
             model_state = get_peft_model_state_dict(model)
         else:
             model_state = model.state_dict()

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from peft import PeftModel
-from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -40,7 +38,11 @@ from longstraw_core.checkpoint.reading import (
     weight_files,
 )
 from longstraw_core.checkpoint.sharded import optimizer_names
+from longstraw_core.peft_types import is_peft_model
 from longstraw_core.pipeline.stage import StagedModel, staged_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def is_staged(model: torch.nn.Module) -> bool:
@@ -63,7 +65,7 @@ def gather_staged_state(
             "a staged checkpoint stores one optimizer parameter group (models.build_optimizer "
             f"builds one); this optimizer has {len(optimizer.param_groups)}"
         )
-    lora = isinstance(model, PeftModel)
+    lora = is_peft_model(model)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     tensors = {
         name: _whole(value)
@@ -134,7 +136,7 @@ def load_staged(
     """This stage's tensors and optimizer entries from a checkpoint rank 0 checked; every
     rank reads its own share (all files were read and checked before any object changes)."""
     record = staged_model(model)
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         saved = read_adapters(directory / "model")
         own = {saved_adapter_name(n, model) for n, _ in model.named_parameters() if "lora_" in n}
         weights = {name: value for name, value in saved.items() if name in own}
@@ -153,7 +155,9 @@ def load_staged(
         optimizer_state = _own_optimizer_state(path, torch_load(path, directory), model,
                                                optimizer, record)  # fmt: skip
     weights = _sharded_like(weights, _model_tensors(model))
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
+        from peft.utils import set_peft_model_state_dict
+
         result = set_peft_model_state_dict(model, weights)
         if result.unexpected_keys:
             raise CheckpointError(
@@ -169,7 +173,7 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state-dict tensors under the names a checkpoint stores (a LoRA model's
     adapters without the adapter's name)."""
     tensors = model.state_dict()
-    if not isinstance(model, PeftModel):
+    if not is_peft_model(model):
         return tensors
     return {saved_adapter_name(name, model): value for name, value in tensors.items()}
 

@@ -76,12 +76,9 @@ Import from here; the modules hold:
   ``is_async_callable``.
 - ``running``: timeouts, the errors, a call's outcome, the async functions' event loop.
 - ``result``: ``RewardResult``, ``reward_metrics``, ``batch_columns``.
-- ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``.
+- ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``, ``trainer_state_at`` (what TRL's functions get as
+  ``trainer_state``).
 """
-
-# Re-exported: the recipes import it from here, once longstraw_core has quieted bitsandbytes
-# (transformers.TrainerState's import imports it).
-from transformers import TrainerState
 
 # The submodules' public names (their ``__all__``), so that each lists them once.
 from longstraw_core.rewards import builtins, inputs, resolution
@@ -90,7 +87,7 @@ from longstraw_core.rewards.imports import CALLABLE_PREFIX, RewardNameError, reg
 from longstraw_core.rewards.inputs import *  # noqa: F403
 from longstraw_core.rewards.resolution import *  # noqa: F403
 from longstraw_core.rewards.result import RewardResult, batch_columns, reward_metrics
-from longstraw_core.rewards.reward_set import MAX_ABS_REWARD, RewardSet
+from longstraw_core.rewards.reward_set import MAX_ABS_REWARD, RewardSet, trainer_state_at
 from longstraw_core.rewards.running import (
     DEFAULT_TIMEOUT_SECONDS,
     RewardError,
@@ -110,9 +107,9 @@ __all__ = [
     "RewardResult",
     "RewardSet",
     "RewardTimeout",
-    "TrainerState",
     "batch_columns",
     "register_callable",
     "reward_metrics",
     "stop_error",
+    "trainer_state_at",
 ]

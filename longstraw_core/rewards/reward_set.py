@@ -13,8 +13,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from transformers import TrainerState
-
 from longstraw_core.rewards.inputs import (
     TRL_ARGUMENTS,
     Completion,
@@ -45,6 +43,8 @@ from longstraw_core.rewards.running import (
 from longstraw_core.tasks import Sample
 
 if TYPE_CHECKING:
+    from transformers import TrainerState
+
     from longstraw_core.config.schema import RunConfig
 
 # The package's name, as before the split: what log configurations and tests select.
@@ -172,7 +172,7 @@ class RewardSet:
             "completions": completions,
             "completion_ids": ids,
             **_batch_columns(samples),
-            "trainer_state": trainer_state if trainer_state is not None else TrainerState(),
+            "trainer_state": trainer_state if trainer_state is not None else trainer_state_at(0, 0),
             "log_extra": logs.log_extra,
             "log_metric": logs.log_metric,
         }
@@ -350,3 +350,13 @@ def _as_float(value: object) -> float:
     if isinstance(value, str):
         raise TypeError(f"reward values must be numbers or None, got the string {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def trainer_state_at(global_step: int, max_steps: int) -> TrainerState:
+    """The ``transformers.TrainerState`` TRL's reward functions get (``trainer_state``).
+
+    Imported here, when a reward is called: ``transformers.trainer_callback`` imports peft,
+    and peft bitsandbytes, about 2 s of a process's start that a run may never need."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=global_step, max_steps=max_steps)

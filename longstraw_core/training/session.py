@@ -51,7 +51,7 @@ from longstraw_core import (
 from longstraw_core.pipeline.topology import RunTopology
 from longstraw_core.progress import StepProgress
 from longstraw_core.prompt_group import PromptGroup, template_kwargs
-from longstraw_core.rewards import RewardSet, TrainerState
+from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.stop import GracefulStop
 from longstraw_core.tools import Agents
 from longstraw_core.training.step import StepBookkeeping
@@ -136,7 +136,7 @@ class Session(StepBookkeeping):
         # names, weights, factories' arguments; an environment's get_reward (TRL's extra source)
         extra = self.agents.reward_functions() if self.agents else []
         self.rewards = RewardSet.from_config(cfg, extra)
-        self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what TRL's rewards get
+        self.trainer_state = trainer_state_at(0, cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
