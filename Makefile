@@ -34,7 +34,7 @@ state-demo: $(STAMP)
 # Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files
 # are spread over TEST_WORKERS processes, each file's tests in one (their fixtures are shared).
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
