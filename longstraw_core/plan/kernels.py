@@ -9,6 +9,8 @@ blocks).
 
 from __future__ import annotations
 
+import functools
+
 from longstraw_core.adapters import registry
 from longstraw_core.attention import kernel_budgets
 from longstraw_core.plan.units import FP32, INT64
@@ -95,8 +97,17 @@ def select_topk_peak(d: dict[str, int], tokens: int, prefix: int, batch: int, de
     positions (int64) are still bound, next to this block's scores and two products
     ``[B, T, heads_step, n]`` (the matmul and its scaled relu).
     """
-    topk, heads = d["index_topk"], d["index_heads"]
-    rows, work = batch * tokens, work_elements(device)
+    work = work_elements(device)
+    return _select_topk_peak(d["index_topk"], d["index_heads"], tokens, prefix, batch, work)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _select_topk_peak(
+    topk: int, heads: int, tokens: int, prefix: int, batch: int, work: int
+) -> int:
+    """``select_topk_peak`` of plain numbers, remembered: the planner's searches (the largest
+    chunk that fits, each fix) ask for the same layers' peaks hundreds of thousands of times."""
+    rows = batch * tokens
     block = max(topk, work // rows)
     sizes = _block_sizes(prefix, block) + _block_sizes(tokens, block)
     peak, kept, previous = 0, 0, 0

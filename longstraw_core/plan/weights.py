@@ -5,6 +5,7 @@ unsharded tensors, and the host while loading (``core.MemoryParts`` mixes ``Weig
 
 from __future__ import annotations
 
+import functools
 import math
 
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
@@ -22,10 +23,18 @@ class WeightParts:
 
     def lora_params(self, layer: LayerSpec | None = None) -> int:
         """Adapter parameters (all layers, or one): ``r x (in + out)`` per adapted linear."""
+        return self._all_lora_params if layer is None else self._lora_params((layer,))
+
+    @functools.cached_property
+    def _all_lora_params(self) -> int:
+        """Every layer's adapters, counted once: the lines that scale with the trainable
+        parameters ask for them in each of the planner's searches."""
+        return self._lora_params(self.spec.layers)
+
+    def _lora_params(self, layers: tuple[LayerSpec, ...] | list[LayerSpec]) -> int:
         work = self.work
         if not work.lora_rank:
             return 0
-        layers = self.spec.layers if layer is None else (layer,)
         return sum(
             work.lora_rank * (inp + out)
             for item in layers

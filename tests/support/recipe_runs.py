@@ -9,6 +9,7 @@ multi-rank run (its groups vary in reward, so every step trains).
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,13 @@ def assert_resumed_like_straight(
     assert any(not torch.equal(initial[n], straight[n]) for n in straight), (
         "training changed nothing"
     )
+
+
+def stopped_at(straight: Path, step: int, into: Path) -> Path:
+    """An output directory ``into`` holding only ``straight``'s checkpoint of ``step``: what a
+    run stopped after that step leaves, without training those steps again (the resumed
+    run is then a new process that reads it, as after a real stop)."""
+    name = f"step-{step:06d}"
+    shutil.copytree(straight / name, into / name)
+    (into / "latest").write_text(name)
+    return into

@@ -16,6 +16,7 @@ from recipe_runs import (
     ROOT,
     assert_resumed_like_straight,
     run_recipe,
+    stopped_at,
     train_in_process,
     weights,
 )
@@ -76,16 +77,14 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
 )
 def test_resumed_run_equals_uninterrupted_run(tmp_path, extra):
     config = "configs/qwen36/tiny_learn_cpu.yaml"  # rewards with variance from the start
-    # The stopped run is told train.steps=2: a schedule over the run's length (cosine) would
-    # differ from the uninterrupted run's, so the learning rate is kept constant here.
-    # eval.every=0: the stopped run's last step (2) would evaluate, the straight run's not
-    # (resuming with eval: tests/training/test_evaluation.py).
+    # The run stopped after step 2 is the straight run's checkpoint of step 2, resumed in a
+    # new process (a run that ended at train.steps=2 and goes on to 4:
+    # test_resuming_with_another_length_says_the_schedule_changes).
     common = ["train.save_every=2", "grpo.gradient=exact", "rollout.num_generations=8",
-              "rollout.max_new_tokens=16", "optim.scheduler=constant", "eval.every=0",
-              *extra]  # fmt: skip
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+              "rollout.max_new_tokens=16", "eval.every=0", *extra]  # fmt: skip
+    straight = tmp_path / "straight"
     run_recipe("grpo_qwen36.py", config, straight, "train.steps=4", *common)
-    run_recipe("grpo_qwen36.py", config, stopped, "train.steps=2", *common)
+    stopped = stopped_at(straight, 2, tmp_path / "stopped")
     run_recipe("grpo_qwen36.py", config, stopped, "train.steps=4", "train.resume_from=latest",
                *common)  # fmt: skip
 
