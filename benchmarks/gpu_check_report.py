@@ -127,9 +127,9 @@ class Report:
         exception in the body is recorded (``crashed``) and the check goes on."""
         phase = self.phases[name]
         phase.status = "running"
-        self.write()
         start = time.monotonic()
-        try:
+        try:  # from the first write on, as run_step's steps
+            self.write()
             yield phase
             phase.settle()
         except Killed:

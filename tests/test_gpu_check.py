@@ -350,6 +350,18 @@ def test_a_signal_during_the_steps_first_write_marks_it_killed(tmp_path):
     assert record["phases"]["benchmark"]["status"] == "skipped"
 
 
+def test_a_signal_during_the_phases_first_write_marks_it_killed(tmp_path):
+    out = tmp_path / "r.json"
+    report = _StoppedWhileWriting(out, stop_at=2)  # plan, phase start
+    report.plan({"recipes": 10.0, "benchmark": 10.0})
+    with pytest.raises(gpu_check_report.Killed), report.phase("recipes"):
+        pass
+    report.finish()
+    record = json.loads(out.read_text())
+    assert record["status"] == "killed" and record["phases"]["recipes"]["status"] == "killed"
+    assert record["phases"]["benchmark"]["status"] == "skipped"
+
+
 def test_a_step_left_running_is_closed_at_the_end(tmp_path):
     """Whatever cut a step short before it recorded its end, the record never says running."""
     report = Report(tmp_path / "r.json", {})
