@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.units import FP32, dtype_name, human_count
@@ -31,7 +32,7 @@ class WeightParts:
         parameters ask for them in each of the planner's searches."""
         return self._lora_params(self.spec.layers)
 
-    def _lora_params(self, layers: tuple[LayerSpec, ...] | list[LayerSpec]) -> int:
+    def _lora_params(self, layers: Sequence[LayerSpec]) -> int:
         work = self.work
         if not work.lora_rank:
             return 0

@@ -76,8 +76,8 @@ Import from here; the modules hold:
   ``is_async_callable``.
 - ``running``: timeouts, the errors, a call's outcome, the async functions' event loop.
 - ``result``: ``RewardResult``, ``reward_metrics``, ``batch_columns``.
-- ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``, ``trainer_state_at`` (what TRL's functions get as
-  ``trainer_state``).
+- ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``, ``trainer_state_at`` (what TRL's functions
+  get as ``trainer_state``).
 """
 
 # The submodules' public names (their ``__all__``), so that each lists them once.

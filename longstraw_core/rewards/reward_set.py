@@ -355,8 +355,8 @@ def _as_float(value: object) -> float:
 def trainer_state_at(global_step: int, max_steps: int) -> TrainerState:
     """The ``transformers.TrainerState`` TRL's reward functions get (``trainer_state``).
 
-    Imported here, when a reward is called: ``transformers.trainer_callback`` imports peft,
-    and peft bitsandbytes, about 2 s of a process's start that a run may never need."""
+    Imported here, when rewards are scored: ``transformers.trainer_callback`` imports peft,
+    and peft bitsandbytes (about 2 s), which importing the rewards alone must not cost."""
     from transformers import TrainerState
 
     return TrainerState(global_step=global_step, max_steps=max_steps)
