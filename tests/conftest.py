@@ -51,7 +51,7 @@ def tokenizer():
     return load_tokenizer(None)
 
 
-# Test files by their measured time on the 2-core CI machine, longest first (seconds summed
+# Test files by their measured time on a 2-core machine like CI's, longest first (seconds summed
 # from `pytest -n 2 --dist loadfile --durations=0`, 2026-12-03): the files with most of the
 # suite's subprocess runs. Refresh when a file's weight changes a lot; files not listed go
 # after these, in their own order.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import model_adapters
@@ -60,9 +62,6 @@ def test_the_package_the_planner_and_the_config_checks_leave_peft_and_bitsandbyt
     """peft imports bitsandbytes, and bitsandbytes torch's compiler stack (~2 s of every
     process's start): only what trains (adapters, the scheduler, rewards' ``TrainerState``)
     loads them, not ``import longstraw_core``, the planner CLI or config validation."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, longstraw_core, longstraw_core.plan.cli, longstraw_core.config\n"
         "import longstraw_core.checkpoint, longstraw_core.rewards\n"
