@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 FLASH_ATTN ?=
-# Test processes (pytest-xdist): on 2 cores the suite takes 25-35 min in two (docs/development.md).
+# Test processes (pytest-xdist): on 2 cores the suite takes 20-35 min in two (docs/development.md).
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
