@@ -16,6 +16,7 @@ Typical use under ``torchrun``::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,29 +54,56 @@ def pipeline_mesh(stages: int, device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, (world // stages, stages), mesh_dim_names=(REPLICA, STAGE))
 
 
-def stage_link(mesh: DeviceMesh, device: torch.device) -> StageLink:
+def stage_link(
+    mesh: DeviceMesh, device: torch.device, timeout: timedelta | None = None
+) -> StageLink:
     """This rank's link to the other stages of its replica.
 
-    Its point-to-point ops get a process group of their own (every rank creates every
-    pipeline's, in the same order, as ``new_group`` requires), initialised at once by a
-    barrier: NCCL runs a group's batched point-to-point ops on the stream of its
-    collectives, and a group's first op must be joined by all its ranks
-    (``batch_isend_irecv``'s note), which a pipeline's first exchange, between two stages,
-    is not.
+    Each pair of stages that exchange (``s`` and ``s + 1``, and the ring's last and first)
+    gets a 2-rank process group of its own, so that each pair's batched point-to-point ops
+    run on their own NCCL stream (``transport``'s docstring says why one group per pipeline
+    hangs). That is ``S`` communicators per pipeline (one at ``S = 2``), two per rank.
+    Every rank creates every pipeline's pair groups, in the same order, as ``new_group``
+    requires, with ``timeout`` (``None``: torch's default for the backend); a barrier in
+    each of its own then initialises them, in an order that cannot wait in a circle (pair
+    ``k`` joins stages ``k`` and ``k + 1``; each rank takes its lower pair first, so the
+    ring's pair ``S - 1`` waits for stage 0's pair 0 only).
     """
     group = mesh.get_group(STAGE)
     stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
-    world = dist.get_world_size()
-    pipelines = [list(range(first, first + stages)) for first in range(0, world, stages)]
-    p2p_group, _ = dist.new_subgroups_by_enumeration(pipelines)
-    dist.barrier(group=p2p_group)
+    stage = mesh.get_local_rank(STAGE)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pair_groups: dict[int, dist.ProcessGroup] = {}
+    for first in range(0, world, stages):
+        for a, b in stage_pairs(stages):
+            pair = dist.new_group([first + a, first + b], timeout=timeout)
+            if rank in (first + a, first + b):
+                pair_groups[b if stage == a else a] = pair
+    for peer in sorted(pair_groups, key=lambda p: _pair_index(stage, p, stages)):
+        dist.barrier(group=pair_groups[peer])
     return StageLink(
         ranks=dist.get_process_group_ranks(group),
-        stage=mesh.get_local_rank(STAGE),
+        stage=stage,
         group=group,
         device=device,
-        p2p_group=p2p_group,
+        pair_groups=pair_groups,
     )
+
+
+def stage_pairs(stages: int) -> list[tuple[int, int]]:
+    """The pairs of stages that exchange, ``(k, k + 1 mod S)``: neighbours carry hidden
+    states and their gradients, the ring's ``(S - 1, 0)`` rollout's tokens. One pair at
+    ``S = 2`` (both directions share it), none at ``S = 1``."""
+    if stages < 2:
+        return []
+    count = 1 if stages == 2 else stages
+    return [(k, (k + 1) % stages) for k in range(count)]
+
+
+def _pair_index(stage: int, peer: int, stages: int) -> int:
+    """Pair ``k`` of ``stage_pairs`` joining ``stage`` and ``peer``."""
+    pairs = stage_pairs(stages)
+    return next(k for k, pair in enumerate(pairs) if set(pair) == {stage, peer})
 
 
 def replica_group(mesh: DeviceMesh) -> dist.ProcessGroup:

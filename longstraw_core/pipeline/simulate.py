@@ -1,17 +1,28 @@
-"""Play stage programs under NCCL's point-to-point rules: is the schedule live, how busy is it.
+"""Play stage programs under NCCL's rules: is the schedule live, how busy is it.
 
 ``simulate(programs, cost)`` runs every stage's program (``longstraw_core.pipeline.schedule``)
-as the ranks would, with each compute taking ``cost(compute)`` and these rules for the
-transfers (NCCL's, which gloo does not enforce):
+as the ranks would, with each compute taking ``cost(compute)`` and ProcessGroupNCCL's rules
+for the transfers (which gloo does not enforce):
 
-- between two stages each side has one in-order stream, for both directions: an exchange (a
-  ``batch_isend_irecv``) enters the stream of every peer it talks to and leaves them only
-  when all its ops are done;
+- a ``batch_isend_irecv`` runs on its process group's device communicator, whose one
+  in-order stream per rank also carries that group's collectives: a rank's batches on one
+  group run one after another in issue order, whatever their peers, and a batch leaves the
+  stream only when all its ops are done;
 - a send completes only when the peer's stream reaches the matching receive (the ``n``-th
   send from ``a`` to ``b`` matches ``b``'s ``n``-th receive from ``a``), at the time both
-  exchanges are at the heads of their streams (plus ``transfer``);
-- ops of one exchange progress together; ``Wait`` blocks the stage until its exchange is
-  done, a ``Collective`` until every stage has joined it.
+  batches are at the heads of their streams (plus ``transfer``), whatever the size;
+- ``Wait`` blocks the stage until its exchange is done, a ``Collective`` (on the pipeline's
+  collective group, another communicator) until every stage has joined it.
+
+``streams`` says how the programs' exchanges map onto process groups:
+
+- ``PAIR_GROUPS`` (what the pipeline runs, ``pipeline.mesh.stage_link``): every pair of
+  stages that talk has a 2-rank group of its own, so an exchange is one batch per peer, each
+  on its own stream: a receive from stage ``s - 1`` never queues behind a send to ``s + 1``;
+- ``ONE_GROUP``: one group for all of a pipeline's point-to-point ops, so every exchange of
+  a stage is one batch on one stream. The ring rollout with fewer micro-groups than stages
+  hangs there at ``S >= 3`` (``tests/pipeline/test_schedule.py`` keeps that case), which is
+  why the pipeline runs pair groups.
 
 It is a dataflow computation, not a clock-driven one: matching depends only on the order of
 the streams, so the result does not depend on how the stages are visited. A schedule that
@@ -25,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from longstraw_core.pipeline.schedule import (
@@ -40,6 +51,10 @@ from longstraw_core.pipeline.schedule import (
     programs,
     replay_orders,
 )
+
+PAIR_GROUPS = "pair"
+ONE_GROUP = "one"
+STREAM_MODELS = (PAIR_GROUPS, ONE_GROUP)
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -77,7 +92,7 @@ class Timeline:
 
 @dataclass(eq=False)
 class _Op:
-    entry: _Entry
+    batch: _Batch
     send: bool
     message: Message
     partner: _Op | None = None
@@ -89,11 +104,15 @@ class _Op:
 
 
 @dataclass(eq=False)
-class _Entry:
+class _Batch:
+    """One ``batch_isend_irecv`` on one stream: ``head`` is when it reached the stream's
+    head (``None`` while queued behind another), ``done`` when all its ops were."""
+
     stage: int
+    stream: Hashable
     issued: float
     ops: list[_Op] = field(default_factory=list)
-    head: dict[int, float] = field(default_factory=dict)  # peer -> time it became head
+    head: float | None = None
     done: float | None = None
 
     def describe(self) -> str:
@@ -103,8 +122,9 @@ class _Entry:
             for op in self.ops
             if op.time is None
         ]
-        return "exchange issued at {:.3g}: waiting for {}".format(
-            self.issued, ", ".join(waiting) or "nothing"
+        where = "at the head of its stream" if self.head is not None else "queued"
+        return "batch issued at {:.3g} ({}): waiting for {}".format(
+            self.issued, where, ", ".join(waiting) or "nothing"
         )
 
 
@@ -118,9 +138,16 @@ def simulate(
     stage_programs: Sequence[Sequence[Step]],
     cost: Callable[[Compute], float] | None = None,
     transfer: Callable[[Message], float] | None = None,
+    streams: str = PAIR_GROUPS,
 ) -> Timeline:
-    """Run ``stage_programs`` under NCCL's point-to-point rules (see the module docstring)."""
-    return _Simulation(stage_programs, cost or unit_cost(), transfer or (lambda _: 0.0)).run()
+    """Run ``stage_programs`` under NCCL's rules with the ``streams`` model (see the module
+    docstring)."""
+    if streams not in STREAM_MODELS:
+        raise ValueError(f"streams={streams!r}: one of {STREAM_MODELS}")
+    simulation = _Simulation(
+        stage_programs, cost or unit_cost(), transfer or (lambda _: 0.0), streams
+    )
+    return simulation.run()
 
 
 class _Simulation:
@@ -129,15 +156,16 @@ class _Simulation:
         stage_programs: Sequence[Sequence[Step]],
         cost: Callable[[Compute], float],
         transfer: Callable[[Message], float],
+        streams: str,
     ) -> None:
         self.programs = stage_programs
-        self.cost, self.transfer = cost, transfer
+        self.cost, self.transfer, self.streams = cost, transfer, streams
         stages = len(stage_programs)
         self.pc = [0] * stages
         self.clock = [0.0] * stages
         self.busy = [0.0] * stages
-        self.open: list[dict[int, _Entry]] = [{} for _ in range(stages)]
-        self.queues: dict[tuple[int, int], deque[_Entry]] = {}
+        self.open: list[dict[int, list[_Batch]]] = [{} for _ in range(stages)]
+        self.queues: dict[Hashable, deque[_Batch]] = {}
         self.unmatched: dict[tuple[str, int, int, object], _Op] = {}
         self.arrivals: dict[object, dict[int, float]] = {}
         self.computes: list[tuple[int, Compute, float, float]] = []
@@ -167,17 +195,13 @@ class _Simulation:
                 self.computes.append((stage, step, start, self.clock[stage]))
             elif isinstance(step, Exchange):
                 self._issue(stage, step)
-            elif isinstance(step, Wait):
-                entries = [self.open[stage][ident] for ident in step.idents]
-                if any(entry.done is None for entry in entries):
+            elif isinstance(step, (Wait, Drain)):
+                idents = step.idents if isinstance(step, Wait) else tuple(self.open[stage])
+                batches = [b for ident in idents for b in self.open[stage][ident]]
+                if any(batch.done is None for batch in batches):
                     return moved
-                for entry in entries:
-                    self.clock[stage] = max(self.clock[stage], entry.done)
-            elif isinstance(step, Drain):
-                if any(entry.done is None for entry in self.open[stage].values()):
-                    return moved
-                for entry in self.open[stage].values():
-                    self.clock[stage] = max(self.clock[stage], entry.done)
+                for batch in batches:
+                    self.clock[stage] = max(self.clock[stage], batch.done)
             elif isinstance(step, Collective):
                 arrived = self.arrivals.setdefault(step.name, {})
                 arrived.setdefault(stage, self.clock[stage])
@@ -189,75 +213,67 @@ class _Simulation:
         return moved
 
     def _issue(self, stage: int, exchange: Exchange) -> None:
-        entry = _Entry(stage, self.clock[stage])
-        for message in exchange.sends:
-            entry.ops.append(_Op(entry, True, message))
-        for message in exchange.recvs:
-            entry.ops.append(_Op(entry, False, message))
-        for op in entry.ops:
-            key = ("recv" if op.send else "send", op.message.src, op.message.dst, op.message.key)
-            partner = self.unmatched.pop(key, None)
-            if partner is None:
-                own = (
-                    "send" if op.send else "recv",
-                    op.message.src,
-                    op.message.dst,
-                    op.message.key,
-                )
-                self.unmatched[own] = op
-            else:
-                op.partner, partner.partner = partner, op
-        for peer in sorted({op.peer for op in entry.ops}):
-            queue = self.queues.setdefault((stage, peer), deque())
+        ops = [(True, m) for m in exchange.sends] + [(False, m) for m in exchange.recvs]
+        batches: dict[Hashable, _Batch] = {}
+        for send, message in ops:
+            peer = message.dst if send else message.src
+            stream = (stage, peer) if self.streams == PAIR_GROUPS else (stage,)
+            batch = batches.get(stream)
+            if batch is None:
+                batch = batches[stream] = _Batch(stage, stream, self.clock[stage])
+            op = _Op(batch, send, message)
+            batch.ops.append(op)
+            self._pair(op)
+        for stream, batch in batches.items():
+            queue = self.queues.setdefault(stream, deque())
             if not queue:
-                entry.head[peer] = entry.issued
-            queue.append(entry)
-        self.open[stage][exchange.ident] = entry
+                batch.head = batch.issued
+            queue.append(batch)
+        self.open[stage][exchange.ident] = list(batches.values())
+
+    def _pair(self, op: _Op) -> None:
+        """Meet ``op`` with its partner by order: the n-th send from a to b with b's n-th
+        receive from a (messages are named, and ``programs`` checks the orders agree)."""
+        message = op.message
+        kind, other = ("send", "recv") if op.send else ("recv", "send")
+        partner = self.unmatched.pop((other, message.src, message.dst, message.key), None)
+        if partner is None:
+            self.unmatched[(kind, message.src, message.dst, message.key)] = op
+        else:
+            op.partner, partner.partner = partner, op
 
     # --- the streams ------------------------------------------------------------------------
 
     def _match(self) -> bool:
         moved = False
-        for (a, b), queue in list(self.queues.items()):
-            if a > b:
+        for queue in self.queues.values():
+            if not queue:
                 continue
-            other = self.queues.get((b, a))
-            while queue and other:
-                mine, theirs = queue[0], other[0]
-                start = max(mine.head[b], theirs.head[a])
-                matched = False
-                for op in mine.ops:
-                    partner = op.partner
-                    if op.time is None and partner is not None and partner.entry is theirs:
-                        op.time = partner.time = start + self.transfer(op.message)
-                        matched = True
-                completed = [e for e in (mine, theirs) if self._complete(e)]
-                moved |= matched or bool(completed)
-                if not (matched or completed):
-                    break
+            mine = queue[0]
+            for op in mine.ops:
+                theirs = op.partner.batch if op.partner is not None else None
+                if op.time is None and theirs is not None and theirs.head is not None:
+                    start = max(mine.head, theirs.head)
+                    op.time = op.partner.time = start + self.transfer(op.message)
+                    moved = True
+        for queue in self.queues.values():
+            while queue and all(op.time is not None for op in queue[0].ops):
+                finished = queue.popleft()
+                finished.done = max(op.time for op in finished.ops)
+                if queue:
+                    queue[0].head = max(queue[0].issued, finished.done)
+                moved = True
         return moved
 
-    def _complete(self, entry: _Entry) -> bool:
-        if entry.done is not None or any(op.time is None for op in entry.ops):
-            return False
-        entry.done = max(op.time for op in entry.ops)
-        for peer in entry.head:
-            queue = self.queues[(entry.stage, peer)]
-            assert queue[0] is entry
-            queue.popleft()
-            if queue:
-                following = queue[0]
-                following.head[peer] = max(following.issued, entry.done)
-        return True
-
     def _report(self, stuck: list[int]) -> str:
-        lines = ["the stage programs would hang on NCCL:"]
+        lines = [f"the stage programs would hang on NCCL ({self.streams} streams):"]
         for stage in stuck:
             step = self.programs[stage][self.pc[stage]]
             lines.append(f"  stage {stage} at step {self.pc[stage]} ({step}):")
-            for entry in self.open[stage].values():
-                if entry.done is None:
-                    lines.append(f"    {entry.describe()}")
+            for batches in self.open[stage].values():
+                for batch in batches:
+                    if batch.done is None:
+                        lines.append(f"    {batch.describe()}")
         return "\n".join(lines)
 
 

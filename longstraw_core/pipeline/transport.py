@@ -11,16 +11,21 @@ following NCCL's rules, which gloo does not enforce:
   back to the host per message, and every op has tag 0: NCCL ignores tags and matches a
   pair's ops by order, which the schedule keeps the same on both sides. A sender checks its
   tensors against the same plan, so a wrong shape is a clear error here, not a hang there.
-- **Its own process group.** Point-to-point ops run on ``p2p_group``, a group of the
-  pipeline's ranks used for nothing else: on NCCL a group's collectives and its batched
-  point-to-point ops share one stream, so a broadcast issued while a send is in flight
-  would queue behind it. Collectives (the last stage's results, rollout's stop signal) use
-  ``group`` and the default group.
+- **A process group per pair of stages.** On NCCL a ``batch_isend_irecv`` runs on its
+  group's device communicator, whose one stream per rank carries all of that group's
+  batches, whatever their peers, and its collectives, in issue order. With one group for
+  the pipeline a stage's receive from ``s - 1`` would queue behind its send to ``s + 1``
+  (and the ring rollout with fewer micro-groups than stages hangs at ``S >= 3``:
+  ``pipeline.simulate``'s ``ONE_GROUP``). So each pair of stages that talk has a 2-rank
+  group of its own (``pair_groups``, made by ``pipeline.mesh.stage_link``), an exchange
+  issues one batch per peer, and each pair's ops run on their own in-order stream.
+  Collectives (the last stage's results, rollout's stop signal) use ``group`` and the
+  default group, other communicators again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,16 +68,16 @@ class StageLink:
 
     ``ranks``: the global ranks of the pipeline's stages, in stage order; ``stage``: this
     rank's place in it; ``group``: a process group holding (at least) those ranks, for the
-    collectives of the pipeline (broadcasts from the last stage); ``p2p_group``: the group
-    the point-to-point ops use (``None``: the default group; see the module docstring).
-    ``device``: where received tensors live.
+    collectives of the pipeline (broadcasts from the last stage); ``pair_groups``: the
+    2-rank group of each stage this rank exchanges with (a stage not in it: the default
+    group; see the module docstring). ``device``: where received tensors live.
     """
 
     ranks: list[int]
     stage: int
     group: dist.ProcessGroup | None
     device: torch.device
-    p2p_group: dist.ProcessGroup | None = None
+    pair_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     exchanges: int = field(default=0, init=False)  # issued so far (for reports and tests)
 
     @property
@@ -98,10 +103,11 @@ class StageLink:
         sends: Sequence[tuple[int, Payload, MessageSpec]],
         recvs: Sequence[tuple[int, MessageSpec]],
     ) -> PendingExchange:
-        """Issue one batch: each ``(stage, payload, spec)`` of ``sends`` to that stage (checked
-        against ``spec``, the receiver's plan), and each ``(stage, spec)`` of ``recvs`` from
-        it. Returns at once; ``wait()`` completes it and gives the received payloads."""
-        ops: list[dist.P2POp] = []
+        """Issue the exchange: each ``(stage, payload, spec)`` of ``sends`` to that stage
+        (checked against ``spec``, the receiver's plan), and each ``(stage, spec)`` of
+        ``recvs`` from it, as one batch per peer on that pair's group. Returns at once;
+        ``wait()`` completes it and gives the received payloads."""
+        ops: dict[int, list[dist.P2POp]] = {}
         sent: list[torch.Tensor] = []
         for stage, payload, spec in sends:
             if spec_of(payload) != spec:
@@ -113,7 +119,7 @@ class StageLink:
                 if tensor is not None:
                     tensor = tensor.detach().contiguous()
                     sent.append(tensor)
-                    ops.append(dist.P2POp(dist.isend, tensor, self.ranks[stage], self.p2p_group))
+                    ops.setdefault(stage, []).append(self._op(dist.isend, tensor, stage))
         received: list[Payload] = []
         for stage, spec in recvs:
             buffers = tuple(
@@ -122,11 +128,14 @@ class StageLink:
             )
             for buffer in buffers:
                 if buffer is not None:
-                    ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[stage], self.p2p_group))
+                    ops.setdefault(stage, []).append(self._op(dist.irecv, buffer, stage))
             received.append(buffers)
         self.exchanges += 1
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return PendingExchange(list(works), sent, received)
+        works = [work for batch in ops.values() for work in dist.batch_isend_irecv(batch)]
+        return PendingExchange(works, sent, received)
+
+    def _op(self, op: Callable, tensor: torch.Tensor, stage: int) -> dist.P2POp:
+        return dist.P2POp(op, tensor, self.ranks[stage], self.pair_groups.get(stage))
 
     # --- the whole pipeline ----------------------------------------------------------------
 
