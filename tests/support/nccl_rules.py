@@ -315,7 +315,7 @@ def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
 
 
 def _collective(name: str, original: Callable) -> Callable:
-    """``original`` that first waits for this rank's point-to-point ops on its group."""
+    """``original`` that first waits for this rank's batches on its group's stream."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
