@@ -1,6 +1,8 @@
 """The NCCL-rules harness (``nccl_rules``) on known cases: what NCCL completes completes
-(torch's own 1F1B schedule among them, with the gradients of one process), and what NCCL
-hangs on fails within the bound with every rank's pending ops in the log."""
+(torch's own 1F1B schedule among them, with the gradients of one process; a 3-stage token
+ring with a two-rank group per pair), and what NCCL hangs on (facing unbatched sends; a
+collective behind a batch on its group; the same ring on one group, whose batches share
+each rank's one stream) fails within the bound with every rank's pending ops in the log."""
 
 from __future__ import annotations
 
@@ -43,8 +45,19 @@ def test_what_nccl_completes_completes(tmp_path):
     assert message == one["mismatch"] and message is not None
     assert "send #3 from rank 0 to rank 1" in message and "on rank 1" in message
     assert "float32[4, 8]" in message and "int64[16]" in message
-    # A batch spanning two peers: each rank gets the previous rank's tensor.
+    # Send #4, unbatched, met by a batched receive: they never meet on NCCL; both ranks say so.
+    message = zero["kinds"]
+    assert message == one["kinds"] and message is not None
+    assert "send #4 from rank 0 to rank 1 (group 0) is unbatched" in message
+    assert "the receive it meets on rank 1 is batched" in message
+    # A batch spanning two peers (one batch per rank): each gets the previous rank's tensor.
     assert [r["ring"] for r in ranks] == [[2.0], [0.0], [1.0]]
+    # The token ring with a two-rank group per pair: rank 0 has the token, 1 the branch, 2
+    # the branch + 1 (on one group it hangs: test_a_ring_on_one_group_hangs...).
+    assert [r["token_ring"] for r in ranks] == [[2.0], [1.0], [2.0]]
+    # A collective on the default group waited neither for an unbatched send on it (the
+    # pair's communicator) nor for a batch on another group: rank 1 received both after.
+    assert one["beside"] == [3.0, 4.0]
     # Progress in the background: rank 1 had rank 0's send while rank 0 was computing, and
     # rank 0's second send completed while it sat in a gloo barrier of another group.
     assert zero["done_while_computing"] and one["received_at"] < zero["computed_until"]
@@ -79,18 +92,39 @@ def test_unbatched_sends_facing_each_other_hang_and_are_reported():
 
 
 @pytest.mark.multiprocess
-def test_a_collective_waits_for_the_ranks_sends_on_its_group():
-    code, log, _ = _run("send_then_collective", ranks=2)
-    assert code != 0 and "send then collective completed" not in log, log[-5000:]
+def test_a_collective_waits_behind_the_ranks_batches_on_its_group():
+    code, log, _ = _run("batch_then_collective", ranks=2)
+    assert code != 0 and "batch then collective completed" not in log, log[-5000:]
     assert "NCCL rules: a hang (every rank is blocked" in log, log[-5000:]
     assert _waited(log) < 3 * float(BOUND)
+    log = log[-4000:]
     assert re.search(
         r"rank 0: blocked [\d.]+ s in broadcast on group 0, which first waits for this "
-        r"rank's 1 uncompleted point-to-point ops on that group",
+        r"rank's 1 uncompleted batch ahead of it on that group's stream",
         log,
-    ), log[-5000:]
-    assert "[head] isend: send to rank 1 #0 float32[2048] (group 0)" in log
+    ), log
+    stream = "group 0, batches and collectives (the group's communicator): 2 entries"
+    assert stream in log, log
+    assert "[head] batch_isend_irecv: send to rank 1 #0 float32[2048] (group 0)" in log
+    assert re.search(r"\[#2\] broadcast: a collective on group 0, pending [\d.]+ s: waiting", log)
     assert re.search(r"rank 1: blocked [\d.]+ s in broadcast on group 0 \(in gloo\)", log)
+    assert re.search(r"\[head\] broadcast: a collective on group 0, pending [\d.]+ s: running", log)
+
+
+@pytest.mark.multiprocess
+def test_a_ring_on_one_group_hangs_where_each_rank_has_one_stream():
+    code, log, _ = _run("ring_on_one_group", ranks=3)
+    assert code != 0 and "ring on one group completed" not in log, log[-5000:]
+    assert "NCCL rules: a hang (every rank is blocked" in log, log[-5000:]
+    assert _waited(log) < 3 * float(BOUND)
+    log = log[-4000:]
+    waiting = r", pending [\d.]+ s: waiting for rank {} to reach its matching {}"
+    head = r"\[head\] batch_isend_irecv: {} float32\[2048\] \(group 0\)" + waiting
+    # Rank 2's stream: the receive from rank 1 ahead of the token's send to rank 0.
+    assert re.search(head.format("recv from rank 1 #0", 1, "send"), log), log
+    assert "[#2] batch_isend_irecv: send to rank 0 #0 float32[2048] (group 0)" in log
+    assert re.search(head.format("recv from rank 0 #0", 0, "send"), log), log  # rank 1
+    assert re.search(head.format("recv from rank 2 #0", 2, "send"), log), log  # rank 0
 
 
 SCRIPT = """\

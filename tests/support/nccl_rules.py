@@ -8,59 +8,74 @@ other and then ``recv``: the sends face each other and wait forever). ``install(
 ``torch.distributed``'s point-to-point API in this process so that it behaves as NCCL does;
 the data still moves through real gloo.
 
-The emulated rules:
+The emulated rules (ProcessGroupNCCL's, with its default lazy communicators):
 
-- Streams. Between two ranks each side has ONE in-order queue, for both directions. Each
-  call issues one entry: a single op (``isend``, ``irecv``, ``send``, ``recv``) or a whole
-  ``batch_isend_irecv`` batch (one NCCL group). A batch that spans several peers sits in the
-  queue of every pair it involves, and leaves them only when ALL its ops are done.
+- Streams. Each rank has in-order streams, one per NCCL communicator the op would run on:
+  an unbatched op (``isend``, ``irecv``, ``send``, ``recv``) runs on the two-rank
+  communicator of its rank pair (ProcessGroupNCCL keys it ``"rankA:rankB"``), so ONE stream
+  per (process group, rank pair), for both directions. A ``batch_isend_irecv`` batch is
+  coalesced onto the group's device communicator, whose stream also carries the group's
+  collectives: ONE stream per (process group, rank) for all of a rank's batches on that
+  group, whatever their peers, and its collectives, in issue order. Each call issues one
+  entry into one stream: a single op, a whole batch, or a collective. Different groups
+  (``dist.new_group``, ``new_subgroups_by_enumeration``) have different streams.
 - Matching is by order only. The n-th send from A to B (counted per process group and
-  ordered pair, over single and batched ops alike, in issue order) meets the n-th receive
+  ordered pair, over unbatched and batched ops alike, in issue order) meets the n-th receive
   posted on B for A. Tags are ignored. A met send/receive whose dtype or element count
   differ is an error naming both ranks, the sequence number and both tensors (what code
   that relied on tags to pair its messages now hits). Equal counts of different shapes
-  pass, as on NCCL, which moves ``count x dtype``.
-- Rendezvous. An op moves only when its entry is at the head of its queue on its side AND
-  the op it meets is in the entry at the head of the peer's queue: a send completes when the
-  peer's stream reaches the matching receive; small sends do not complete eagerly.
-- A batch progresses as one: on A, a batch holding a send to B and a receive from B completes
-  when both have met theirs, possibly in different entries of B's queue, in order.
+  pass, as on NCCL, which moves ``count x dtype``. A met pair of which one is batched and
+  the other not is an error too, naming both: on NCCL the two sit on different
+  communicators and never meet (the send would wait forever); the error says so at once.
+  (Code that interleaves both kinds on one pair and group and relies on each kind keeping
+  its own order is refused by this count, though NCCL might complete it.)
+- Rendezvous, at any size. An op moves only when its entry is at the head of its stream AND
+  the op it meets is in the entry at the head of the peer's corresponding stream (the
+  pair's stream for an unbatched op; the group's stream for a batched one): a send
+  completes when the peer's stream reaches the matching receive; small sends do not
+  complete eagerly.
+- A batch completes as a unit: it leaves its stream only when all its ops are done, so a
+  batch that receives from one peer holds every later batch of the group on this rank,
+  whatever their peers (a ring of stages on one group whose batches each receive before
+  they send deadlocks; give each communicating pair its own group to have per-pair streams).
 - ``work.wait()`` blocks until its op (for a batch: the whole batch) is done;
   ``is_completed()`` says whether it is; blocking ``send``/``recv`` are issue + wait.
   Progress happens in the background, as on NCCL's streams: a rank computing, or blocked in
   a collective, still completes the ops it issued.
-- Collectives. A collective on group G, issued while this rank has uncompleted
-  point-to-point ops on G, first waits for them (NCCL runs a group's collectives and its
-  point-to-point ops on the group's stream, in issue order), then runs. Wrapped:
-  ``COLLECTIVES`` below, at the ``torch.distributed`` function level, which is where this
-  code base, accelerate, DCP and FSDP2 (``dist.all_gather_single``,
-  ``dist.reduce_scatter_single``, ``dist.all_reduce``, ``dist.barrier``) call them. Not
-  caught: collectives called as process-group methods (``group.allreduce(...)``) or
-  through the functional collectives (``torch.distributed._functional_collectives``, the
-  C++ ``_c10d_functional`` ops DTensor redistributes with). Those run without first
-  waiting for this rank's point-to-point ops, so they can only make the harness miss a
-  hang, never invent one; nothing in this code base issues point-to-point ops on a group
-  those paths use.
+- Collectives. A collective on group G joins G's stream of batches and collectives: it
+  first waits for this rank's uncompleted batches on G issued before it, then runs, and
+  batches issued on G while it runs (from another thread) wait behind it. It does not wait
+  for unbatched ops on G (they are on the pairs' communicators), nor for anything on other
+  groups. (A collective issued by another thread while one runs is not held by it: gloo
+  orders those itself.) Wrapped: ``COLLECTIVES`` below, at the ``torch.distributed``
+  function level, which is where this code base, accelerate, DCP and FSDP2
+  (``dist.all_gather_single``, ``dist.reduce_scatter_single``, ``dist.all_reduce``,
+  ``dist.barrier``) call them. Not caught: collectives called as process-group methods
+  (``group.allreduce(...)``) or through the functional collectives
+  (``torch.distributed._functional_collectives``, the C++ ``_c10d_functional`` ops DTensor
+  redistributes with). Those run without first waiting for this rank's batches, so they
+  can only make the harness miss a hang, never invent one; nothing in this code base
+  issues batches on a group those paths use.
 - Not emulated (refused with an error): a receive from any source (NCCL has none) and a
-  transfer to oneself.
-- Queues are per rank pair across process groups (as the one-queue rule says; ops on
-  different groups never meet each other, so a head on another group than the peer's head
-  is stuck, as NCCL kernels of two communicators ordered differently on two ranks may be).
+  transfer to oneself. Not modelled: a communicator's creation (NCCL's first op on a pair's
+  or a group's communicator is a host-blocking rendezvous of its ranks), and eager
+  initialisation (``init_process_group(device_id=...)``), under which unbatched ops too run
+  on the group's communicator.
 
 Hangs. A rank whose main thread has waited longer than the bound (``timeout_seconds``,
 default ``LONGSTRAW_NCCL_RULES_TIMEOUT`` or 60 s) asks every rank for its state. When every
 rank is blocked (in a harness wait or a wrapped collective) with no progress for half the
 bound, NCCL would wait forever: one rank prints the report (each rank's state and pending
-ops: kind, peer, sequence number, dtype/shape, place in its queue, how long pending; the
+ops: kind, peer, sequence number, dtype/shape, place in its stream, how long pending; the
 collective a rank is in), the ranks in a harness wait raise ``NcclRulesError``, and the
 others (in a gloo collective) exit with status 1, so torchrun ends the run. A wait with no
 such proof (a rank still computing) is reported anyway after three bounds.
 
-Machinery (``nccl_rules_state``, ``nccl_rules_wire``): per rank a private gloo backend for
-the data (built from the default store, so it shares no gloo context with the caller's
-collectives and no group numbering with the caller's groups), a listener thread for the
-peers' control messages over local TCP, a completer thread for the gloo transfers, and a
-watchdog thread for hangs.
+Machinery (``nccl_rules_state``, ``nccl_rules_streams``, ``nccl_rules_wire``): per rank a
+private gloo backend for the data (built from the default store, so it shares no gloo
+context with the caller's collectives and no group numbering with the caller's groups), a
+listener thread for the peers' control messages over local TCP, a completer thread for the
+gloo transfers, and a watchdog thread for hangs.
 
 Use. ``install()`` before ``init_process_group`` (the wrapped ``init_process_group``
 attaches the harness once the group exists), or right after it, on every rank at the same
@@ -226,7 +241,8 @@ def _issue(
         )
     resolved = _group(group)
     peer = c10d._canonicalize_group_rank(resolved, rank, group_rank, return_global=True)
-    return _Work(streams, streams.issue(label, [(kind, peer, resolved.group_name, tensor)]))
+    entry = streams.issue(label, [(kind, peer, resolved.group_name, tensor)], batched=False)
+    return _Work(streams, entry)
 
 
 def _isend(
@@ -291,7 +307,7 @@ def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
         ("send" if op.op in sends else "recv", op.peer, group.group_name, op.tensor)
         for op in p2p_op_list
     ]
-    entry = streams.issue("batch_isend_irecv", ops)
+    entry = streams.issue("batch_isend_irecv", ops, batched=True)
     return [_Work(streams, entry) for _ in p2p_op_list]
 
 
@@ -299,7 +315,7 @@ def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
 
 
 def _collective(name: str, original: Callable) -> Callable:
-    """``original`` that first waits for this rank's point-to-point ops on its group."""
+    """``original`` that first waits for this rank's batches on its group's stream."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)

@@ -1,10 +1,11 @@
-"""One rank's emulated NCCL point-to-point streams (the rules are in ``nccl_rules``).
+"""One rank's emulated NCCL streams (the rules are in ``nccl_rules``; what a stream holds, and
+the hang report, in ``nccl_rules_streams``).
 
-``RankStreams`` keeps, per peer, the in-order queue of this rank's issued entries (a single
-op, or a whole ``batch_isend_irecv`` batch), tells the peer when an op reaches the head of
-its queue (``ready``), moves an op's data through a private gloo backend once both ends are
-at their heads, and completes entries in the background: a completer thread waits for the
-gloo transfers, a listener thread (``nccl_rules_wire``) takes the peers' messages, and a
+``RankStreams`` keeps this rank's in-order streams (one per group and peer for unbatched ops;
+one per group for its batches and collectives), tells the peer when an op reaches the head
+of its stream (``ready``), moves an op's data through a private gloo backend once both ends
+are at their heads, and completes entries in the background: a completer thread waits for
+the gloo transfers, a listener thread (``nccl_rules_wire``) takes the peers' messages, and a
 watchdog thread finds hangs and has every rank's pending ops printed.
 """
 
@@ -21,12 +22,26 @@ import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from nccl_rules_streams import (
+    Entry,
+    Key,
+    Meta,
+    NcclRulesError,
+    Op,
+    Stream,
+    mismatch,
+    report,
+    settle,
+    stream_lines,
+    wire_tensor,
+)
 from nccl_rules_wire import Wire
+
+__all__ = ["Entry", "NcclRulesError", "RankStreams"]
 
 # Seconds a rank whose main thread is not in a harness wait keeps running after a hang was
 # reported (its output flushed) before it exits; a rank in a harness wait raises at once.
@@ -38,107 +53,19 @@ GRACE_SHARE = 0.5
 # harness cannot see), a wait is reported anyway after this many timeouts.
 HARD_LIMIT_TIMEOUTS = 3
 
-# Entries of a queue a report shows (from the head): the hang is at the heads.
-SHOWN_ENTRIES = 4
 
-Key = tuple[str, int, int, int]  # (group name, source rank, destination rank, sequence number)
-Meta = tuple[str, tuple[int, ...]]  # (dtype, shape)
-
-
-class NcclRulesError(RuntimeError):
-    """A point-to-point pattern that NCCL would hang on or misroute."""
-
-
-@dataclass(eq=False)
-class Op:
-    """One send or receive, numbered per (group, source, destination) in issue order."""
-
-    kind: str  # "send" | "recv"
-    src: int
-    dst: int
-    group_name: str
-    seq: int
-    tensor: torch.Tensor  # the caller's tensor (as gloo sees it: complex as real pairs)
-    wire: torch.Tensor  # the contiguous buffer gloo reads or fills
-    entry: Entry | None = None
-    at_head: bool = False
-    posted: bool = False
-    done: bool = False
-
-    @property
-    def peer(self) -> int:
-        return self.dst if self.kind == "send" else self.src
-
-    @property
-    def key(self) -> Key:
-        return (self.group_name, self.src, self.dst, self.seq)
-
-    @property
-    def meta(self) -> Meta:
-        return (str(self.tensor.dtype).removeprefix("torch."), tuple(self.tensor.shape))
-
-    def describe(self) -> str:
-        what = "send to" if self.kind == "send" else "recv from"
-        dtype, shape = self.meta
-        return f"{what} rank {self.peer} #{self.seq} {dtype}{list(shape)} (group {self.group_name})"
-
-
-@dataclass(eq=False)
-class Entry:
-    """What one call issued: it leaves every queue it is in when all its ops are done."""
-
-    label: str  # the torch.distributed function that issued it
-    ops: list[Op]
-    issued: float = field(default_factory=time.monotonic)
-    remaining: int = 0
-    error: BaseException | None = None
-    done: bool = False
-    futures: list[torch.futures.Future] = field(default_factory=list)
-
-    @property
-    def peers(self) -> list[int]:
-        return list(dict.fromkeys(op.peer for op in self.ops))
-
-
-def wire_tensor(tensor: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor as gloo sees it, contiguous buffer for the transfer)``: complex tensors travel
-    as real pairs (as torch sends them); a strided send is copied now, a strided receive is
-    filled through a buffer copied back on completion."""
-    if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    if tensor.is_contiguous():
-        return tensor, tensor
-    return tensor, tensor.contiguous() if kind == "send" else torch.empty_like(
-        tensor, memory_format=torch.contiguous_format
-    )
-
-
-def mismatch(send: Op | Meta, recv: Op | Meta, key: Key) -> str | None:
-    """The error for a matched send/receive pair that differ in dtype or element count."""
-    group, src, dst, seq = key
-    send_meta = send.meta if isinstance(send, Op) else send
-    recv_meta = recv.meta if isinstance(recv, Op) else recv
-    (send_dtype, send_shape), (recv_dtype, recv_shape) = send_meta, recv_meta
-    if send_dtype == recv_dtype and _numel(send_shape) == _numel(recv_shape):
-        return None
-    return (
-        f"NCCL rules: send #{seq} from rank {src} to rank {dst} (group {group}) is "
-        f"{send_dtype}{list(send_shape)} but the receive it meets on rank {dst} is "
-        f"{recv_dtype}{list(recv_shape)}: NCCL ignores tags and pairs the n-th send from a "
-        f"rank with the n-th receive from it, so both ranks must issue their transfers "
-        f"between them in the same order"
-    )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def gloo_tag(key: Key) -> int:
+    """The tag of ``key``'s transfer on the data backend: unique among the transfers in flight
+    between two ranks (several groups' streams move at once). Group names are torch's
+    numbers (a hash only for ``use_local_synchronization`` groups); 11 bits of the group and
+    20 of the sequence number keep it a positive C ``int``."""
+    group, _, _, seq = key
+    number = int(group) if group.isdigit() else zlib.crc32(group.encode())
+    return ((number & 0x7FF) << 20) | (seq & 0xFFFFF)
 
 
 class RankStreams:
-    """This rank's side of every rank pair. All state is guarded by ``_cond``."""
+    """This rank's streams (``nccl_rules_streams``). All state is guarded by ``_cond``."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: float) -> None:
         self.rank = rank
@@ -146,11 +73,10 @@ class RankStreams:
         self.timeout = timeout
         self._store = store
         self._cond = threading.Condition()
-        self._queues: dict[int, deque[Entry]] = defaultdict(deque)
+        self._streams: dict[Stream, deque[Entry]] = defaultdict(deque)
         self._counts: Counter[tuple[str, int, str]] = Counter()
         self._ops: dict[Key, Op] = {}  # issued, not done
         self._ready: dict[Key, Meta] = {}  # peers' ops at their heads, not yet met here
-        self._open: Counter[str] = Counter()  # uncompleted ops per group
         # thread id -> (what it waits in, since, whether inside gloo rather than a harness wait)
         self._blocked: dict[int, tuple[str, float, bool]] = {}
         self._last_progress = time.monotonic()
@@ -193,8 +119,11 @@ class RankStreams:
 
     # --- issuing and waiting ------------------------------------------------------------
 
-    def issue(self, label: str, ops: list[tuple[str, int, str, torch.Tensor]]) -> Entry:
-        """Queue one entry of ``(kind, peer, group name, tensor)`` ops; numbers them."""
+    def issue(
+        self, label: str, ops: list[tuple[str, int, str, torch.Tensor]], batched: bool
+    ) -> Entry:
+        """Queue one entry of ``(kind, peer, group name, tensor)`` ops (all on one group; one
+        op unless ``batched``) on its stream; numbers them."""
         built = []
         for kind, peer, group_name, tensor in ops:
             if peer == self.rank:
@@ -203,8 +132,10 @@ class RankStreams:
                 )
             seen, buffer = wire_tensor(tensor, kind)
             src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
-            built.append(Op(kind, src, dst, group_name, 0, seen, buffer))
-        entry = Entry(label, built, remaining=len(built))
+            built.append(Op(kind, src, dst, group_name, 0, seen, buffer, batched))
+        group = built[0].group_name
+        stream: Stream = (group, None) if batched else (group, built[0].peer)
+        entry = Entry(label, built, stream, remaining=len(built))
         with self._cond:
             self._raise_if_aborted()
             for op in built:
@@ -213,13 +144,11 @@ class RankStreams:
                 self._counts[count] += 1
                 op.entry = entry
                 self._ops[op.key] = op
-                self._open[op.group_name] += 1
             self._last_progress = time.monotonic()
-            for peer in entry.peers:
-                self._queues[peer].append(entry)
-            for peer in entry.peers:
-                if self._queues[peer][0] is entry:
-                    self._reach_head(entry, peer)
+            pending = self._streams[stream]
+            pending.append(entry)
+            if pending[0] is entry:
+                self._reach_head(entry)
         return entry
 
     def wait(self, entry: Entry, what: str, timeout: float | None = None) -> None:
@@ -242,27 +171,39 @@ class RankStreams:
         future: torch.futures.Future = torch.futures.Future()
         with self._cond:
             if entry.done:
-                _settle(future, entry)
+                settle(future, entry)
             else:
                 entry.futures.append(future)
         return future
 
     @contextmanager
     def collective(self, name: str, group_name: str) -> Iterator[None]:
-        """Around a collective on ``group_name``: first wait for this rank's uncompleted
-        point-to-point ops on that group (NCCL runs them on the group's stream before it),
-        then count as blocked in the collective while it runs."""
+        """Around a collective on ``group_name``: it joins the group's stream of batches and
+        collectives, first waits for this rank's batches ahead of it there (NCCL runs them on
+        that stream before it; another thread's collective ahead does not hold it), counts as
+        blocked in the collective while it runs, and holds the batches issued behind it."""
+        stream: Stream = (group_name, None)
+        entry = Entry(name, [], stream, collective=True)
+        thread = threading.get_ident()
         with self._cond:
-            if self._open[group_name]:
-                what = (
-                    f"{name} on group {group_name}, which first waits for this rank's "
-                    f"{self._open[group_name]} uncompleted point-to-point ops on that group"
-                )
-                with self._blocking(what):
-                    while self._open[group_name]:
-                        self._raise_if_aborted()
-                        self._cond.wait(1.0)
-            thread = threading.get_ident()
+            self._raise_if_aborted()
+            pending = self._streams[stream]
+            pending.append(entry)
+            try:
+                ahead = self._batches_ahead(entry)
+                if ahead:
+                    what = (
+                        f"{name} on group {group_name}, which first waits for this rank's "
+                        f"{ahead} uncompleted {'batch' if ahead == 1 else 'batches'} "
+                        f"ahead of it on that group's stream"
+                    )
+                    with self._blocking(what):
+                        while self._batches_ahead(entry):
+                            self._raise_if_aborted()
+                            self._cond.wait(1.0)
+            except BaseException:
+                self._leave(entry)
+                raise
             self._blocked[thread] = (
                 f"{name} on group {group_name} (in gloo)",
                 time.monotonic(),
@@ -273,6 +214,16 @@ class RankStreams:
         finally:
             with self._cond:
                 self._blocked.pop(thread, None)
+                self._last_progress = time.monotonic()
+                self._leave(entry)
+
+    def _batches_ahead(self, entry: Entry) -> int:
+        ahead = 0
+        for other in self._streams[entry.stream]:
+            if other is entry:
+                return ahead
+            ahead += not other.collective
+        raise AssertionError("a collective's entry left its stream before it returned")
 
     @contextmanager
     def _blocking(self, what: str) -> Iterator[None]:
@@ -289,15 +240,16 @@ class RankStreams:
 
     # --- matching (every method below runs under self._cond) -----------------------------
 
-    def _reach_head(self, entry: Entry, peer: int) -> None:
-        """``entry`` is now first in the queue with ``peer``: its ops with that peer may meet
-        the peer's, once the peer's are at the head of its own queue too."""
+    def _reach_head(self, entry: Entry) -> None:
+        """``entry`` is now first in its stream: its ops may meet the peers', once those are
+        at the head of their own streams too (a collective's thread is told by the notify)."""
         for op in entry.ops:
-            if op.peer == peer and not op.at_head:
+            if not op.at_head:
                 op.at_head = True
-                if not self._wire.send(peer, ("ready", op.key, op.meta)):
-                    self._gone.add(peer)
+                if not self._wire.send(op.peer, ("ready", op.key, op.meta)):
+                    self._gone.add(op.peer)
                 self._match(op)
+        self._cond.notify_all()
 
     def _match(self, op: Op) -> None:
         if not op.at_head or op.posted or op.done or op.key not in self._ready:
@@ -308,8 +260,7 @@ class RankStreams:
         if error is not None:
             self._finish(op, NcclRulesError(error))
             return
-        group_id = zlib.crc32(op.group_name.encode()) & 0x3FF
-        tag = (group_id << 20) | (op.seq & 0xFFFFF)
+        tag = gloo_tag(op.key)
         if op.kind == "send":
             work = self._data.send([op.wire], op.peer, tag)
         else:
@@ -320,9 +271,6 @@ class RankStreams:
     def _finish(self, op: Op, error: BaseException | None) -> None:
         op.done = True
         self._ops.pop(op.key, None)
-        self._open[op.group_name] -= 1
-        if not self._open[op.group_name]:
-            del self._open[op.group_name]
         self._last_progress = time.monotonic()
         entry = op.entry
         assert entry is not None
@@ -333,13 +281,18 @@ class RankStreams:
             return
         entry.done = True
         for future in entry.futures:
-            _settle(future, entry)
-        for peer in entry.peers:
-            pending = self._queues[peer]
-            assert pending[0] is entry, "an entry completed before the ones ahead of it"
-            pending.popleft()
-            if pending:
-                self._reach_head(pending[0], peer)
+            settle(future, entry)
+        assert self._streams[entry.stream][0] is entry, "an entry completed before its head"
+        self._leave(entry)
+
+    def _leave(self, entry: Entry) -> None:
+        """Take ``entry`` out of its stream (a batch from its head; a collective from
+        wherever it is); the entry now first reaches the head."""
+        pending = self._streams[entry.stream]
+        was_head = pending[0] is entry
+        pending.remove(entry)
+        if was_head and pending:
+            self._reach_head(pending[0])
         self._cond.notify_all()
 
     # --- background threads -------------------------------------------------------------
@@ -466,94 +419,21 @@ class RankStreams:
         ]
         if running and waited < self.timeout * HARD_LIMIT_TIMEOUTS:
             return None
-        return _report(self, what, waited, dumps, gone, running)
+        return report(
+            self.rank, self.timeout, HARD_LIMIT_TIMEOUTS, what, waited, dumps,
+            self.world_size, gone, running,
+        )  # fmt: skip
 
     def _dump(self) -> dict:
         now = time.monotonic()
         main = self._blocked.get(threading.main_thread().ident)
-        lines = []
-        for peer in sorted(self._queues):
-            pending = self._queues[peer]
-            if not pending:
-                continue
-            entries = f"{len(pending)} {'entry' if len(pending) == 1 else 'entries'}"
-            lines.append(f"  with rank {peer}: {entries} in this rank's queue")
-            for index, entry in enumerate(pending):
-                if index == SHOWN_ENTRIES:
-                    lines.append(f"    ... and {len(pending) - index} more entries behind these")
-                    break
-                place = "head" if index == 0 else f"#{index + 1}"
-                others = [p for p in entry.peers if p != peer]
-                batch = f" (a batch also with ranks {others})" if others else ""
-                for op in entry.ops:
-                    if op.peer != peer:
-                        continue
-                    if op.done:
-                        state = "done, its entry waits for the rest of the batch"
-                    elif op.posted:
-                        state = f"rank {peer} reached it; data moving"
-                    elif op.at_head:
-                        theirs = "receive" if op.kind == "send" else "send"
-                        state = f"waiting for rank {peer} to reach its matching {theirs}"
-                    else:
-                        state = "behind the head"
-                    lines.append(
-                        f"    [{place}] {entry.label}: {op.describe()}{batch}, pending "
-                        f"{now - entry.issued:.1f} s: {state}"
-                    )
+        streams = {stream: list(pending) for stream, pending in self._streams.items()}
         return {
             "blocked": None if main is None else main[0],
             "blocked_for": 0.0 if main is None else now - main[1],
             "idle": now - self._last_progress,
-            "lines": lines,
+            "lines": stream_lines(streams, now),
         }
-
-
-def _report(
-    streams: RankStreams,
-    what: str,
-    waited: float,
-    dumps: dict[int, dict],
-    gone: set[int],
-    running: list[int],
-) -> str:
-    """The hang report: the verdict, then every rank's state and pending ops. Its first and
-    last lines are how ``launch.with_report_last`` finds it in a torchrun log."""
-    if not running:
-        headline = "NCCL rules: a hang (every rank is blocked; on NCCL this run would never end)"
-    else:
-        headline = (
-            f"NCCL rules: a wait past {HARD_LIMIT_TIMEOUTS} x the timeout while rank(s) "
-            f"{sorted(running)} still make progress or wait where the harness cannot see"
-        )
-    lines = [
-        "=" * 20 + f" {headline} " + "=" * 20,
-        f"rank {streams.rank} waited {waited:.1f} s in {what} "
-        f"(bound: LONGSTRAW_NCCL_RULES_TIMEOUT={streams.timeout:g} s)",
-    ]
-    for peer in range(streams.world_size):
-        if peer not in dumps:
-            lines.append(
-                f"rank {peer}: {'gone (connection closed)' if peer in gone else 'no answer'}"
-            )
-            continue
-        dump = dumps[peer]
-        state = (
-            "running (not in a harness wait or collective)"
-            if dump["blocked"] is None
-            else f"blocked {dump['blocked_for']:.1f} s in {dump['blocked']}"
-        )
-        lines.append(f"rank {peer}: {state}; no progress for {dump['idle']:.1f} s")
-        lines.extend(dump["lines"] or ["  no pending point-to-point ops"])
-    lines.append("=" * 20 + " end of the NCCL rules report " + "=" * 20)
-    return "\n".join(lines)
-
-
-def _settle(future: torch.futures.Future, entry: Entry) -> None:
-    if entry.error is not None:
-        future.set_exception(entry.error)
-    else:
-        future.set_result([op.tensor for op in entry.ops])
 
 
 def _exit_failed() -> None:

@@ -2,8 +2,8 @@
 
 ``complete OUT`` runs every pattern NCCL completes (3 ranks) and writes each rank's findings
 to ``OUT/rank-R.json``; ``facing_sends SECONDS`` (run without the runner: it installs the
-harness itself, after ``init_process_group``) and ``send_then_collective`` issue a pattern
-NCCL hangs on (2 ranks), which the harness must report.
+harness itself, after ``init_process_group``), ``batch_then_collective`` (2 ranks) and
+``ring_on_one_group`` (3 ranks) issue a pattern NCCL hangs on, which the harness must report.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import nccl_rules
@@ -84,9 +86,78 @@ def ring(rank: int, world: int) -> dict:
     return {"ring": received.unique().tolist()}
 
 
+def kinds_never_meet(rank: int) -> dict:
+    """An unbatched send met by a batched receive: on NCCL they sit on different
+    communicators (the pair's, the group's) and never meet; the error, on both ranks."""
+    if rank > 1:
+        return {}
+    try:
+        if rank == 0:
+            dist.send(torch.zeros(BIG), 1)
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(BIG), 0)])
+            works[0].wait()
+    except nccl_rules.NcclRulesError as error:
+        return {"kinds": str(error)}
+    return {"kinds": None}
+
+
+def token_ring(rank: int, group_of: dict[frozenset[int], dist.ProcessGroup | None]) -> dict:
+    """The ring rollout's pattern at 3 stages: rank 0 waits for the token from rank 2
+    before it sends the next branch to rank 1; rank 2 issues its batch receiving that
+    branch from rank 1 before its batch sending the token to rank 0. ``group_of[{a, b}]``:
+    the group the pair's batches use. One group for all: rank 2's stream holds the receive
+    ahead of the send, rank 1 waits on rank 0, rank 0 on the token, and NCCL hangs. A
+    two-rank group per pair: each pair has its own stream, and it completes."""
+
+    def batch(op: Callable, tensor: torch.Tensor, peer: int) -> dist.Work:
+        return dist.batch_isend_irecv(
+            [dist.P2POp(op, tensor, peer, group_of[frozenset((rank, peer))])]
+        )[0]
+
+    received = torch.empty(BIG)
+    if rank == 0:
+        batch(dist.irecv, received, 2).wait()  # the token
+        batch(dist.isend, torch.full((BIG,), 1.0), 1).wait()  # the next branch
+    elif rank == 1:
+        batch(dist.irecv, received, 0).wait()
+        batch(dist.isend, received + 1.0, 2).wait()
+    else:
+        branch = batch(dist.irecv, received, 1)
+        token = batch(dist.isend, torch.full((BIG,), 2.0), 0)
+        branch.wait()
+        token.wait()
+    return {"token_ring": received.unique().tolist()}
+
+
+def collective_beside_streams(rank: int, pair: dist.ProcessGroup | None) -> dict:
+    """A collective does not wait for what is not on its group's stream: an unbatched send
+    on the same group (the pair's communicator), nor a batch on another group. Rank 0
+    issues each, then all-reduces on the default group; rank 1 receives only after that."""
+    value = torch.ones(1)
+    if rank == 0:
+        unbatched = dist.isend(torch.full((BIG,), 3.0), 1)
+        dist.all_reduce(value)
+        unbatched.wait()
+        (batched,) = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.full((BIG,), 4.0), 1, pair)]
+        )
+        dist.all_reduce(value)
+        batched.wait()
+        return {}
+    dist.all_reduce(value)
+    if rank != 1:
+        dist.all_reduce(value)
+        return {}
+    first, second = torch.empty(BIG), torch.empty(BIG)
+    dist.recv(first, 0)
+    dist.all_reduce(value)
+    dist.batch_isend_irecv([dist.P2POp(dist.irecv, second, 0, pair)])[0].wait()
+    return {"beside": [first[0].item(), second[0].item()]}
+
+
 def background_progress(rank: int, pair: dist.ProcessGroup | None) -> dict:
-    """Issued ops complete while their rank computes or sits in a gloo collective (of
-    another group: one on the ops' own group would wait for them first)."""
+    """Issued ops complete while their rank computes or sits in a gloo collective."""
     if rank == 0:
         work = dist.isend(torch.full((BIG,), 7.0), 1)
         time.sleep(1.0)  # "computing", without waiting for the send
@@ -176,7 +247,12 @@ def complete(out: Path) -> None:
     results |= batched_exchange(rank)
     results |= tags_are_ignored(rank)
     results |= mismatch(rank)
+    results |= kinds_never_meet(rank)
     results |= ring(rank, world)
+    pairs = [frozenset(ranks) for ranks in ((0, 1), (1, 2), (0, 2))]
+    group_of = {ranks: dist.new_group(sorted(ranks)) for ranks in pairs}  # same order on all
+    results |= token_ring(rank, group_of)
+    results |= collective_beside_streams(rank, pair if rank <= 1 else None)
     results |= background_progress(rank, pair if rank <= 1 else None)
     results |= stress(rank, pair if rank <= 1 else None)
     results |= one_f_one_b(rank, pair if rank <= 1 else None)
@@ -196,19 +272,26 @@ def facing_sends() -> None:
     print(f"rank {rank}: facing sends completed", flush=True)
 
 
-def send_then_collective() -> None:
-    """Rank 0 isends to 1 then broadcasts on the same group; rank 1 broadcasts, then
-    receives: NCCL hangs (rank 0's broadcast waits behind its send on the group's stream)."""
+def batch_then_collective() -> None:
+    """Rank 0 sends to 1 in a batch, then broadcasts on the same group; rank 1 broadcasts,
+    then receives: NCCL hangs (rank 0's broadcast waits behind its batch on the group's
+    stream, whose receive rank 1 issues only after the broadcast)."""
     rank = dist.get_rank()
     value = torch.zeros(1)
     if rank == 0:
-        work = dist.isend(torch.ones(BIG), 1)
+        (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(BIG), 1)])
         dist.broadcast(value, src=0)
         work.wait()
     else:
         dist.broadcast(value, src=0)
-        dist.recv(torch.empty(BIG), 0)
-    print(f"rank {rank}: send then collective completed", flush=True)
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(BIG), 0)])[0].wait()
+    print(f"rank {rank}: batch then collective completed", flush=True)
+
+
+def ring_on_one_group() -> None:
+    """``token_ring`` with every batch on the default group: NCCL hangs."""
+    token_ring(dist.get_rank(), defaultdict(lambda: None))
+    print(f"rank {dist.get_rank()}: ring on one group completed", flush=True)
 
 
 def main() -> None:
@@ -223,8 +306,10 @@ def main() -> None:
         complete(Path(rest[0]))
     elif case == "facing_sends":
         facing_sends()
-    elif case == "send_then_collective":
-        send_then_collective()
+    elif case == "batch_then_collective":
+        batch_then_collective()
+    elif case == "ring_on_one_group":
+        ring_on_one_group()
     else:
         raise SystemExit(f"unknown case {case!r}")
     dist.destroy_process_group()
