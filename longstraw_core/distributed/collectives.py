@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from longstraw_core.distributed.processes import cpu_group
+
 Row = TypeVar("Row")
 
 
@@ -36,7 +38,7 @@ def gather_rows(rows: Sequence[Row]) -> list[Row]:
     if not (dist.is_available() and dist.is_initialized()):
         return list(rows)
     gathered: list[list[Row] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(rows))
+    dist.all_gather_object(gathered, list(rows), group=cpu_group())  # pickles stay on the CPU
     return [row for part in gathered if part for row in part]
 
 
@@ -79,7 +81,8 @@ def reduce_metrics(
     if not (dist.is_available() and dist.is_initialized()):
         return scalars
     gathered: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, scalars, group=group)
+    # Every rank's: through the gloo side group, off the GPU; another group's: through it.
+    dist.all_gather_object(gathered, scalars, group=cpu_group() if group is None else group)
     keys = [key for part in gathered if part for key in part]
     combined = {}
     for key in dict.fromkeys(keys):  # first-seen order
