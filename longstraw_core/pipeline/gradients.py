@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 BUCKET_BYTES = 1 << 28
 # The dtype of the clip's sum of squares on every rank, whatever gradients a rank holds (or
 # none): a fixed dtype is the only choice every rank of a group makes alike without asking
-# the others (stages hold different parameters; a rule over the local gradients or
-# parameters would differ). float64, as the float64 runs need, and one scalar per rank.
+# the others (stages hold different parameters, so a rule over the local gradients or
+# parameters could differ: a float64 stage beside a float32 one, a stage with none).
+# float64, as the float64 runs need; each gradient's own sum stays float32 or float64.
 SQUARES_DTYPE = torch.float64
 
 
@@ -94,9 +95,10 @@ def clip_grad_norm(
     total norm (float64, the same on every rank of ``group``).
 
     A rank may hold no gradient at all (every reward of its groups equal with ``beta=0``): its
-    zero still joins the all-reduce, as a tensor on the group's device (``reduction_device``)
-    in ``SQUARES_DTYPE``. Both depend on the group alone, never on which gradients a rank
-    holds, so every rank hands the collective the same dtype on its device.
+    zero still joins the all-reduce, as a tensor on the device the group takes
+    (``reduction_device``: a GPU under NCCL) in ``SQUARES_DTYPE``. Neither depends on which
+    gradients a rank holds, so every rank hands the collective the same dtype and kind of
+    device.
     """
     parameters = list(parameters)
     grads = [_local(p.grad) for p in parameters if p.grad is not None]
@@ -118,15 +120,18 @@ def clip_grad_norm(
 def reduction_device(
     parameters: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None
 ) -> torch.device:
-    """Where the tensors this module hands a collective on ``group`` live: the current GPU
-    when the group runs NCCL (it refuses CPU tensors), else the CPU; with no collective to
-    run (no group, or a group of one), where the parameters are. Read from the group and the
-    parameters, never the gradients: a rank holding none picks what its peers pick.
-    (``distributed.collectives.collective_device`` is the same rule, a floor above.)"""
-    if group is None or dist.get_world_size(group) == 1:
+    """Where the tensors this module hands a collective on ``group`` live. A group running
+    NCCL takes CUDA tensors only: the GPU the parameters are on (their gradients need no
+    copy), or the current GPU when this rank holds no parameter there (a stage with nothing
+    to train). Any other group: the CPU. Without a group: where the parameters are. Read from
+    the group and the parameters, never the gradients, so a rank holding none picks the same
+    kind of device as its peers. (``distributed.collectives.collective_device`` is the same
+    rule for tensors made from scratch, a floor above.)"""
+    if group is None:
         return parameters[0].device if parameters else torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
+        on_gpu = (p.device for p in parameters if p.device.type == "cuda")
+        return next(on_gpu, None) or torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -32,7 +32,7 @@ from longstraw_core.distributed import (
     sum_over_ranks,
 )
 from longstraw_core.grpo_config import GRPOConfig
-from longstraw_core.pipeline.gradients import SQUARES_DTYPE, reduction_device
+from longstraw_core.pipeline.gradients import SQUARES_DTYPE, clip_grad_norm, reduction_device
 
 # The clip's norm: float32 gradients' squares are summed in float32 (n <= 16 terms: relative
 # error <= 16 * 2**-24 ~ 1e-6, plus the sqrt's and the coefficient's roundings); torch's
@@ -153,21 +153,24 @@ def test_the_small_collectives_with_empty_inputs_equal_one_process(ranks_run):
 
 
 def test_the_clip_reduces_on_the_groups_device_whatever_a_rank_holds(tmp_path):
-    """With no group (or a group of one) nothing is reduced and the sum stays with the
-    parameters; with a gloo group of two it is the CPU, whether or not the rank has
-    parameters. The dtype is one constant."""
+    """Without a group the sum stays with the parameters; with a gloo group (of any size,
+    whatever the parameters) it is on the CPU, with or without gradients; its dtype is one
+    constant. (NCCL's branch, a CUDA device, runs in ``make gpu-check``.)"""
     assert torch.float64 == SQUARES_DTYPE
-    float64 = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
-    assert reduction_device(float64, None) == torch.device("cpu")
-    assert reduction_device([], None) == torch.device("cpu")
     meta = [torch.nn.Parameter(torch.zeros(2, device="meta"))]
-    assert reduction_device(meta, None) == torch.device("meta")  # no collective: the params'
+    assert reduction_device(meta, None) == torch.device("meta")
+    assert reduction_device([], None) == torch.device("cpu")
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        assert reduction_device(meta, dist.group.WORLD) == torch.device("meta")  # a group of one
+        assert reduction_device(meta, dist.group.WORLD) == torch.device("cpu")
+        assert reduction_device([], dist.group.WORLD) == torch.device("cpu")
+        no_grads = [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]
+        total = clip_grad_norm(no_grads, 1.0, dist.group.WORLD)
+        assert total.item() == 0.0
+        assert (total.dtype, total.device) == (SQUARES_DTYPE, torch.device("cpu"))
         assert ranks.gather([]) == [[]]
     finally:
         dist.destroy_process_group()
