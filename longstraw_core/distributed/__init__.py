@@ -44,6 +44,7 @@ arrive one rollout at a time, as the recipes' do.
 
 Typical use under ``torchrun``::
 
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # on GPUs, before any collective
     dist.init_process_group("nccl")  # "gloo" on CPU
     adapter = shard_model(ls.adapt(model))  # before the optimizer is built
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
