@@ -7,7 +7,8 @@ A rank with another ``optim.lr`` trains silently different weights; another ``tr
 timeout (``distributed.timeout_minutes``); another group size, ``data.seed`` or
 ``lora.enabled`` fails far into the run on tensor sizes. So before anything loads, one
 collective (``all_gather_object``) brings every rank's resolved config and data fingerprints
-(``data.fingerprint``: size and sha256) to every rank, and every rank stops with the same
+(``data.fingerprint``: size and sha256) to every rank, through the gloo side group
+(``distributed.cpu_group``: the records never touch a GPU), and every rank stops with the same
 ``ConfigError`` naming each key that differs, and the values, when any does.
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from longstraw_core import data
 from longstraw_core.config import ConfigError, RunConfig, to_dict
 from longstraw_core.config.validation import eval_data
+from longstraw_core.distributed import cpu_group
 from longstraw_core.resume import flatten
 
 SHOWN = 6  # differing keys named in the message; the rest are counted
@@ -57,7 +59,7 @@ def require_same_run(cfg: RunConfig) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     records: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, run_record(cfg))
+    dist.all_gather_object(records, run_record(cfg), group=cpu_group())  # not via a GPU
     found = differences(records)  # type: ignore[arg-type]
     if not found:
         return

@@ -2,24 +2,22 @@
 on rank 0 is raised on every rank so that none is left waiting in a collective. In a single
 process each helper does the plain thing.
 
-The waits go through a gloo group (the default group when it is gloo already) with the
-world's timeout (``distributed.timeout_minutes``): while rank 0 writes a large checkpoint the
-other ranks wait on the CPU, with no NCCL collective pending whose watchdog could abort the
-job, and for as long as the run's timeout allows.
+The waits and the gathers go through a gloo group (the default group when it is gloo already)
+with the world's timeout (``distributed.timeout_minutes``): while rank 0 writes a large
+checkpoint the other ranks wait on the CPU, with no NCCL collective pending whose watchdog
+could abort the job, and for as long as the run's timeout allows; objects never touch a GPU.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from longstraw_core.checkpoint.errors import CheckpointError
-from longstraw_core.distributed import world_timeout
+from longstraw_core.distributed import cpu_group
 
 T = TypeVar("T")
 
@@ -37,7 +35,7 @@ def gather(value: Any) -> list[Any]:
     if not _distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=coordination_group())
     return values
 
 
@@ -81,18 +79,11 @@ def on_rank0(action: Callable[[], T]) -> T:
 
 
 def coordination_group() -> dist.ProcessGroup | None:
-    """The group rank 0's waits go through: None (the default group) when that is gloo,
-    else a gloo group of every rank with the world's timeout, made on first use (every rank
-    reaches the first ``agree`` together, so they make it together)."""
-    if dist.get_backend() == "gloo":
-        return None
-    return _gloo_group(dist.distributed_c10d._get_default_group(), world_timeout())
-
-
-@functools.lru_cache(maxsize=1)
-def _gloo_group(world: dist.ProcessGroup, timeout: timedelta | None) -> dist.ProcessGroup:
-    """One gloo side group per default group (``world`` keys the cache)."""
-    return dist.new_group(backend="gloo", timeout=timeout)
+    """The group rank 0's waits and every object collective here go through
+    (``distributed.cpu_group``): the default group when that is gloo, else a gloo group of
+    every rank with the world's timeout, made on first use (every rank reaches the first
+    ``gather`` or ``agree`` together, so they make it together)."""
+    return cpu_group()
 
 
 def warn(message: str) -> None:

@@ -44,6 +44,7 @@ arrive one rollout at a time, as the recipes' do.
 
 Typical use under ``torchrun``::
 
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # on GPUs, before any collective
     dist.init_process_group("nccl")  # "gloo" on CPU
     adapter = shard_model(ls.adapt(model))  # before the optimizer is built
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -81,7 +82,8 @@ The package, one job per module: ``fsdp`` (``shard_model`` and ``FSDPRun``, the 
 model's ``ModelAdapter.parallel``), ``groups`` (the step's groups spread over the ranks and
 their share of the loss, the step's reward std), ``collectives`` (small collectives the run
 agrees through, and the metrics combined over the ranks) and ``processes`` (what a run of
-several processes needs to start and end).
+several processes needs to start and end: the timeout every group is made with, a gloo group
+for objects).
 """
 
 from longstraw_core.distributed.collectives import (
@@ -100,7 +102,9 @@ from longstraw_core.distributed.fsdp import (
 )
 from longstraw_core.distributed.groups import group_loss_scales, spread_groups, step_reward_std
 from longstraw_core.distributed.processes import (
+    cpu_group,
     exit_ranks,
+    group_timeout,
     process_group_kwargs,
     require_sharding,
     world_timeout,
@@ -111,9 +115,11 @@ __all__ = [
     "MIXED_PRECISION",
     "FSDPRun",
     "any_rank",
+    "cpu_group",
     "exit_ranks",
     "gather_rows",
     "group_loss_scales",
+    "group_timeout",
     "max_over_ranks",
     "mixed_precision_policy",
     "process_group_kwargs",

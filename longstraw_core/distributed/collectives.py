@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from longstraw_core.distributed.processes import cpu_group
+
 Row = TypeVar("Row")
 
 
@@ -19,7 +21,7 @@ def max_over_ranks(value: int, *, group: dist.ProcessGroup | None = None) -> int
     on a decision one of them made alone (a signal received, a step to skip)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
 
@@ -36,7 +38,7 @@ def gather_rows(rows: Sequence[Row]) -> list[Row]:
     if not (dist.is_available() and dist.is_initialized()):
         return list(rows)
     gathered: list[list[Row] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(rows))
+    dist.all_gather_object(gathered, list(rows), group=cpu_group())  # pickles stay on the CPU
     return [row for part in gathered if part for row in part]
 
 
@@ -44,10 +46,14 @@ def sum_over_ranks(
     value: float | Sequence[float], *, group: dist.ProcessGroup | None = None
 ) -> tuple[Any, int]:
     """``value`` (a number or a list of them) summed over the ranks in float64, and the
-    number of ranks. Collective when a process group is initialised; else ``(value, 1)``."""
+    number of ranks. Collective when a process group is initialised; else ``(value, 1)``.
+    Every rank passes a value of the same shape; an empty list is returned as it is on every
+    rank, with no collective (NCCL is never handed an empty tensor)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value, 1
-    values = torch.tensor(value, dtype=torch.float64, device=_collective_device(group))
+    if not isinstance(value, (int, float)) and len(value) == 0:
+        return [], dist.get_world_size(group)
+    values = torch.tensor(value, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(values, group=group)
     return values.tolist(), dist.get_world_size(group)
 
@@ -75,7 +81,8 @@ def reduce_metrics(
     if not (dist.is_available() and dist.is_initialized()):
         return scalars
     gathered: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, scalars, group=group)
+    # Every rank's: through the gloo side group, off the GPU; another group's: through it.
+    dist.all_gather_object(gathered, scalars, group=cpu_group() if group is None else group)
     keys = [key for part in gathered if part for key in part]
     combined = {}
     for key in dict.fromkeys(keys):  # first-seen order
@@ -97,8 +104,12 @@ def _combine(values: list[float], op: str) -> float:
     raise ValueError(f"op must be 'mean', 'sum', 'max' or 'min', got {op!r}")
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small tensor for a collective lives: the current GPU under NCCL, else CPU."""
-    if dist.get_backend(group) == "nccl":
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor this code makes for a collective on ``group`` lives: the current GPU
+    when the group runs NCCL (``"nccl"``, or a device map such as ``"cpu:gloo,cuda:nccl"``:
+    NCCL refuses CPU tensors), else the CPU. It depends on the group alone, never on what a
+    rank holds, so every rank of the group picks the same. On NCCL the rank's GPU must be
+    current (``torch.cuda.set_device``; accelerate and torchrun's recipes set it)."""
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -74,7 +74,9 @@ def step_reward_std(
     deviations from it), each one collective of two float64 numbers. NaN with fewer than two
     rewards, as TRL. Collective: every rank calls it, with its own groups.
     """
-    values = torch.cat([torch.as_tensor(r, dtype=torch.float64).flatten() for r in rewards])
+    # A rank with no groups (or groups of no rows) still joins both collectives with zeros.
+    parts = [torch.as_tensor(r, dtype=torch.float64).flatten() for r in rewards]
+    values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     values = values[~torch.isnan(values)]
     (count, total), _ = sum_over_ranks([float(values.numel()), float(values.sum())], group=group)
     mean = total / count if count else math.nan

@@ -1,8 +1,9 @@
 """What a run of several processes needs to start and end: the check that they share the
-model, the process group's timeout, and a finished rank's exit."""
+model, the process groups' timeout, a gloo group for objects, and a finished rank's exit."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from datetime import timedelta
@@ -47,11 +48,43 @@ def world_timeout() -> timedelta | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     group = dist.distributed_c10d._get_default_group()
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    # "nccl", "gloo", or a device map such as "cpu:gloo,cuda:nccl": read the GPU backend's.
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
     try:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def group_timeout() -> timedelta | None:
+    """The timeout every process group the code creates is made with
+    (``dist.new_group(ranks, timeout=group_timeout())``): the world's, which the recipes set
+    from ``distributed.timeout_minutes``.
+
+    Why: ``new_group`` and ``init_device_mesh`` do not inherit the world's timeout; they take
+    torch's default for their backend (NCCL 10 minutes, gloo 30), so a stage or replica group
+    would time out while rank 0 writes a large checkpoint, or wait on past the run's limit.
+    None (torch's default) without a process group or when the world's can't be read.
+    """
+    return world_timeout()
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank with the world's timeout, for object collectives and waits
+    on the CPU: None (the default group) when that is gloo already, else one side group per
+    default group, made on first use (a collective: every rank's first call must be the same
+    one). Objects sent through it never touch a GPU (NCCL's object collectives pickle onto the
+    current CUDA device, which must have been set), and a rank waiting in it has no NCCL
+    collective pending whose watchdog could abort the job."""
+    if dist.get_backend() == "gloo":
+        return None
+    return _gloo_group(dist.distributed_c10d._get_default_group(), group_timeout())
+
+
+@functools.lru_cache(maxsize=1)
+def _gloo_group(world: dist.ProcessGroup, timeout: timedelta | None) -> dist.ProcessGroup:
+    """One gloo side group per default group (``world`` keys the cache)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def exit_ranks() -> None:

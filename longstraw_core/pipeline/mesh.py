@@ -15,14 +15,16 @@ Typical use under ``torchrun``::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from longstraw_core.distributed.processes import group_timeout
 from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.pipeline.layout import (
     StageLayout,
@@ -36,8 +38,19 @@ if TYPE_CHECKING:
 REPLICA, STAGE = "replica", "stage"
 
 
-def pipeline_mesh(stages: int, device_type: str | None = None) -> DeviceMesh:
-    """The ``(replicas, stages)`` mesh over every rank of the default process group."""
+def pipeline_mesh(
+    stages: int, device_type: str | None = None, timeout: timedelta | None = None
+) -> DeviceMesh:
+    """The ``(replicas, stages)`` mesh over every rank of the default process group.
+
+    Its groups are made here with ``timeout`` (default: the world's, which the recipes set
+    from ``distributed.timeout_minutes``): ``init_device_mesh`` would make them with torch's
+    default (NCCL's 10 minutes), and FSDP's replica groups and the clip's stage groups are
+    these. A dimension spanning the whole world reuses the default group, as
+    ``init_device_mesh`` does. On CUDA the rank's GPU must be current before the call
+    (``torch.cuda.set_device``; accelerate sets it; here it is set from ``LOCAL_RANK`` when
+    nothing has used CUDA yet, as ``init_device_mesh`` does).
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "pipeline stages need a process group: run under torchrun and call "
@@ -50,8 +63,27 @@ def pipeline_mesh(stages: int, device_type: str | None = None) -> DeviceMesh:
             "(the world is stages x data-parallel replicas)"
         )
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (world // stages, stages), mesh_dim_names=(REPLICA, STAGE))
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_initialized() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = timeout or group_timeout()
+    ranks = torch.arange(world).reshape(world // stages, stages)
+    # Every rank makes every group, in the same order (new_group's rule): the replica groups
+    # (the mesh's columns), then the pipelines (its rows).
+    groups = [
+        _dimension_group(ranks.T.tolist(), timeout),
+        _dimension_group(ranks.tolist(), timeout),
+    ]
+    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=(REPLICA, STAGE))
+
+
+def _dimension_group(members: list[list[int]], timeout: timedelta | None) -> dist.ProcessGroup:
+    """This rank's group among ``members`` (each a list of ranks, together every rank once),
+    made with ``timeout``; the default group when one list holds the world."""
+    if len(members) == 1:
+        return dist.group.WORLD
+    mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
+    return mine
 
 
 def stage_link(

@@ -1,5 +1,7 @@
 """``distributed.timeout_minutes`` reaches the process group the recipes start (through
-accelerate) and the gloo group the ranks wait in while rank 0 writes a checkpoint."""
+accelerate), the gloo group the ranks wait in while rank 0 writes a checkpoint, and every
+group the code makes (the pipeline mesh's, FSDP's over it, any made with
+``group_timeout()``): ``new_group`` and ``init_device_mesh`` would give torch's default."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from launch import SUPPORT, torchrun_ok
 from longstraw_core import config, distributed
 from longstraw_core.checkpoint import ranks
 from longstraw_core.config import ConfigError, validation
+from longstraw_core.distributed import processes
 
 WORKER = SUPPORT / "timeout_worker.py"
+MARK = "timeouts: "  # timeout_worker.MARK
 
 
 def test_the_config_key_defaults_to_an_hour_and_must_be_positive():
@@ -35,27 +39,43 @@ def test_the_timeout_reaches_a_gloo_world_and_the_side_group(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, **kwargs)
     try:
-        assert distributed.world_timeout() == timedelta(minutes=42)
+        assert distributed.world_timeout() == distributed.group_timeout() == timedelta(minutes=42)
         assert ranks.coordination_group() is None  # the world is gloo already
-        side = ranks._gloo_group(dist.distributed_c10d._get_default_group(), timedelta(minutes=42))
+        side = processes._gloo_group(
+            dist.distributed_c10d._get_default_group(), distributed.group_timeout()
+        )
         assert side._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=42)
         assert ranks.on_rank0(lambda: "written") == "written"
+        assert ranks.gather("mine") == ["mine"]
     finally:
         dist.destroy_process_group()
     assert distributed.world_timeout() is None
+    assert distributed.group_timeout() is None  # new_group then takes torch's default
 
 
 @pytest.mark.multiprocess
 def test_accelerate_starts_the_group_with_the_configured_timeout():
-    """Two CPU ranks started as the recipes start them: both see the configured timeout on
-    the world and on the side group, and rank 1 waits out rank 0's (slow) write."""
-    log = torchrun_ok(WORKER, "7.5")
-    # The ranks print one JSON object each; their lines may run together in the shared log.
+    """Four CPU ranks started as the recipes start them: every group the code makes carries
+    the configured timeout (the world, the checkpoint's side group, a group made with
+    ``group_timeout()``, and the pipeline mesh's replica, stage and FSDP groups at S=1, 2
+    and 4), the mesh lays out rank ``d * S + s`` as stage ``s`` of replica ``d``, and rank 1
+    waits out rank 0's (slow) write."""
+    ranks_ = 4
+    log = torchrun_ok(WORKER, "7.5", ranks=ranks_)
+    decoder = json.JSONDecoder()
     rows = sorted(
-        (json.loads(match) for match in re.findall(r'\{"rank"[^{}]*\}', log)),
+        (decoder.raw_decode(log, match.end())[0] for match in re.finditer(MARK, log)),
         key=lambda row: row["rank"],
     )
-    assert [row["rank"] for row in rows] == [0, 1], log[-3000:]
+    assert [row["rank"] for row in rows] == list(range(ranks_)), log[-3000:]
     for row in rows:
-        assert row["world"] == row["side"] == 450.0
+        assert row["world"] == row["side"] == row["pair"] == 450.0
         assert row["result"] == "written"
+        assert sorted(int(stages) for stages in row["meshes"]) == [1, 2, 4]
+        for stages, mesh in row["meshes"].items():
+            stages = int(stages)
+            replica, stage = divmod(row["rank"], stages)
+            assert mesh["coordinates"] == [replica, stage]
+            assert mesh["replica"] == mesh["fsdp"] == [list(range(stage, ranks_, stages)), 450.0]
+            first = replica * stages
+            assert mesh["stage"] == [list(range(first, first + stages)), 450.0]
