@@ -14,6 +14,8 @@ attention layers) and GLM-5.x's (a float32 MoE router in the bfloat16 model).
 - The sharded rollouts sample what one process samples from the same model: under ``fp32``
   the model as it is (what one process runs with ``model.dtype: bfloat16``), under ``bf16``
   the model with its LoRA weights cast to bfloat16 (the routers stay float32).
+- A sharded exact-mode step backpropagates through those units: its LoRA gradients equal one
+  process's (``bf16``: on working weights).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import fsdp_lora_worker as worker
 import pytest
 import torch
 from launch import SUPPORT, torchrun_ok
+from reference import assert_grads_close
 
 import longstraw_core as ls
+from longstraw_core.distributed import group_loss_scales
+from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
 
 CASES = [(family, policy) for family in worker.FAMILIES for policy in worker.POLICIES]
 IDS = [f"{family}-{policy}" for family, policy in CASES]
@@ -92,3 +97,29 @@ def test_the_sharded_rollout_samples_what_one_process_samples(ranks, family, pol
             # The gathered shards are the whole weights (cast elementwise under bf16), and
             # each rank runs the one-process kernels on them: the same values.
             assert torch.equal(got, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy", worker.POLICIES)
+def test_a_sharded_lora_step_on_a_bf16_base_equals_one_process(ranks, policy):
+    """Each rank's exact-mode step backpropagates through its layer's one unit (frozen
+    bfloat16 base, float32 LoRA): the averaged LoRA gradients are one process's over both
+    groups, under ``bf16`` on bfloat16 working weights (``WorkingWeights``: the same bfloat16
+    gradients, summed in float32)."""
+    case = worker.STEP_CASE
+    model, adapter = worker.build(case.model_type)
+    config = worker.grpo_config(case)
+    groups = worker.step_groups(0)
+    scales = group_loss_scales([[len(r) for r in g.responses] for g in groups], config)
+    weights = WorkingWeights(model) if policy == "bf16" else FullPrecision()
+    with weights.step():
+        for group, scale in zip(groups, scales, strict=True):
+            ls.grpo_step(
+                adapter, group.prompt, group.responses, group.rewards, config=config,
+                chunk_size=worker.CHUNK_SIZE, loss_scale=scale,
+            )  # fmt: skip
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert expected and all("lora_" in name for name in expected)
+    # Both sum the same per-branch gradients in float32, in another order (and FSDP halves
+    # a sum of doubled ones: exact): a few float32 roundings (2^-24 each) of the largest.
+    assert_grads_close(ranks[0]["step", policy], expected, rtol=1e-6)

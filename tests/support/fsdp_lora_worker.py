@@ -10,7 +10,9 @@ float32 over the bfloat16 base, as ``model.dtype: bfloat16`` runs) and each mixe
 policy, each rank prefills its own prompt and samples a group, gathering once per rollout
 (the default). Rank 0 writes, for every rank: the FSDP2 all-gathers each pass of the rollout
 made (counted as they run: ``AllGathers``), the dtypes LoRA computed in per layer, the
-modules sharded apart from their layer, and the sampled responses and log-probs.
+modules sharded apart from their layer, and the sampled responses and log-probs. Then one
+exact-mode ``grpo_step`` per rank on the Qwen3.6 toy (rank ``r`` takes group ``r`` of
+``distributed_worker.step_groups(0)``) under each policy: the LoRA gradients, whole.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from distributed_worker import Case as StepCase
+from distributed_worker import full_tensors, grpo_config, step_groups
 from reference import with_lora
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
-from longstraw_core.distributed import shard_model
+from longstraw_core.distributed import group_loss_scales, shard_model, spread_groups
 from longstraw_core.tiny_models import tiny_model
 
 FAMILIES = ("qwen3_5_text", "glm_moe_dsa")
@@ -131,6 +135,23 @@ def run(model_type: str, policy: str, rank: int) -> dict[str, Any]:
     }
 
 
+STEP_CASE = StepCase("qwen3_5_text", "exact", lora=True)
+
+
+def step(policy: str, rank: int) -> dict[str, torch.Tensor]:
+    """One sharded ``grpo_step`` of this rank's group; the whole LoRA gradients (collective)."""
+    model, adapter = build(STEP_CASE.model_type)
+    shard_model(adapter, mixed_precision=policy)
+    config = grpo_config(STEP_CASE)
+    (group,) = spread_groups(step_groups(0), rank, dist.get_world_size())
+    (scale,) = group_loss_scales([[len(r) for r in group.responses]], config)
+    ls.grpo_step(
+        adapter, group.prompt, group.responses, group.rewards, config=config,
+        chunk_size=CHUNK_SIZE, loss_scale=scale,
+    )  # fmt: skip
+    return full_tensors(model, grads=True)
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -140,6 +161,8 @@ def main(out_dir: str) -> None:
         for model_type in FAMILIES
         for policy in POLICIES
     }
+    for policy in POLICIES:
+        results["step", policy] = step(policy, rank)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if rank == 0:
