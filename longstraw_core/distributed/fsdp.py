@@ -105,20 +105,29 @@ def shard_model(
 def _shard_other_dtypes(
     layer: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool
 ) -> list[nn.Module]:
-    """Shard, each on its own, the modules of ``layer`` whose parameters keep another dtype
-    than the layer's (GLM-5.x's MoE router stays float32 in a bfloat16 model); FSDP2 gathers a
-    group of one dtype only. They keep their dtype (no mixed-precision cast: the router runs
-    in float32 as transformers runs it). ``FSDPRun.run_layer`` gathers them with the layer,
-    whether or not the layer's work calls them (a prefill's last layer only writes its state;
-    an idle pass computes nothing), so that every rank makes the same gathers. Returns them."""
-    dtypes = [p.dtype for p in layer.parameters()]
-    if len(set(dtypes)) <= 1:
+    """Shard, each on its own, the modules of ``layer`` that keep their own dtype; returns them.
+
+    The layer's dtype is the one most of its weights (by size) have. A module whose
+    parameters have another dtype keeps it (its own FSDP2 unit, no mixed-precision cast):
+    GLM-5.x's float32 MoE router in a bfloat16 model runs in float32 as transformers runs
+    it, and FSDP2 reduces the gradients of one unit in one dtype only. Adapters are the
+    exception (``_adapts``): float32 LoRA weights over a frozen bfloat16 base stay in the
+    layer's unit, so the layer is one gather, and the policy gives LoRA the same compute
+    dtype in every layer. ``FSDPRun.run_layer`` gathers the modules returned with the layer,
+    whether or not the layer's work calls them (a prefill's last layer only writes its
+    state; an idle pass computes nothing), so that every rank makes the same gathers."""
+    sizes: dict[torch.dtype, int] = {}
+    for parameter in layer.parameters():
+        sizes[parameter.dtype] = sizes.get(parameter.dtype, 0) + parameter.numel()
+    if len(sizes) <= 1:
         return []
-    common = max(set(dtypes), key=dtypes.count)
+    common = max(sizes, key=sizes.__getitem__)
+    trained_base = any(p.requires_grad for p in layer.parameters() if p.dtype == common)
     odd = [
         module
         for module in layer.modules()
         if any(p.dtype != common for p in module.parameters(recurse=False))
+        and (trained_base or not _adapts(module))
     ]
     keep = MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)
     for module in odd:
@@ -129,6 +138,13 @@ def _shard_other_dtypes(
             )
         fully_shard(module, mesh=mesh, mp_policy=keep, reshard_after_forward=reshard)
     return odd
+
+
+def _adapts(module: nn.Module) -> bool:
+    """Whether every parameter of ``module`` trains (a LoRA adapter's, when the layer's base
+    weights are frozen): such modules share their layer's FSDP2 unit and its cast."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and all(p.requires_grad for p in own)
 
 
 def mixed_precision_policy(mixed_precision: str, device: torch.device) -> MixedPrecisionPolicy:
@@ -171,6 +187,7 @@ class FSDPRun:
         self.root, self.layers, self.resharded, self.group = root, layers, resharded, group
         self.device, self.param_dtype = device, param_dtype
         self._in_model = False
+        self._kept = False  # inside ``kept_gathered``: nothing is freed after a pass
 
     def run_model(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` as the root's forward (once: a pass inside a pass stays in the outer)."""
@@ -215,14 +232,16 @@ class FSDPRun:
 
     def _with_inner(self, layer: nn.Module, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` with the modules sharded on their own inside ``layer`` gathered before it and
-        freed after it as the layer is (their backward gathers them again when they ran)."""
+        freed after it as the layer is (their backward gathers them again when they ran);
+        inside ``kept_gathered`` they stay gathered with the layer (``unshard`` of a
+        gathered module gathers nothing)."""
         inner = self.layers[layer]
 
         def work(hidden: Any) -> Any:
             for module in inner:
                 module.unshard()
             output = fn(hidden)
-            if layer in self.resharded:
+            if layer in self.resharded and not self._kept:
                 for module in inner:
                     module.reshard()
             return output
@@ -237,9 +256,11 @@ class FSDPRun:
         modules = [module for layer, inner in self.layers.items() for module in (*inner, layer)]
         for module in modules:
             module.set_reshard_after_forward(False, recurse=False)
+        self._kept = True
         try:
             yield
         finally:
+            self._kept = False
             for layer, inner in self.layers.items():
                 for module in (*inner, layer):
                     module.set_reshard_after_forward(layer in self.resharded, recurse=False)
