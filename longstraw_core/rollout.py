@@ -82,7 +82,6 @@ from longstraw_core.sampled_group import SampledGroup, TurnHandler
 from longstraw_core.sampling import check_arguments, check_options, processors
 from longstraw_core.state import PrefixState
 
-
 # Decode steps between two stop checks (the only host synchronisations of the decode loop):
 # at most k - 1 steps decoded after every branch has ended, against one host read per k
 # tokens (a GPU's queue drained once per k steps rather than every token).
@@ -175,8 +174,10 @@ def rollout(
         adapter, num_generations, max_new_tokens, temperature, top_p, top_k, eos_token_ids
     )
     check_options(min_p, repetition_penalty, stop_strings, tokenizer)
-    if isinstance(stop_check_every, bool) or not isinstance(stop_check_every, int) or (
-        stop_check_every < 1
+    if (
+        isinstance(stop_check_every, bool)
+        or not isinstance(stop_check_every, int)
+        or (stop_check_every < 1)
     ):
         raise ValueError(
             f"stop_check_every must be an int >= 1 (config rollout.stop_check_every), got "

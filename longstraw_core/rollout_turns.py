@@ -104,9 +104,7 @@ class TurnSteps:
                 last.append(i * logits.shape[1] + count - 1)
         if sampling:
             flat = logits.reshape(-1, logits.shape[-1])
-            ended = group.sample_rows(
-                sampling, flat[torch.tensor(last, device=flat.device)], step
-            )
+            ended = group.sample_rows(sampling, flat[torch.tensor(last, device=flat.device)], step)
             for row, end in zip(sampling, ended, strict=True):
                 self.ended_turn[row] = end
             turns = {
@@ -225,9 +223,7 @@ def decode_with_turns_on_stages(
         else:
             *hidden, counts = received[("H", j, t)]
             read = counts.tolist()
-            output = adapter.ring_decode(
-                state, caches[j], None, tuple(hidden), counts=read, step=t
-            )
+            output = adapter.ring_decode(state, caches[j], None, tuple(hidden), counts=read, step=t)
         if j == len(rows) - 1:
             bar.update(1)
         if not link.is_last:

@@ -186,9 +186,7 @@ class SampledGroup:
         index = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
         positions = [len(self.responses[row]) for row in rows]
         width = self.seen + max(positions)
-        tokens, log_probs = self._draw(
-            self.sequence[index, :width], logits, index, positions, step
-        )
+        tokens, log_probs = self._draw(self.sequence[index, :width], logits, index, positions, step)
         self.tokens[index, positions] = tokens
         self.logps[index, positions] = log_probs.gather(-1, tokens[:, None])[:, 0]
         ended = torch.isin(tokens, self.eos)

@@ -199,7 +199,7 @@ def test_non_finite_logits_are_raised_at_the_next_check_naming_their_step():
 def test_stop_check_every_is_refused_below_one():
     adapter = _adapter("qwen3")
     state = adapter.prefill(_prompt())
-    with pytest.raises(ValueError, match="rollout.stop_check_every"):
+    with pytest.raises(ValueError, match=r"rollout\.stop_check_every"):
         ls.rollout(adapter, state, 1, 4, stop_check_every=0)
 
 
