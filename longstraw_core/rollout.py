@@ -29,7 +29,20 @@ decodes greedily: the argmax after the repetition penalty, as ``generate(do_samp
 On pipeline stages the group's micro-groups go around the ring of stages
 (``_decode_on_stages``, ``pipeline.schedule.ring_program``): every stage decodes one while
 the next decodes another; the last stage samples and sends each micro-group's tokens to the
-first; one collective per decode step decides whether every branch has ended.
+first; one collective every ``stop_check_every`` decode steps decides whether every branch
+has ended.
+
+Host synchronisations: the decode loop reads nothing back to the host per token. Every
+``stop_check_every`` steps (``k``, config ``rollout.stop_check_every``, default
+``STOP_CHECK_EVERY``) one stop check reads whether every branch has ended and whether any
+logits were non-finite (one ``.tolist()``; on FSDP ranks also ``everywhere_each``'s
+collective, on stages the ring's one collective). Branches that ended meanwhile go on
+decoding padding that is discarded, and a token's draw depends on its position only
+(``NoiseBlocks``), so the responses, log-probs and lengths are the same for every ``k``;
+only ``stats["steps"]`` counts up to ``k - 1`` padding steps more. Non-finite logits are
+raised at the next check, naming the step they appeared at. Per rollout a few reads more:
+the pad id, the lengths and ends at the end, and on stages the group sent to every stage.
+Agents (``turns``) read each step's tokens (the environment needs them): one read a step.
 
 Behaviour log-probs (``out.logps``) are ``log_softmax(logits / temperature)`` at the sampled
 token, before any processor, as TRL computes the policy's log-probs; they equal

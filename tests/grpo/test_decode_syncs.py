@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from pathlib import Path
 
 import pipeline_worker as worker
 import pytest
@@ -27,11 +28,15 @@ from launch import SUPPORT, torchrun_ok
 from torch.overrides import TorchFunctionMode
 
 import longstraw_core as ls
+from longstraw_core.config import ConfigError, load_config
+from longstraw_core.config.schema import RolloutSection
 from longstraw_core.guard import NonFiniteError
 from longstraw_core.pipeline.schedule import Collective, Compute, Ring, ring_program, ring_steps
 from longstraw_core.pipeline.simulate import simulate
 from longstraw_core.rollout import STOP_CHECK_EVERY
 from longstraw_core.tiny_models import tiny_model
+
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 
 HOST_READS = {
     torch.Tensor.item,
@@ -194,6 +199,14 @@ def test_non_finite_logits_are_raised_at_the_next_check_naming_their_step():
         model.get_input_embeddings().weight[poisoned] = math.nan
     with pytest.raises(NonFiniteError, match="non-finite logits at decode step 3:"):
         ls.rollout(adapter, state, 1, MAX_NEW, temperature=0, stop_check_every=8)
+
+
+def test_the_config_key_defaults_to_the_rollouts_default_and_is_checked():
+    assert RolloutSection().stop_check_every == STOP_CHECK_EVERY
+    assert load_config(RECIPE, ["rollout.stop_check_every=3"]).rollout.stop_check_every == 3
+    with pytest.raises(ConfigError) as info:
+        load_config(RECIPE, ["rollout.stop_check_every=0"])
+    assert info.value.key == "rollout.stop_check_every"
 
 
 def test_stop_check_every_is_refused_below_one():
