@@ -304,6 +304,7 @@ class Evaluation:
             "seed": eval_seed(cfg.train.seed, index),
             "progress": self.progress,
             "gather_parameters": gather_parameters,
+            "stop_check_every": r.stop_check_every,
         }
         # the greedy branch, then k sampled: with tools, branch 0's tool loop, then 1..k's
         turns = group.tool_turns(slice(0, 1))

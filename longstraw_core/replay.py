@@ -34,6 +34,7 @@ from longstraw_core.losses import (
     reduce_branch_stats,
 )
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.replay_totals import totals_from_last
 from longstraw_core.state import PrefixState
 
 
@@ -369,7 +370,8 @@ def _replay_on_stages(
     the last stage sends to every stage, and the number of idle branches; the last stage
     also fills ``policy_logps``. The loss masks apply there, on the last stage, as in
     ``grpo_step``'s own loop. The values stay on the device until the replay ends: reading
-    one back per branch would stall the last stage's queue between branches."""
+    one back per branch would stall the last stage's queue between branches; they are then
+    read once, as one tensor every stage receives (``replay_totals``)."""
     losses, entropies, stats = [], [], []
     items = list(adapter.in_step(contributing))
 
@@ -388,12 +390,10 @@ def _replay_on_stages(
     branches = [None if index is None else responses[index] for index in items]
     pieces = adapter.stage.pieces_for(len(branches))
     adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature, pieces)
-    totals = (
-        sum(known_float(loss) for loss in losses),
-        sum(known_float(entropy) for entropy in entropies),
-        [{key: value.cpu() for key, value in branch.items()} for branch in stats],
+    link = adapter.stage.link  # one tensor broadcast, one host read (replay_totals)
+    loss, entropy, stats = totals_from_last(
+        link, len(contributing), losses, entropies, stats, config
     )
-    loss, entropy, stats = adapter.stage.link.objects_from_last(totals)
     return loss, entropy, stats, len(items) - len(contributing)
 
 

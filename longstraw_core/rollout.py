@@ -29,7 +29,20 @@ decodes greedily: the argmax after the repetition penalty, as ``generate(do_samp
 On pipeline stages the group's micro-groups go around the ring of stages
 (``_decode_on_stages``, ``pipeline.schedule.ring_program``): every stage decodes one while
 the next decodes another; the last stage samples and sends each micro-group's tokens to the
-first; one collective per decode step decides whether every branch has ended.
+first; one collective every ``stop_check_every`` decode steps decides whether every branch
+has ended.
+
+Host synchronisations: the decode loop reads nothing back to the host per token. Every
+``stop_check_every`` steps (``k``, config ``rollout.stop_check_every``, default
+``STOP_CHECK_EVERY``) one stop check reads whether every branch has ended and whether any
+logits were non-finite (one ``.tolist()``; on FSDP ranks also ``everywhere_each``'s
+collective, on stages the ring's one collective). Branches that ended meanwhile go on
+decoding padding that is discarded, and a token's draw depends on its position only
+(``NoiseBlocks``), so the responses, log-probs and lengths are the same for every ``k``;
+only ``stats["steps"]`` counts up to ``k - 1`` padding steps more. Non-finite logits are
+raised at the next check, naming the step they appeared at. Per rollout a few reads more:
+the pad id, the lengths and ends at the end, and on stages the group sent to every stage.
+Agents (``turns``) read each step's tokens (the environment needs them): one read a step.
 
 Behaviour log-probs (``out.logps``) are ``log_softmax(logits / temperature)`` at the sampled
 token, before any processor, as TRL computes the policy's log-probs; they equal
@@ -73,7 +86,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from longstraw_core.adapters.base import ModelAdapter
-from longstraw_core.fake import known_bool, known_list
+from longstraw_core.fake import is_fake, known_bool, known_list
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
@@ -81,6 +94,11 @@ from longstraw_core.rollout_turns import decode_with_turns, decode_with_turns_on
 from longstraw_core.sampled_group import SampledGroup, TurnHandler
 from longstraw_core.sampling import check_arguments, check_options, processors
 from longstraw_core.state import PrefixState
+
+# Decode steps between two stop checks (the only host synchronisations of the decode loop):
+# at most k - 1 steps decoded after every branch has ended, against one host read per k
+# tokens (a GPU's queue drained once per k steps rather than every token).
+STOP_CHECK_EVERY = 8
 
 
 @dataclass
@@ -121,6 +139,7 @@ def rollout(
     progress: bool | None = None,
     gather_parameters: bool = True,
     turns: TurnHandler | None = None,
+    stop_check_every: int = STOP_CHECK_EVERY,
 ) -> RolloutOutput:
     """Sample ``num_generations`` responses to the prompt held by ``state``, in one batch.
 
@@ -151,6 +170,11 @@ def rollout(
         turns: an agent's environment (``TurnHandler``): branches whose turn ends are handed
             to it, and go on with the tokens it appends while the others decode (see the
             module docstring). On pipeline stages it runs on the last stage, which samples.
+        stop_check_every: decode steps between two stop checks (whether every branch has
+            ended, whether logits were non-finite), the loop's only host reads: the results
+            are the same for every value; larger values read less often and may decode up to
+            ``stop_check_every - 1`` steps of padding at the end (config
+            ``rollout.stop_check_every``).
 
     Returns:
         ``RolloutOutput``; ``stats`` holds ``decode_seconds``, ``steps`` (batched decode
@@ -163,6 +187,15 @@ def rollout(
         adapter, num_generations, max_new_tokens, temperature, top_p, top_k, eos_token_ids
     )
     check_options(min_p, repetition_penalty, stop_strings, tokenizer)
+    if (
+        isinstance(stop_check_every, bool)
+        or not isinstance(stop_check_every, int)
+        or (stop_check_every < 1)
+    ):
+        raise ValueError(
+            f"stop_check_every must be an int >= 1 (config rollout.stop_check_every), got "
+            f"{stop_check_every!r}"
+        )
     adapter._check_positions(state.prompt_length, max_new_tokens)
     generator = torch.Generator(device=adapter.device)
     generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
@@ -191,14 +224,14 @@ def rollout(
     with torch.no_grad(), bar, gathered:
         if adapter.stage is not None:
             on_stages = _decode_on_stages if turns is None else decode_with_turns_on_stages
-            steps, cache_bytes = on_stages(adapter, state, group, bar)
+            steps, cache_bytes = on_stages(adapter, state, group, bar, stop_check_every)
             _share_group(adapter.stage.link, group, min(steps, max_new_tokens))
             if known_bool(group.nonfinite, fake=False):
-                group.raise_if_nonfinite(f"<= {steps - 1}")
+                group.raise_if_nonfinite()
         elif turns is not None:
-            steps, cache_bytes = decode_with_turns(adapter, state, group, bar)
+            steps, cache_bytes = decode_with_turns(adapter, state, group, bar, stop_check_every)
         else:
-            steps, cache_bytes = _decode(adapter, state, group, bar)
+            steps, cache_bytes = _decode(adapter, state, group, bar, stop_check_every)
     seconds = time.perf_counter() - started
 
     lengths_list = known_list(group.lengths, fake=steps)
@@ -222,45 +255,56 @@ def rollout(
 
 
 def _decode(
-    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm, every: int
 ) -> tuple[int, int]:
-    """One process (or FSDP ranks in step): every branch decoded in one batch per step.
-    Returns the steps run and the branch cache's bytes."""
-    cache = adapter.new_branch_cache(state, group.size, group.tokens.shape[1])
+    """One process (or FSDP ranks in step): every branch decoded in one batch per step, the
+    stop checked every ``every`` steps and after the last (module docstring). Returns the
+    steps run and the branch cache's bytes."""
+    last = group.tokens.shape[1] - 1
+    cache = adapter.new_branch_cache(state, group.size, last + 1)
     inputs = state.last_token.expand(group.size)[:, None]
     steps = 0
-    for step in range(group.tokens.shape[1]):
+    for step in range(last + 1):
         logits = adapter.decode(state, cache, inputs)[:, -1]
         tokens = group.sample(range(group.size), step, logits)
         steps += 1
         bar.update(1)
-        # One collective a step on a sharded model: every rank raises, or stops, together
-        # (a dry run's fake logits are finite and its fake tokens never end a response).
-        finite, done = adapter.everywhere_each(
-            not known_bool(group.nonfinite, fake=False),
-            known_bool(group.finished.all(), fake=False),
-        )
-        if not finite:
-            group.raise_if_nonfinite(step)
-        if done:
-            break
+        if (step + 1) % every == 0 or step == last:
+            # On a sharded model every rank checks at the same steps and joins one collective
+            # there: every rank raises, or stops, together.
+            finite, done = adapter.everywhere_each(*_local_check(group))
+            if not finite:
+                group.raise_if_nonfinite()
+            if done:
+                break
         inputs = tokens[:, None]
     return steps, cache.nbytes()
 
 
+def _local_check(group: SampledGroup) -> tuple[bool, bool]:
+    """Whether this process's logits were all finite, and whether every branch has ended:
+    one host read (a dry run's fake logits are finite and its fake tokens end nothing)."""
+    flags = torch.stack([group.nonfinite_at < 0, group.finished.all()])
+    if is_fake(flags):
+        return True, False
+    finite, done = flags.tolist()
+    return bool(finite), bool(done)
+
+
 def _decode_on_stages(
-    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm, every: int
 ) -> tuple[int, int]:
     """Pipeline stages: the group's micro-groups go around the ring of stages
     (``schedule.ring_program``): stage ``s`` decodes micro-group ``j`` while stage ``s - 1``
     decodes ``j + 1``; the last stage samples and sends the tokens to the first; one
-    collective per step says whether every branch has ended (of every replica, when FSDP
-    shards the stages over the replicas: their passes gather together). The last
+    collective every ``every`` steps says whether every branch has ended, or some logits
+    were non-finite (of every replica, when FSDP shards the stages over the replicas: their
+    passes gather together). The last
     stage then sends the whole group to every stage. Returns the steps run and this stage's
     branch caches' bytes."""
     link = adapter.stage.link
     rows = micro_groups(group.size, link.stages)
-    ring = Ring(link.stages, len(rows), group.tokens.shape[1])
+    ring = Ring(link.stages, len(rows), group.tokens.shape[1], check_every=every)
     caches = [adapter.new_branch_cache(state, len(r), ring.max_steps) for r in rows]
     last = link.is_last
 
@@ -290,7 +334,8 @@ def _decode_on_stages(
         if last:
             flags[0] = (~group.finished).any()
             flags[1] = group.nonfinite
-        if link.signal_any(flags, every_replica=adapter.parallel is not None)[0] == 0:
+        going, nonfinite = link.signal_any(flags, every_replica=adapter.parallel is not None)
+        if going == 0 or nonfinite:  # non-finite: raised once the group is shared
             ring.stop_at(t)
 
     run_program(link, ring_steps(ring, link.stage), compute, spec, collective)
@@ -299,11 +344,11 @@ def _decode_on_stages(
 
 def _share_group(link: StageLink, group: SampledGroup, steps: int) -> None:
     """The last stage's sampled group on every stage of the pipeline (one broadcast of the
-    tokens, which are the policy's, lengths, ends and the non-finite flag, one of the
+    tokens, which are the policy's, lengths, ends and the first non-finite step, one of the
     log-probs)."""
     packed = torch.cat(
         [group.tokens[:, :steps], group.policy[:, :steps].long(), group.lengths[:, None],
-         group.finished[:, None].long(), group.nonfinite.long().expand(group.size)[:, None]],
+         group.finished[:, None].long(), group.nonfinite_at.expand(group.size)[:, None]],
         dim=1,
     )  # fmt: skip
     packed = link.from_last(packed if link.is_last else None, like=packed)
@@ -315,5 +360,6 @@ def _share_group(link: StageLink, group: SampledGroup, steps: int) -> None:
     group.policy[:, :steps] = packed[:, steps : 2 * steps].bool()
     group.lengths.copy_(packed[:, 2 * steps])
     group.finished.copy_(packed[:, 2 * steps + 1].bool())
-    group.nonfinite.copy_(packed[0, 2 * steps + 2].bool())
+    group.nonfinite_at = packed[0, 2 * steps + 2].clone()
+    group.nonfinite.copy_(group.nonfinite_at >= 0)
     group.logps[:, :steps] = logps

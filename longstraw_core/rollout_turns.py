@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from longstraw_core.adapters.base import ModelAdapter
+from longstraw_core.fake import known_bool
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload
@@ -82,9 +83,11 @@ class TurnSteps:
             if self.group.append_fed(row, appended) == 0:
                 self.done[row] = True
 
-    def after_step(self, rows: list[int], counts: list[int], logits: torch.Tensor) -> None:
-        """The step fed ``counts[i]`` inputs to branch ``rows[i]`` (logits ``[len(rows), T,
-        vocab]``): score the tokens they predict that the branches hold, draw the next token
+    def after_step(
+        self, rows: list[int], counts: list[int], logits: torch.Tensor, step: int
+    ) -> None:
+        """Decode step ``step`` fed ``counts[i]`` inputs to branch ``rows[i]`` (logits
+        ``[len(rows), T, vocab]``): score the tokens they predict that the branches hold, draw the next token
         of those that reached their newest, and hand over the turns that ended."""
         group, sampling, last = self.group, [], []
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
@@ -101,7 +104,7 @@ class TurnSteps:
                 last.append(i * logits.shape[1] + count - 1)
         if sampling:
             flat = logits.reshape(-1, logits.shape[-1])
-            ended = group.sample_rows(sampling, flat[torch.tensor(last, device=flat.device)])
+            ended = group.sample_rows(sampling, flat[torch.tensor(last, device=flat.device)], step)
             for row, end in zip(sampling, ended, strict=True):
                 self.ended_turn[row] = end
             turns = {
@@ -122,16 +125,19 @@ class TurnSteps:
 
 
 def decode_with_turns(
-    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm, every: int
 ) -> tuple[int, int]:
     """One process (or FSDP ranks in step), with ``group.turns``: ragged steps (module
-    docstring). Returns the decode steps run and the branch cache's bytes."""
+    docstring). Whether the logits were finite is read every ``every`` loop rounds and at
+    the end; FSDP ranks decide to stop together at those rounds only (a rank that is done
+    runs empty rounds until then). Returns the decode steps run and the branch cache's
+    bytes."""
     size, device = group.size, adapter.device
     cache = adapter.new_branch_cache(state, size, group.max_new_tokens)
     steps = TurnSteps(group, int(state.last_token), width=None)
     sharded = adapter.parallel is not None
     bar.total = None  # ragged steps: as many as the waits make
-    count = 0
+    count, rounds = 0, 0
     while True:
         # Nothing to decode on one process: wait for the first answer.
         idle = not sharded and not any(steps.inputs(row) for row in range(size))
@@ -144,41 +150,49 @@ def decode_with_turns(
             for row in alone:
                 ids = torch.tensor([inputs[row]], dtype=torch.long, device=device)
                 logits = adapter.decode(state, cache.narrow(row, row + 1), ids, [ids.shape[1]])
-                steps.after_step([row], [ids.shape[1]], logits)
+                steps.after_step([row], [ids.shape[1]], logits, count)
             counts = [0 if row in alone else len(ids) for row, ids in enumerate(inputs)]
             if any(counts) or not alone:
                 batch = torch.full((size, max(1, *counts)), group.pad_id, dtype=torch.long)
                 for row, ids in enumerate(inputs):
                     batch[row, : counts[row]] = torch.tensor(ids[: counts[row]], dtype=torch.long)
                 logits = adapter.decode(state, cache, batch.to(device), counts=counts)
-                steps.after_step(list(range(size)), counts, logits)
+                steps.after_step(list(range(size)), counts, logits, count)
             count += 1
             bar.update(1)
             if group.noise is not None:
                 group.noise.forget_before(steps.lowest_position())
-        finite, done = adapter.everywhere_each(not bool(group.nonfinite), not steps.going)
-        if not finite:
-            group.raise_if_nonfinite(count - 1)
-        if done:
-            break
+        rounds += 1
+        # One process knows at once when it is done (no read); FSDP ranks agree every
+        # ``every`` rounds, all at the same rounds.
+        if (not sharded and not steps.going) or rounds % every == 0:
+            finite, done = adapter.everywhere_each(
+                not known_bool(group.nonfinite, fake=False), not steps.going
+            )
+            if not finite:
+                group.raise_if_nonfinite()
+            if done:
+                break
     steps.finish()
     return count, cache.nbytes()
 
 
 def decode_with_turns_on_stages(
-    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm
+    adapter: ModelAdapter, state: PrefixState, group: SampledGroup, bar: tqdm, every: int
 ) -> tuple[int, int]:
     """Pipeline stages, with ``group.turns``: the ring of ``rollout._decode_on_stages``
     with one input a branch a step, or none while it waits (module docstring). The last
     stage sends the first each micro-group's next tokens and counts, and every stage passes
     the counts on with its hidden states. The ring may run past ``max_new_tokens`` steps
     (branches sit steps out); it is planned for twice as many, and the last stage waits for
-    an answer rather than let a waiting branch run out of steps. Returns the ring steps run
-    and this stage's branch caches' bytes."""
+    an answer rather than let a waiting branch run out of steps. The stop collective runs
+    every ``every`` ring steps. Each stage reads each message's counts (its cache's lengths
+    are the host's); the last stage reads each step's tokens (the environment's). Returns
+    the ring steps run and this stage's branch caches' bytes."""
     link = adapter.stage.link
     rows = micro_groups(group.size, link.stages)
     budget = group.max_new_tokens
-    ring = Ring(link.stages, len(rows), 2 * budget)
+    ring = Ring(link.stages, len(rows), 2 * budget, check_every=every)
     caches = [adapter.new_branch_cache(state, len(r), budget) for r in rows]
     steps = TurnSteps(group, int(state.last_token), width=1) if link.is_last else None
     long = {"dtype": torch.long, "device": adapter.device}
@@ -204,19 +218,17 @@ def decode_with_turns_on_stages(
                 )
             else:
                 ids, counts = received[("T", j, t - 1)]
-            output = adapter.ring_decode(
-                state, caches[j], ids[:, None], None, counts=counts.tolist(), step=t
-            )
+            read = counts.tolist()
+            output = adapter.ring_decode(state, caches[j], ids[:, None], None, counts=read, step=t)
         else:
             *hidden, counts = received[("H", j, t)]
-            output = adapter.ring_decode(
-                state, caches[j], None, tuple(hidden), counts=counts.tolist(), step=t
-            )
+            read = counts.tolist()
+            output = adapter.ring_decode(state, caches[j], None, tuple(hidden), counts=read, step=t)
         if j == len(rows) - 1:
             bar.update(1)
         if not link.is_last:
             return (*output, counts)
-        steps.after_step(list(rows[j]), counts.tolist(), output)
+        steps.after_step(list(rows[j]), read, output, t)
         return next_inputs(j, t)
 
     def spec(message: Message) -> MessageSpec:
@@ -232,7 +244,8 @@ def decode_with_turns_on_stages(
         if link.is_last:
             flags[0] = int(steps.going)
             flags[1] = group.nonfinite
-        if link.signal_any(flags, every_replica=adapter.parallel is not None)[0] == 0:
+        going, nonfinite = link.signal_any(flags, every_replica=adapter.parallel is not None)
+        if going == 0 or nonfinite:  # non-finite: raised once the group is shared
             ring.stop_at(t)
 
     run_program(link, ring_steps(ring, link.stage), compute, spec, collective)

@@ -136,6 +136,9 @@ class SampledGroup:
         self.finished = torch.zeros(size, dtype=torch.bool, device=device)
         self.lengths = torch.full((size,), max_new_tokens, dtype=torch.long, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        # The first decode step whose logits were non-finite (-1: none), kept on the device:
+        # the stop check reads it every ``stop_check_every`` steps, not every step.
+        self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=device)
         self.noise = (
             NoiseBlocks(generator, size, logps_dtype, keep_states=turns is not None)
             if temperature != 0
@@ -156,7 +159,7 @@ class SampledGroup:
         end; return the tokens. Non-finite logits are noted (``nonfinite``), not sampled."""
         rows_ = slice(rows.start, rows.stop)
         tokens, log_probs = self._draw(
-            self.sequence[rows_, : self.seen + step], logits, rows_, [step] * len(rows)
+            self.sequence[rows_, : self.seen + step], logits, rows_, [step] * len(rows), step
         )
         finished = self.finished[rows_]
         tokens = tokens.masked_fill(finished, self.pad_id)
@@ -173,24 +176,27 @@ class SampledGroup:
 
     # --- ragged (agents) ---------------------------------------------------------------------
 
-    def sample_rows(self, rows: Sequence[int], logits: torch.Tensor) -> list[bool]:
+    def sample_rows(self, rows: Sequence[int], logits: torch.Tensor, step: int) -> list[bool]:
         """Sample the next token of each branch in ``rows`` (at its own position) from its
-        logits ``[len(rows), vocab]``; record it, its log-prob and whether it ends the
-        branch's turn (an EOS or a stop string), which is returned. Non-finite logits are
-        noted (``nonfinite``), not sampled."""
+        logits ``[len(rows), vocab]`` at decode step ``step``; record it, its log-prob and
+        whether it ends the branch's turn (an EOS or a stop string), which is returned.
+        Non-finite logits are noted (``nonfinite``), not sampled. The one host read of the
+        step (tokens and ends together): the environment and the next step's inputs need
+        them."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
         positions = [len(self.responses[row]) for row in rows]
         width = self.seen + max(positions)
-        tokens, log_probs = self._draw(self.sequence[index, :width], logits, index, positions)
+        tokens, log_probs = self._draw(self.sequence[index, :width], logits, index, positions, step)
         self.tokens[index, positions] = tokens
         self.logps[index, positions] = log_probs.gather(-1, tokens[:, None])[:, 0]
         ended = torch.isin(tokens, self.eos)
         if self.stop is not None:
             for i, (row, position) in enumerate(zip(rows, positions, strict=True)):
                 ended[i] |= self.stop(self.tokens[row : row + 1, : position + 1], None)[0]
-        for row, token in zip(rows, tokens.tolist(), strict=True):
+        read, ends = torch.stack([tokens, ended.long()]).tolist()
+        for row, token in zip(rows, read, strict=True):
             self.responses[row].append(token)
-        return ended.tolist()
+        return [bool(end) for end in ends]
 
     def append_fed(self, row: int, tokens: Sequence[int]) -> int:
         """Record the tokens an environment appended to branch ``row`` (not the policy's),
@@ -229,12 +235,16 @@ class SampledGroup:
         logits: torch.Tensor,
         rows: slice | torch.Tensor,
         positions: Sequence[int],
+        step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens drawn for ``rows`` (at response ``positions``) and every token's
-        log-prob; non-finite logits are noted (``nonfinite``) and draw token 0."""
+        log-prob; non-finite logits are noted (``nonfinite``, ``nonfinite_at``: the first
+        such decode ``step``), without a host read, and draw token 0."""
         logits = logits.to(self.logps.dtype)
         finite = torch.isfinite(logits).all()
         self.nonfinite |= ~finite
+        first = ~finite & (self.nonfinite_at < 0)
+        self.nonfinite_at = torch.where(first, step, self.nonfinite_at)
         scores = logits
         for processor in self.processors:
             scores = processor(sequence, scores)
@@ -258,7 +268,11 @@ class SampledGroup:
             noise[at] = self.noise.block(position, vocab)[rows[at]]
         return noise
 
-    def raise_if_nonfinite(self, step: int | str) -> None:
+    def raise_if_nonfinite(self, step: int | str | None = None) -> None:
+        """Raise for the non-finite logits noted: at ``step``, or (``None``) at the first
+        step ``nonfinite_at`` recorded (a stop check may come steps after it)."""
+        if step is None:
+            step = int(self.nonfinite_at) if not is_fake(self.nonfinite_at) else "?"
         raise NonFiniteError(
             f"rollout: non-finite logits at decode step {step}: the weights or the prompt's "
             "state hold inf/NaN (diverged training?)"

@@ -216,6 +216,7 @@ class StagedPasses:
                 "replay runs the stages' pipeline schedule"
             )
         result: list[Any] = [None]
+        scored = torch.promote_types(self.dtype, torch.float32)  # the head's (lm_head.py)
 
         def compute(step: Compute, received: dict[Key, Payload]) -> Payload:
             def work() -> tuple[torch.Tensor, Any]:
@@ -224,7 +225,7 @@ class StagedPasses:
                 if self.stage.is_last:
                     head = chunked_head_log_probs(self.lm_head, self.decoder.norm(hidden[0]), targets,
                                            return_entropy, temperature)  # fmt: skip
-                    result[0] = tuple(None if t is None else t.cpu() for t in head)
+                    result[0] = torch.stack([t for t in head if t is not None]).to(scored)
                 return hidden, carried
 
             return self._call_model(work)
@@ -235,8 +236,10 @@ class StagedPasses:
                 compute,
                 lambda _: self.boundary_spec(1, span),
             )
-        logps, entropy = self.stage.link.objects_from_last(result[0])
-        return logps.to(self.device), None if entropy is None else entropy.to(self.device)
+        # One tensor broadcast of a shape every stage knows: the log-probs (and entropies).
+        like = torch.empty(1 + return_entropy, len(targets), dtype=scored, device=self.device)
+        rows = self.stage.link.from_last(result[0], like=like)
+        return rows[0], rows[1] if return_entropy else None
 
     def ring_decode(
         self,

@@ -158,6 +158,10 @@ class RolloutSection:
     # A response ends at the token that completes one of these strings (kept, like an EOS);
     # e.g. ["</answer>"] stops a branch once it has answered. []: only EOS ends a response.
     stop: list[str] = field(default_factory=list)
+    # Decode steps between two stop checks (every branch ended? non-finite logits?), the
+    # decode loop's only host reads: the same responses for any value; larger reads less
+    # often and may decode up to k - 1 steps of padding at the end (rollout.STOP_CHECK_EVERY).
+    stop_check_every: int = 8
     # Agents (longstraw_core.tools), TRL's tools and environment_factory: functions the model
     # may call, as module:function (type hints and a Google-style docstring: their schema);
     # an environment class (module:Class) built once per branch, whose public methods are

@@ -307,6 +307,12 @@ def _check_rollout(rollout: RolloutSection) -> None:
         r.repetition_penalty > 0,
         "a float > 0 (1: off; > 1 discourages repeats)",
     )
+    _check_range(
+        "rollout.stop_check_every",
+        r.stop_check_every,
+        isinstance(r.stop_check_every, int) and r.stop_check_every >= 1,
+        "an int >= 1 (decode steps between two stop checks; 1: every step)",
+    )
     for i, stop in enumerate(r.stop):
         if not stop:
             raise ConfigError(f"rollout.stop[{i}]", "an empty string would stop every response")

@@ -160,7 +160,9 @@ class StageLink:
         return flags.tolist()
 
     def objects_from_last(self, value: object) -> object:
-        """A picklable ``value`` of the last stage, on every stage."""
+        """A picklable ``value`` of the last stage, on every stage: for Python objects of no
+        shape known ahead only (an agent's environments); numbers go as tensors
+        (``from_last``), as this pickles and reads the size back to the host."""
         if self.stages == 1:
             return value
         box = [value if self.is_last else None]

@@ -173,7 +173,8 @@ def _observed(prompt: Any, observation: Any) -> Any:
 def _from_last_stage(link: StageLink, outcome: ToolOutcome | None) -> ToolOutcome:
     """The last stage's outcome on every stage, pickled there first so that a failure (an
     environment that cannot be pickled) reaches every stage as the same error, not as a
-    hang in the broadcast."""
+    hang in the broadcast. An object broadcast (not a tensor's): the outcome holds the
+    environments and messages, Python objects of no shape known ahead; once per rollout."""
     payload: tuple[str, Any] | None = None
     if link.is_last:
         try:

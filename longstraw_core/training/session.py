@@ -192,6 +192,7 @@ class Session(StepBookkeeping):
             "tokenizer": self.tokenizer,
             "progress": self.bars,
             "gather_parameters": self.rollout_once,
+            "stop_check_every": r.stop_check_every,
         }
 
     def _reference_policy(self) -> ls.ModelAdapter | None:

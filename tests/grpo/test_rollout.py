@@ -98,8 +98,9 @@ def test_greedy_rollout_equals_transformers_generate(case: str) -> None:
     assert all(torch.equal(response, free) for response in out.responses)
     assert out.truncated == [True] * 3
     out = ls.rollout(
-        adapter, state, num_generations=3, max_new_tokens=12, temperature=0, eos_token_ids=[eos]
-    )
+        adapter, state, num_generations=3, max_new_tokens=12, temperature=0, eos_token_ids=[eos],
+        stop_check_every=1,  # checked every step: it stops where generate does
+    )  # fmt: skip
     assert all(torch.equal(response, stopped) for response in out.responses)
     assert out.truncated == [False] * 3
     assert out.stats["steps"] == stop + 1
@@ -291,6 +292,7 @@ def test_greedy_repetition_penalty_and_stop_strings_equal_generate() -> None:
         temperature=0,
         stop_strings=[stop],
         tokenizer=tok,
+        stop_check_every=1,  # checked every step: it stops where generate does
     )
     assert all(torch.equal(r, plain[: end + 1]) for r in out.responses)
     assert tok.decode(out.responses[0]).endswith(stop)

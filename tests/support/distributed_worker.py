@@ -236,12 +236,13 @@ def full_tensors(model: torch.nn.Module, grads: bool = False) -> dict[str, torch
 
 def rollout_group(adapter: ls.ModelAdapter, rank: int) -> dict[str, list]:
     """Sampled responses to rank ``rank``'s prompt; many EOS ids end branches early, at
-    different steps on each rank."""
+    different steps on each rank (alone, rank 0 stops at its check after step 24, rank 1
+    at step 21's: a stop check every 3 steps)."""
     prompt = step_groups(0)[rank].prompt
     state = adapter.prefill(prompt, chunk_size=CHUNK_SIZE)
     out = ls.rollout(
         adapter, state, num_generations=3, max_new_tokens=24, eos_token_ids=list(range(0, 512, 6)),
-        seed=rank,
+        seed=rank, stop_check_every=3,
     )  # fmt: skip
     return {"responses": [r.tolist() for r in out.responses], "steps": out.stats["steps"]}
 

@@ -18,7 +18,7 @@ simulator plays (``longstraw_core.pipeline.simulate``):
 - ``Wait``: wait for exchanges (each as a whole: NCCL completes a group as one): those holding
   what the next compute receives, or the oldest of the sends still in flight, which bounds
   them (a long prefill would otherwise keep every chunk's hidden states alive).
-- ``Collective``: a collective every stage joins (rollout's one per generated token).
+- ``Collective``: a collective every stage joins (rollout's stop check, one every ``check_every`` generated tokens).
 - ``Compute``: run ``F`` or ``B`` of a microbatch.
 - ``Drain``: wait for every exchange still open, at the end of the pass.
 

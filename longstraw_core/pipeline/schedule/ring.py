@@ -1,5 +1,6 @@
 """Rollout on stages: micro-groups of branches that follow each other around the ring of
-stages, one stop collective per decode step, the program planned again once it decides."""
+stages, one stop collective every ``check_every`` decode steps, the program planned again
+once it decides."""
 
 from __future__ import annotations
 
@@ -45,20 +46,25 @@ def _even(total: int, parts: int) -> list[range]:
 class Ring:
     """The shape of a rollout on ``stages`` stages: ``groups`` micro-groups, at most
     ``max_steps`` decode steps. A stage works on micro-group ``j`` of step ``t`` at tick
-    ``t * S + j + s``; every stage joins ``Collective(("stop", t))`` right after its work of
-    tick ``t * S + m + S - 2``, when the last stage has sampled every micro-group of step
-    ``t``: the one collective of step ``t``, which tells every stage whether to stop. When it
-    says stop after ``t``, the run ends after step ``t + 1`` (the first stage has started
-    that step already), so steps beyond are never issued (``stop_at``)."""
+    ``t * S + j + s``; at every ``check_every``-th step ``t`` (``t + 1`` a multiple of it)
+    every stage joins ``Collective(("stop", t))`` right after its work of tick
+    ``t * S + m + S - 2``, when the last stage has sampled every micro-group of step ``t``:
+    the collective that tells every stage whether to stop (each is a host read, so there is
+    one every ``check_every`` steps, not one a step). When it says stop after ``t``, the run
+    ends after step ``t + 1`` (the first stage has started that step already), so steps
+    beyond are never issued (``stop_at``)."""
 
     stages: int
     groups: int
     max_steps: int
     steps: int | None = field(default=None)  # decided: the run's number of steps
+    check_every: int = 1  # decode steps between two stop collectives
 
     def __post_init__(self) -> None:
         if self.groups > self.stages:
             raise ScheduleError(f"{self.groups} micro-groups on {self.stages} stages")
+        if self.check_every < 1:
+            raise ScheduleError(f"a stop collective every {self.check_every} steps")
 
     def stop_at(self, t: int) -> None:
         """The collective of step ``t`` said every branch has ended."""
@@ -69,8 +75,10 @@ class Ring:
         return self.max_steps if self.steps is None else self.steps
 
     def collective_steps(self) -> range:
-        """Steps that have a stop collective: later ones cannot end the run any earlier."""
-        return range(max(0, self.max_steps - 2))
+        """Steps that have a stop collective: every ``check_every``-th, up to the last that
+        can end the run earlier (the run ends at ``t + 2`` steps)."""
+        every = self.check_every
+        return range(every - 1, max(0, self.max_steps - 2), every)
 
 
 def ring_orders(ring: Ring) -> list[list[Compute]]:
