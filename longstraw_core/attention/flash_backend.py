@@ -61,7 +61,7 @@ def unsupported_version_reason() -> str | None:
     version = flash_version()
     if version in SUPPORTED:
         return None
-    found = "an unreadable version" if version is None else "%d.%d" % version
+    found = "an unreadable version" if version is None else f"{version[0]}.{version[1]}"
     return (
         f"flash-attn {found} is installed; the segment backward needs {SUPPORTED_TEXT} "
         "(install one, or set the attention backend to 'sdpa' or 'torch')"

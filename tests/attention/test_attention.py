@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from flash_standins import FakeFlashInterface, FakeFlashInterface26, FakeVarlenOps
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flash_standins import FakeFlashInterface, FakeFlashInterface26, FakeVarlenOps
 from longstraw_core import attention
 from longstraw_core.attention import AttentionOutput, segmented_attention
 
