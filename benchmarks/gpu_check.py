@@ -66,7 +66,7 @@ FAMILIES = ("qwen3", "qwen3_5_text", "glm_moe_dsa")
 # limits are sized for the GPU, a shared 2-core machine runs the same steps slower, and the
 # phases a CPU skips (tests, multi_gpu) leave their share of the outer limit, which still
 # bounds the whole.
-CPU_LIMIT_FACTOR = 2
+CPU_LIMIT_FACTOR = 3
 # A step is not started with less than this left before the outer limit (less the writes).
 MIN_STEP_S = 5
 # NCCL's watchdog ends a hung collective or point-to-point op after this (the run config's

@@ -26,13 +26,13 @@ PHASES = (
     "layers", "recipes", "benchmark", "multi_gpu",
 )  # fmt: skip
 LIMITS_S: dict[str, dict[str, int]] = {
-    "warmup": {"triton": 60},
+    "warmup": {"triton": 55},
     "tests": {"pytest": 60},
     "collectives": {"nccl_one_rank": 20},
     "fsdp": {"lora_bf16_gathers": 20},
     "host_syncs": {"rollout": 20},
     "profile": {"decode": 15},
-    "pinned": {"probe": 10},
+    "pinned": {"probe": 15},
     "fla": {"head_dim_128": 15},
     "layers": {"qwen3": 25, "qwen3_5_text": 25},
     "recipes": {"qwen3": 30, "qwen3_5_text": 40, "glm_moe_dsa": 40},

@@ -237,7 +237,7 @@ def profile_probe(device: Any, quick: bool, work: Path) -> dict[str, Any]:
     top = sorted(averages, key=lambda e: getattr(e, key, 0), reverse=True)[:15]
     kernels = sum(e.count for e in averages if getattr(e, "device_type", None) is not None
                   and str(e.device_type).endswith("CUDA"))  # fmt: skip
-    launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+    launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunch", "cuLaunch")))
     device_us = sum(getattr(e, "self_device_time_total", 0) for e in averages)
     return {"steps": steps, "wall_s_per_step": wall / steps,
             "device_s_per_step": device_us / 1e6 / steps if cuda else None,
