@@ -349,7 +349,14 @@ def test_stand_ins_take_the_real_signatures():
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_FLASH), reason="needs CUDA and flash-attn"
 )
-@pytest.mark.parametrize("case", [Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128),  # GQA, a branch after its start
+        Case(3, 8, 2, 1, 1, 128, 128, (1000,), None),  # decoding one token
+    ],
+    ids=["gqa-chunked", "decode"],
+)
 def test_flash_matches_torch_backend_bf16(case):
     results = {}
     for backend in ("flash", "torch"):
@@ -587,3 +594,31 @@ def test_reuse_from_another_span_is_refused():
     wrong = AttentionOutput(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="same span"):
         segmented_attention(q, k, v, prefix, scale=SCALE, reuse=wrong)
+
+
+def test_the_public_flash_api_alone_misses_the_lse_term():
+    """Why the fused backends keep one private backward call (``flash_backend``'s docstring):
+    segment results merged by log-sum-exp and differentiated through each segment's public
+    autograd, which drops the lse's gradient as ``FlashAttnFunc.backward(ctx, dout, *args)``
+    does, get wrong gradients; with the lse's gradient they are exact. float64 on CPU."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    keys = [torch.randn(1, 2, n, 4, dtype=torch.float64, generator=generator) for n in (5, 6)]
+    values = [torch.randn(1, 2, n, 4, dtype=torch.float64, generator=generator) for n in (5, 6)]
+    grad_out = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=generator)
+
+    def merged_grad(lse_gradient: bool) -> torch.Tensor:
+        results = []
+        for k, v in zip(keys, values, strict=True):
+            scores = SCALE * q @ k.transpose(-1, -2)
+            lse = torch.logsumexp(scores, dim=-1)
+            out = torch.softmax(scores, dim=-1) @ v
+            results.append((out, lse if lse_gradient else lse.detach()))
+        out, _ = attention.common.merge(*results[0], *results[1])
+        (grad,) = torch.autograd.grad(out, q, grad_out)
+        return grad
+
+    scores = SCALE * q @ torch.cat(keys, dim=2).transpose(-1, -2)
+    want = torch.autograd.grad(torch.softmax(scores, -1) @ torch.cat(values, 2), q, grad_out)[0]
+    assert_close(merged_grad(lse_gradient=True), want, tol=TOL)
+    assert (merged_grad(lse_gradient=False) - want).abs().max() > 1e-3 * want.abs().max()
