@@ -9,8 +9,8 @@ the GPU head dims the recipes use, bfloat16 on CUDA, with PEFT LoRA on every lin
   ranges) counted over rollouts of 3 and 9 new tokens: the difference over 6 is the
   all-gathers per decode step after the first token, which must be 0 (issue #34, item 4).
   A world of one gathers nothing, so the explicit ``unshard``/``reshard`` calls per token
-  are counted too (must be 0), with the FSDP units (one per layer expected) and each
-  layer's LoRA dtypes (one expected).
+  are counted too (must be 0), with the FSDP units (one per layer expected), each layer's
+  LoRA weights' dtypes and the dtypes its LoRA maps compute in (one of each expected).
 - ``host_syncs``: ``torch.cuda.set_sync_debug_mode("warn")`` over rollouts of 3 and 9
   tokens: each synchronising call warns, and its innermost LongStraw frame is counted; the
   difference over 6 is the host synchronisations per decode step, listed by where.
@@ -116,6 +116,28 @@ def counting_unshards() -> Iterator[Counter[str]]:
             setattr(FSDPModule, name, original)
 
 
+@contextmanager
+def lora_compute_dtypes(model: Any) -> Iterator[dict[str, set[str]]]:
+    """Per decoder layer, the dtypes its LoRA ``A`` maps compute in (their inputs' and
+    weights' as they run, after FSDP's casts) while the block runs: one expected."""
+    seen: dict[str, set[str]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default") and ".layers." in name:
+            layer = name.split(".layers.")[1].split(".")[0]
+
+            def hook(module: Any, inputs: Any, output: Any, layer: str = layer) -> None:
+                dtype = f"{inputs[0].dtype}->{output.dtype}".replace("torch.", "")
+                seen.setdefault(layer, set()).add(dtype)
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def fsdp_probe(device: Any, quick: bool, work: Path) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -138,7 +160,7 @@ def fsdp_probe(device: Any, quick: bool, work: Path) -> dict[str, Any]:
     counts, explicit = {}, {}
     for tokens in (SHORT, LONG):
         adapter.release_parameters()  # every rollout starts from the shards
-        with counting_unshards() as calls:
+        with counting_unshards() as calls, lora_compute_dtypes(model) as computed:
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as profiler:
                 rollout(adapter, state, tokens)
@@ -154,12 +176,15 @@ def fsdp_probe(device: Any, quick: bool, work: Path) -> dict[str, Any]:
         problems.append(f"{reshards:g} explicit FSDP reshards per decode step (kept_gathered)")
     if len({dtype for layer in dtypes.values() for dtype in layer}) > 1:
         problems.append(f"LoRA weights in several dtypes across layers: {dtypes}")
+    computed = {layer: sorted(kinds) for layer, kinds in sorted(computed.items())}
+    if len({kind for kinds in computed.values() for kind in kinds}) > 1:
+        problems.append(f"LoRA computes in several dtypes across layers: {computed}")
     dist.destroy_process_group()
     return {"backend": backend, "all_gathers": {str(k): v for k, v in counts.items()},
             "all_gathers_per_token": per_token, "fsdp_units": dict(units),
             "explicit_unshard_reshard": {str(k): v for k, v in explicit.items()},
             "explicit_reshards_per_token": reshards,
-            "lora_dtypes": dtypes, "problems": problems}  # fmt: skip
+            "lora_dtypes": dtypes, "lora_compute_dtypes": computed, "problems": problems}  # fmt: skip
 
 
 def _our_frame() -> str:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -543,3 +544,25 @@ def test_the_two_stage_phase_adds_up_its_ranks_kernels(tmp_path):
     for kind in ("attention", "deltanet"):
         assert kernels[kind]["cpu/torch"] == sum(s[kind].get("cpu/torch", 0) for s in stages) > 0
     assert json.loads(out.read_text())["phases"]["multi_gpu"]["status"] == "passed"
+
+
+def test_host_syncs_are_counted_where_longstraw_asked_for_them(monkeypatch):
+    """The host_syncs probe's counting (CUDA's sync debug mode stood in for: a CPU build has
+    none): each synchronisation warning is put at its innermost LongStraw frame."""
+    import gpu_check_rollout
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    source = (
+        "import warnings\ndef step():\n    warnings.warn('called a synchronizing CUDA operation')\n"
+    )
+    namespace: dict = {}
+    exec(compile(source, str(ROOT / "longstraw_core" / "decode_stand_in.py"), "exec"), namespace)
+
+    def work():
+        for _ in range(3):
+            namespace["step"]()
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    sites = gpu_check_rollout.count_syncs(work)
+    assert sites == {"longstraw_core/decode_stand_in.py:3 step": 3}
