@@ -79,13 +79,17 @@ paper-tables: $(STAMP)
 	$(PY) docs/tools/paper_tables.py docs/memory_plans.md
 	$(PY) docs/tools/paper_tables.py --pipeline docs/pipeline_plans.md
 
-# On a machine with CUDA GPUs (no internet, its own torch): the gpu-marked tests, a bf16
-# recipe step per family with the state offloaded and its kernels checked, the GPU's peaks and
-# a prefill benchmark (the planner's --calibration), and with 2+ GPUs each recipe on two NCCL
-# pipeline stages; every step under its own limit, all within 560 s (benchmarks/gpu_check.py's
-# budget). Results in outputs/gpu_check/gpu_check.json, written as each step ends; non-zero
-# exit on any failure. No venv: it uses $(PYTHON)'s torch and installs what it lacks from
-# wheels/ (`make gpu-wheels`, here). CPU self-test: make gpu-check ARGS="--device cpu --quick".
+# On a machine with CUDA GPUs (no internet, its own torch): one run of under ten minutes on
+# one GPU (docs/gpu_check.md): Triton warm-up into a persistent cache, the gpu-marked tests,
+# one-rank NCCL collectives and FSDP LoRA gathers, host syncs and a profile per decode step,
+# pinned memory, fla at head dim 128, real-width layers against the planner, a bf16 recipe
+# step per family, the GPU's peaks and prefill (the planner's --calibration), and with 2+/3+
+# GPUs the recipes on NCCL pipeline stages (S=2; S=3 with G=2). Each step under its own
+# limit, all within 560 s (benchmarks/gpu_check_plan.py). Results in
+# outputs/gpu_check/gpu_check.json, written as each step ends; non-zero exit on any failure.
+# Without an NVIDIA GPU it prints that plan and exits 0. No venv: it uses $(PYTHON)'s torch
+# and installs what it lacks from wheels/ (`make gpu-wheels`, here). CPU self-test:
+# make gpu-check ARGS="--device cpu --quick".
 gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh $(ARGS)
 

@@ -1,39 +1,25 @@
-"""``make gpu-check``: what a machine with CUDA GPUs checks that no CPU test can, reported
-whatever happens.
+"""``make gpu-check``: what one machine with CUDA GPUs checks that no CPU test can, in one
+run of under ten minutes, reported whatever happens.
 
-Four phases, each an entry of one JSON file (``--out``), and a non-zero exit when any fails:
-
-1. ``tests``: the suite's ``gpu``-marked tests (offload streams and pinned arenas, the
-   flash-attn / SDPA attention backends against the torch one, flash-linear-attention
-   against transformers' torch Gated DeltaNet, the fused recurrent decode kernel included).
-   A missing kernel package fails the phase: skipped GPU tests would hide it.
-2. ``recipes``: one GRPO step of each family's recipe (qwen3 dense, Qwen3.6 = ``qwen3_5_text``,
-   GLM-5.x = ``glm_moe_dsa``) in bfloat16 with GPU-sized head dims (the GPU kernels' minimum
-   is above the CPU toys' 8/12), the prefix state offloaded to pinned host memory, exact
-   gradients and a checkpoint written; the kernels each run chose are recorded
-   (``kernel_trace``) and a torch fallback on CUDA fails it.
-3. ``benchmark``: the device's matmul and copy peaks, then per family the adapter's prefill
-   against the transformers model's own no-grad forward (tokens/s, TFLOP/s, kernels); from
-   these the ``calibration`` block the planner's ``--calibration`` reads (MFU per family
-   against the GPU's datasheet peak, HBM bandwidth efficiency).
-4. ``multi_gpu``: with two or more GPUs, each recipe on two pipeline stages over NCCL
-   (``torchrun --nproc_per_node 2 ... distributed.pipeline_stages=2``); skipped, with the
-   reason recorded, on one GPU.
+The phases (``gpu_check_plan.PHASES``, in order; each an entry of one JSON file, ``--out``;
+docs/gpu_check.md says what each answers): ``warmup`` (Triton kernels into a persistent
+cache), ``tests`` (the ``gpu``-marked tests; a missing kernel package fails it), the probes
+(``collectives``, ``pinned``, ``fla``, ``layers`` in ``gpu_check_probes``; ``fsdp``,
+``host_syncs``, ``profile`` in ``gpu_check_rollout``), ``recipes`` (one bf16 GRPO step per
+family, GPU head dims, offloaded state, a checkpoint), ``benchmark`` (peaks and prefill: the
+planner's ``calibration`` block) and ``multi_gpu`` (pipeline stages over NCCL: S=2 on 2+
+GPUs, S=3 with G=2 on 3+). A non-zero exit when any fails.
 
 Whatever happens, the record says it (``gpu_check_report``): each step runs in its own
-process session under its own limit (``LIMITS_S``: they and the start-up fit inside the outer
-limit the shell's ``timeout`` enforces, ``OUTER_LIMIT_S``), the JSON is rewritten when a step
-starts and ends, and a phase that fails, crashes, times out or is killed keeps its entry.
+process session under its own limit (``LIMITS_S``: they and the start-up fit inside the
+outer limit the shell's ``timeout`` enforces, ``OUTER_LIMIT_S``), the JSON is rewritten when
+a step starts and ends, and a phase that fails, crashes, times out or is killed keeps it.
+Kernels: on CUDA a torch fallback fails a run (attention must run flash-attn or PyTorch's
+flash kernels, except MLA's latent attention; Gated DeltaNet flash-linear-attention).
 
-Kernels: the library falls back to its torch paths when a fused kernel is missing or refuses
-the inputs (on a user's GPU that trains, slower); this check does not accept that on CUDA:
-attention must run flash-attn or PyTorch's SDPA flash kernels (except MLA's latent
-attention, whose unequal head dims no fused kernel takes: torch by design) and Gated
-DeltaNet flash-linear-attention.
-
-``--device cpu --quick`` runs phases 2 and 3 shortened on CPU in float32 (phases 1 and 4 are
-recorded as skipped: they need CUDA), what ``tests/test_gpu_check.py`` checks. It was written
-without a GPU: it has not run on one yet.
+Without an NVIDIA GPU it prints the plan and exits 0. ``--device cpu --quick`` runs what a
+CPU can shortened, in float32 (the CUDA-only phases recorded as skipped), what
+``tests/test_gpu_check.py`` checks. Written without a GPU: it has not run on one yet.
 """
 
 from __future__ import annotations
@@ -42,7 +28,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -50,46 +35,43 @@ import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import kernel_trace
+from gpu_check_calibration import (
+    BENCH_FAMILIES,
+    calibration_block,
+    environment,
+    nvidia_present,
+)
+from gpu_check_plan import (
+    LIMITS_S,
+    OUTER_LIMIT_S,
+    PHASES,
+    START_AND_WRITE_S,
+    STEP_GPUS,
+    inner_total_s,
+    one_gpu_total_s,
+    plan_text,
+)
 from gpu_check_report import Killed, Phase, Report, Step, run_step, stop_on_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
 FAMILIES = ("qwen3", "qwen3_5_text", "glm_moe_dsa")
-PHASES = ("tests", "recipes", "benchmark", "multi_gpu")
 
-# --- the time budget: every limit in one place ---------------------------------------------------
-# The shell's `timeout` (gpu_check.sh reads it: `gpu_check.py --outer-limit`): under the device
-# tool's 600 s a command, with the wheels' install before it.
-OUTER_LIMIT_S = 560
-# Python's start, imports (torch), the environment's probe and the JSON writes, outside any step.
-START_AND_WRITE_S = 30
-# Each step's own limit (seconds): what a step may take before its process group is ended.
-LIMITS_S: dict[str, dict[str, int]] = {
-    "tests": {"pytest": 110},
-    "recipes": {"qwen3": 50, "qwen3_5_text": 80, "glm_moe_dsa": 70},
-    "benchmark": {"peaks": 20, "qwen3": 40, "qwen3_5_text": 50},
-    "multi_gpu": {"qwen36": 55, "glm52": 55},
-}
+# --- the time budget: every limit in one place (gpu_check_plan, which needs no torch) -----------
 # On CPU (``--device cpu``: the self-test) each step may take this many times its limit: the
 # limits are sized for the GPU, a shared 2-core machine runs the same steps slower, and the
 # phases a CPU skips (tests, multi_gpu) leave their share of the outer limit, which still
 # bounds the whole.
-CPU_LIMIT_FACTOR = 2
+CPU_LIMIT_FACTOR = 3
 # A step is not started with less than this left before the outer limit (less the writes).
 MIN_STEP_S = 5
 # NCCL's watchdog ends a hung collective or point-to-point op after this (the run config's
 # distributed.timeout_minutes), inside the step's limit, printing the op that hung.
-NCCL_TIMEOUT_MINUTES = 0.5
-
-
-def inner_total_s() -> int:
-    """Every step's limit added up: with ``START_AND_WRITE_S``, within ``OUTER_LIMIT_S``."""
-    return sum(sum(steps.values()) for steps in LIMITS_S.values())
+NCCL_TIMEOUT_MINUTES = 0.25
 
 
 # The test files holding ``gpu``-marked tests: collecting only these keeps the packages other
@@ -119,11 +101,11 @@ _RECIPES = {
     "qwen3_5_text": ("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
     "glm_moe_dsa": ("recipes/grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml"),
 }
-# The two-stage runs: recipe -> the family it trains.
-MULTI_GPU = {"qwen36": "qwen3_5_text", "glm52": "glm_moe_dsa"}
-BENCH_FAMILIES = ("qwen3", "qwen3_5_text")  # gpu_check_bench.BENCH_MODELS
+# The pipeline runs: step -> the family it trains (its stages: STEP_GPUS, one GPU each).
+MULTI_GPU = {"qwen36": "qwen3_5_text", "glm52": "glm_moe_dsa", "qwen36_s3": "qwen3_5_text"}
+# A step's extra overrides: S=3 with a group smaller than the stages (issue #34, item 1).
+MULTI_GPU_OVERRIDES = {"qwen36_s3": ["rollout.num_generations=2"]}
 # The packages whose kernels the check exercises (distribution names), versions recorded.
-KERNEL_PACKAGES = ("flash-linear-attention", "fla-core", "flash-attn", "triton", "causal-conv1d")
 _OWNED = ".made-by-gpu-check"  # marks the output folders this check may clear and reuse
 
 
@@ -181,17 +163,23 @@ def steps_of(phase: str, settings: Settings) -> list[str]:
         return ["peaks", *(f for f in BENCH_FAMILIES if f in settings.families)]
     if phase == "multi_gpu":
         return [name for name, family in MULTI_GPU.items() if family in settings.families]
+    if phase == "layers":
+        return [f for f in LIMITS_S["layers"] if f in settings.families]
     return list(LIMITS_S[phase])
+
+
+# Phases with nothing to run on a CPU (the CUDA sync mode, pinned memory, Triton kernels).
+CUDA_ONLY = ("warmup", "tests", "host_syncs", "pinned", "fla", "multi_gpu")
 
 
 def skip_reason(phase: str, settings: Settings, environment: dict[str, Any]) -> str | None:
     """Why ``phase`` cannot run here (recorded as its entry), or None."""
-    if phase in ("tests", "multi_gpu") and settings.device != "cuda":
+    if phase in CUDA_ONLY and settings.device != "cuda":
         return "needs CUDA (--device cpu)"
     if phase == "multi_gpu" and environment.get("cuda_devices", 0) < 2:
         count = environment.get("cuda_devices", 0)
         return f"{count} CUDA GPU(s) here: the two-stage NCCL runs need 2"
-    if phase != "tests" and not steps_of(phase, settings):
+    if not steps_of(phase, settings):
         return f"no step for families {list(settings.families)}"
     return None
 
@@ -297,17 +285,19 @@ def recipe_command(family: str, settings: Settings, output_dir: Path, kernels: P
 
 
 def multi_gpu_command(name: str, settings: Settings, output_dir: Path, kernels: Path) -> list[str]:
-    """``name``'s recipe on two pipeline stages, one GPU each, under torchrun (NCCL: the
-    recipe's Accelerator takes it, and each rank's GPU from LOCAL_RANK); each rank's kernels
-    in ``kernels`` with ``{rank}`` filled in."""
+    """``name``'s recipe on ``STEP_GPUS[name]`` pipeline stages, one GPU each, under
+    torchrun (NCCL: the recipe's Accelerator takes it, and each rank's GPU from LOCAL_RANK);
+    each rank's kernels in ``kernels`` with ``{rank}`` filled in."""
     family = MULTI_GPU[name]
     script, config = _RECIPES[family]
+    stages = STEP_GPUS[name]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(BENCHMARKS / "kernel_trace.py"), "--record", str(kernels),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(stages), str(BENCHMARKS / "kernel_trace.py"), "--record", str(kernels),
         str(ROOT / script), "--config", str(ROOT / config),
-        *recipe_overrides(family, settings, output_dir),
-        "distributed.pipeline_stages=2", f"distributed.timeout_minutes={NCCL_TIMEOUT_MINUTES}",
+        *recipe_overrides(family, settings, output_dir), *MULTI_GPU_OVERRIDES.get(name, []),
+        f"distributed.pipeline_stages={stages}",
+        f"distributed.timeout_minutes={NCCL_TIMEOUT_MINUTES}",
     ]  # fmt: skip
 
 
@@ -391,57 +381,22 @@ def run_benchmark(settings: Settings, report: Report, phase: Phase, budget: Budg
         report.write()
 
 
-def calibration_block(phase: Phase, settings: Settings, gpu: str | None) -> dict[str, Any] | None:
-    """What the planner's ``--calibration`` reads (``longstraw_core.plan.calibration``): the
-    MFU per family, the prefill's TFLOP/s over the GPU's datasheet peak (no datasheet, e.g.
-    on CPU: over the matmul peak measured here), the lowest as ``mfu``; the bandwidth
-    efficiency, a device copy over the datasheet HBM bandwidth (with a datasheet only)."""
-    from longstraw_core.plan.calibration import datasheet
-
-    peaks = phase.steps.get("peaks")
-    peaks = peaks.details if peaks is not None and peaks.status == "passed" else {}
-    device = peaks.get("device_name") or gpu or settings.device
-    sheet = datasheet(device) if settings.device == "cuda" else None
-    if sheet is not None:
-        basis, reference = sheet.tflops, f"{device}'s datasheet {sheet.tflops:g} TFLOP/s"
-    elif peaks.get("matmul_tflop_per_s"):
-        basis = peaks["matmul_tflop_per_s"]
-        reference = f"the {peaks['matmul_dtype']} matmul peak measured on {device}, {basis:.3g}"
-    else:
-        return None
-    by_type = {}
-    for family in BENCH_FAMILIES:
-        step = phase.steps.get(family)
-        if step is None or step.status != "passed":
-            continue
-        row, kernels = step.details, step.details["kernels"]
-        chosen = sorted({*kernels.get("attention", {}), *kernels.get("deltanet", {})})
-        by_type[family] = {
-            "value": float(f"{min(row['prefill_tflop_per_s'] / basis, 1.0):.3g}"),
-            "note": f"{family} prefill at {row['prefill_tflop_per_s']:.3g} TFLOP/s of "
-            f"{reference} ({row['tokens']} tokens, {row['dtype']}; kernels {', '.join(chosen)})",
-        }
-    if not by_type:
-        return None
-    lowest = min(by_type, key=lambda family: by_type[family]["value"])
-    values: dict[str, float] = {"mfu": by_type[lowest]["value"]}
-    notes = {"mfu": f"the lowest family's, {by_type[lowest]['note']}"}
-    if sheet is not None and peaks.get("copy_tbps"):
-        values["bandwidth_efficiency"] = float(f"{min(peaks['copy_tbps'] / sheet.hbm_tbps, 1):.3g}")
-        notes["bandwidth_efficiency"] = (
-            f"a device copy at {peaks['copy_tbps']:.3g} TB/s of {device}'s datasheet "
-            f"{sheet.hbm_tbps:g} TB/s"
-        )
-    return {"measured_on": device, "values": values, "notes": notes, "mfu_by_model_type": by_type}
-
-
 # --- phase 4: each recipe on two pipeline stages over NCCL ----------------------------------------
 
 
 def run_multi_gpu(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
+    """Each pipeline run the GPUs here allow (on CPU, the self-test: the two-rank ones)."""
+    environment = report.header.get("environment") or {}
+    have = environment.get("cuda_devices", 0) if settings.device == "cuda" else 2
     for name in steps_of("multi_gpu", settings):
+        if STEP_GPUS[name] > have:
+            reason = f"needs {STEP_GPUS[name]} GPUs (ranks), {have} here"
+            phase.steps[name] = Step(name, status="skipped", error=reason)
+            report.write()
+            continue
         output_dir = settings.work / f"multi_gpu_{name}"
-        records = [settings.work / f"kernels_multi_gpu_{name}_{rank}.json" for rank in (0, 1)]
+        ranks = range(STEP_GPUS[name])
+        records = [settings.work / f"kernels_multi_gpu_{name}_{rank}.json" for rank in ranks]
         fresh_output(output_dir)
         for record in records:
             record.unlink(missing_ok=True)
@@ -451,9 +406,53 @@ def run_multi_gpu(settings: Settings, report: Report, phase: Phase, budget: Budg
         _run(report, phase, budget, name, command, check)
 
 
+# --- the probes: warm-up, collectives, FSDP, host syncs, profile, pinned memory, fla, layers ---
+
+# phase -> (its script, the script's --probe); each step one process writing one JSON row.
+PROBE_SCRIPTS = {
+    "warmup": ("gpu_check_probes.py", "warmup"),
+    "collectives": ("gpu_check_probes.py", "collectives"),
+    "pinned": ("gpu_check_probes.py", "pinned"),
+    "fla": ("gpu_check_probes.py", "fla"),
+    "layers": ("gpu_check_probes.py", "layers"),
+    "fsdp": ("gpu_check_rollout.py", "fsdp"),
+    "host_syncs": ("gpu_check_rollout.py", "host_syncs"),
+    "profile": ("gpu_check_rollout.py", "profile"),
+}
+
+
+def probe_command(phase: str, step: str, settings: Settings, row: Path) -> list[str]:
+    script, probe = PROBE_SCRIPTS[phase]
+    command = [sys.executable, str(BENCHMARKS / script), "--probe", probe, "--step", step]
+    command += ["--device", settings.device, "--out", str(row), "--work", str(settings.work)]
+    return [*command, "--quick"] if settings.quick else command
+
+
+def run_probes(settings: Settings, report: Report, phase: Phase, budget: Budget) -> None:
+    """A probe phase's steps: the row's ``problems`` fail the step; a row that says
+    ``skipped`` (fla absent here) marks it skipped, with the reason."""
+    for name in steps_of(phase.name, settings):
+        row = settings.work / f"probe_{phase.name}_{name}.json"
+        row.unlink(missing_ok=True)
+
+        def check(step: Step, row: Path = row) -> str | None:
+            if not row.exists():
+                return f"no result written ({row})"
+            result = json.loads(row.read_text())
+            step.details.update(result)
+            return "; ".join(result.get("problems", [])) or None
+
+        command = probe_command(phase.name, name, settings, row)
+        step = _run(report, phase, budget, name, command, check)
+        if step.status == "passed" and step.details.get("skipped"):
+            step.status, step.error = "skipped", step.details["skipped"]
+            report.write()
+
+
 # --- running ------------------------------------------------------------------------------------
 
 RUNNERS = {
+    **dict.fromkeys(PROBE_SCRIPTS, run_probes),
     "tests": run_gpu_tests,
     "recipes": run_recipes,
     "benchmark": run_benchmark,
@@ -465,29 +464,17 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def environment() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-    for name in KERNEL_PACKAGES:  # versions without importing (triton's import probes the GPU)
-        try:
-            info[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            info[name] = None
-    return info
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
+    if settings.device == "cuda" and not nvidia_present():
+        print(plan_text())  # what a GPU run would do; nothing to run here
+        print("gpu-check: no NVIDIA GPU here: the plan above, nothing run (--device cpu "
+              "--quick self-tests on CPU)")  # fmt: skip
+        return 0
+    # Triton's compiled kernels (and autotuning results) in a cache that persists on this
+    # machine, under outputs/ (never under $OUT): the warm-up phase fills it for the rest.
+    os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / "outputs" / "triton_cache"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     stop_on_signals()
     budget = Budget(CPU_LIMIT_FACTOR if settings.device == "cpu" else 1)
     header: dict[str, Any] = {
@@ -496,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "outer_s": OUTER_LIMIT_S,
             "start_and_write_s": START_AND_WRITE_S,
             "inner_total_s": inner_total_s(),
+            "one_gpu_total_s": one_gpu_total_s(),
             "limits_s": LIMITS_S,
         },
         "environment": None,

@@ -16,6 +16,12 @@ else
   work_dir=${GPU_CHECK_WORK:-$out_dir/work}
 fi
 site=${GPU_CHECK_SITE:-/tmp/longstraw-gpu-site}
+# No NVIDIA GPU here and no --device cpu: print the plan (phases, steps, limits) and exit 0
+# in well under a second; the plan's module needs only the standard library, not torch.
+if [[ " $* " != *" --device cpu "* && " $* " != *" --device=cpu "* ]] &&
+  ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && ! command -v nvidia-smi >/dev/null; then
+  exec "$PYTHON" benchmarks/gpu_check_plan.py
+fi
 "$PYTHON" -c "import torch" 2>/dev/null || {
   echo "gpu-check: $PYTHON has no torch; install a CUDA build of torch first" >&2
   exit 2

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ from gpu_check_report import Report, Step, run_step  # noqa: E402
 def test_arguments(tmp_path):
     settings = gpu_check.parse_args(["--out", str(tmp_path / "r.json")])
     assert settings.device == "cuda" and settings.dtype_name == "bfloat16"
-    assert settings.phases == ("tests", "recipes", "benchmark", "multi_gpu")
+    assert settings.phases == gpu_check.PHASES and gpu_check.PHASES[0] == "warmup"
     assert settings.families == gpu_check.FAMILIES and settings.work == tmp_path / "work"
     cpu = gpu_check.parse_args(["--device", "cpu", "--quick"])
     assert cpu.dtype_name == "float32" and cpu.prompt_tokens < settings.prompt_tokens
@@ -49,8 +51,10 @@ def test_arguments(tmp_path):
 def test_phases_that_cannot_run_here_say_why():
     cuda = gpu_check.parse_args([])
     cpu = gpu_check.parse_args(["--device", "cpu"])
-    assert gpu_check.skip_reason("tests", cpu, {}) == "needs CUDA (--device cpu)"
-    assert gpu_check.skip_reason("multi_gpu", cpu, {}) == "needs CUDA (--device cpu)"
+    for phase in ("warmup", "tests", "host_syncs", "pinned", "fla", "multi_gpu"):
+        assert gpu_check.skip_reason(phase, cpu, {}) == "needs CUDA (--device cpu)"
+    for phase in ("collectives", "fsdp", "profile", "layers", "recipes", "benchmark"):
+        assert gpu_check.skip_reason(phase, cpu, {}) is None  # the CPU self-test runs them
     one = gpu_check.skip_reason("multi_gpu", cuda, {"cuda_devices": 1})
     assert one == "1 CUDA GPU(s) here: the two-stage NCCL runs need 2"
     assert gpu_check.skip_reason("multi_gpu", cuda, {"cuda_devices": 2}) is None
@@ -74,6 +78,50 @@ def test_the_inner_limits_fit_inside_the_outer_one():
     assert 'outer=$("$PYTHON" benchmarks/gpu_check.py --outer-limit)' in shell
     assert 'exec timeout -k 15 "$outer"' in shell
     assert not re.search(r"timeout (-k \d+ )?\d", shell)  # no second, hard-coded limit
+
+
+def test_the_phases_limits_add_up_inside_the_outer_limit():
+    """Each phase has its own limit (its steps'), every phase and step is in the plan, and
+    the plan's figures are the runner's: all of them, and a one-GPU run's, fit the outer
+    limit with the start-up."""
+    import gpu_check_plan as plan
+
+    assert plan.PHASES == gpu_check.PHASES and plan.LIMITS_S is gpu_check.LIMITS_S
+    assert set(plan.LIMITS_S) == set(plan.PHASES) == set(plan.PURPOSE)
+    assert all(limit > 0 for steps in plan.LIMITS_S.values() for limit in steps.values())
+    total = sum(sum(steps.values()) for steps in plan.LIMITS_S.values())
+    assert total == plan.inner_total_s() and plan.one_gpu_total_s() < total
+    assert total + plan.START_AND_WRITE_S <= plan.OUTER_LIMIT_S < 600  # the device's 600 s
+    assert set(plan.STEP_GPUS) == set(plan.LIMITS_S["multi_gpu"]) == set(gpu_check.MULTI_GPU)
+    text = plan.plan_text()
+    for phase, steps in plan.LIMITS_S.items():
+        line = next(line for line in text.splitlines() if line.split()[:1] == [phase])
+        assert all(f"{step} {limit} s" in line for step, limit in steps.items())
+
+
+def test_without_a_gpu_make_gpu_check_prints_its_plan_and_exits_0_in_seconds(tmp_path):
+    """`make gpu-check` on a machine with no NVIDIA GPU: the plan (every phase and its
+    limits), exit 0, in seconds, with a Python that has no torch (nothing is imported)."""
+    if Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA GPU")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PYTHON": "python3", "PATH": f"{bare}:/usr/bin:/bin"}
+    env["PYTHONPATH"] = str(tmp_path)  # no torch reachable through it ...
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")  # ... nor here
+    start = time.monotonic()
+    done = subprocess.run(
+        ["make", "-s", "gpu-check"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert time.monotonic() - start < 10
+    for phase, steps in gpu_check.LIMITS_S.items():
+        assert re.search(rf"^  {phase} +{sum(steps.values())} s", done.stdout, re.M), phase
+    assert "no NVIDIA GPU" in done.stdout
+    assert gpu_check.main(["--out", str(tmp_path / "r.json")]) == 0  # the Python entry too
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_every_file_with_gpu_tests_is_collected():
@@ -111,15 +159,19 @@ def test_the_cuda_recipe_configs_validate_and_their_models_run(family, tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(gpu_check.MULTI_GPU))
-def test_the_two_stage_nccl_runs_are_torchrun_on_two_gpus(name, tmp_path):
+def test_the_pipeline_nccl_runs_are_torchrun_one_gpu_a_stage(name, tmp_path):
+    """S=2 (both recipes) and S=3 with a group of 2 (G < S), one GPU a stage."""
     settings = gpu_check.parse_args([])
     command = gpu_check.multi_gpu_command(name, settings, tmp_path / "run", tmp_path / "{rank}")
-    assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "benchmarks/kernel_trace.py")]  # fmt: skip
+    stages = gpu_check.STEP_GPUS[name]
+    assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(stages), str(ROOT / "benchmarks/kernel_trace.py")]  # fmt: skip
     family = gpu_check.MULTI_GPU[name]
     path = gpu_check._RECIPES[family][1]
     start = command.index(str(ROOT / path)) + 1
     cfg = config.load_config(ROOT / path, command[start:])
-    assert cfg.distributed.pipeline_stages == 2 and cfg.model.tiny == family
+    assert cfg.distributed.pipeline_stages == stages and cfg.model.tiny == family
+    if stages == 3:
+        assert cfg.rollout.num_generations == 2 < stages
     assert cfg.distributed.timeout_minutes * 60 < gpu_check.LIMITS_S["multi_gpu"][name]
 
 
@@ -434,7 +486,23 @@ def test_the_quick_cpu_check_passes_and_calibrates_the_planner(tmp_path, capsys)
     assert record["ok"] and record["status"] == "passed"
     phases = record["phases"]
     assert list(phases) == list(gpu_check.PHASES)
-    assert phases["tests"]["status"] == phases["multi_gpu"]["status"] == "skipped"
+    for name in ("warmup", "tests", "host_syncs", "pinned", "fla", "multi_gpu"):
+        assert phases[name]["status"] == "skipped", name
+    # The probes a CPU runs (gloo for the process groups): their rows in the record.
+    collectives = phases["collectives"]["steps"]["nccl_one_rank"]["details"]
+    assert collectives["backend"] == "gloo" and not collectives["problems"]
+    assert all(entry["ok"] for entry in collectives["helpers"].values())
+    assert "clip_grad_norm (no grads)" in collectives["helpers"]
+    fsdp = phases["fsdp"]["steps"]["lora_bf16_gathers"]["details"]
+    assert fsdp["all_gathers_per_token"] == fsdp["explicit_reshards_per_token"] == 0
+    assert set(fsdp["lora_dtypes"]) and fsdp["fsdp_units"]
+    assert phases["profile"]["steps"]["decode"]["details"]["steps"] == 20
+    for family in ("qwen3", "qwen3_5_text"):
+        rows = phases["layers"]["steps"][family]["details"]["rows"]
+        assert [row["prefix"] for row in rows] == [1024, 4096]
+        assert all(
+            row["attention_forward_s"] > 0 and row["planner_flops"]["mixing"] > 0 for row in rows
+        )
     assert phases["multi_gpu"]["error"] == "needs CUDA (--device cpu)"
     recipes = phases["recipes"]["steps"]
     assert all(recipes[f]["details"]["checkpoint_saved"] for f in gpu_check.FAMILIES)
@@ -476,3 +544,25 @@ def test_the_two_stage_phase_adds_up_its_ranks_kernels(tmp_path):
     for kind in ("attention", "deltanet"):
         assert kernels[kind]["cpu/torch"] == sum(s[kind].get("cpu/torch", 0) for s in stages) > 0
     assert json.loads(out.read_text())["phases"]["multi_gpu"]["status"] == "passed"
+
+
+def test_host_syncs_are_counted_where_longstraw_asked_for_them(monkeypatch):
+    """The host_syncs probe's counting (CUDA's sync debug mode stood in for: a CPU build has
+    none): each synchronisation warning is put at its innermost LongStraw frame."""
+    import gpu_check_rollout
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    source = (
+        "import warnings\ndef step():\n    warnings.warn('called a synchronizing CUDA operation')\n"
+    )
+    namespace: dict = {}
+    exec(compile(source, str(ROOT / "longstraw_core" / "decode_stand_in.py"), "exec"), namespace)
+
+    def work():
+        for _ in range(3):
+            namespace["step"]()
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    sites = gpu_check_rollout.count_syncs(work)
+    assert sites == {"longstraw_core/decode_stand_in.py:3 step": 3}

@@ -15,12 +15,15 @@ Backends:
 - ``"torch"``: pure PyTorch, any device, dtype and head dims. Accumulates in float32
   (float64 for float64 inputs). A prefix segment may live on another device (CPU offload):
   it is moved one block at a time.
-- ``"flash"``: flash-attn 2's ``_flash_attn_forward`` / ``_flash_attn_backward`` per
-  segment. Backward calls the kernel per key chunk with the *merged* ``out`` and ``lse``
-  (the ring-attention identity), which yields that chunk's exact gradients.
-- ``"sdpa"``: the same wrapper over PyTorch's own CUDA flash kernels
-  (``aten._scaled_dot_product_flash_attention``, ``sdpa_flash``): fused attention on CUDA
-  with nothing to build. ``"auto"`` takes flash-attn when installed and
+- ``"flash"``: flash-attn 2's public ``flash_attn_func`` (``return_attn_probs`` for the lse)
+  per segment. Backward calls the kernel per key chunk with the *merged* ``out`` and ``lse``
+  (the ring-attention identity), which yields that chunk's exact gradients; no public
+  function takes an external lse, so that one call is flash-attn's ``_flash_attn_backward``,
+  version-checked (``flash_backend``'s docstring says why).
+- ``"sdpa"``: the same wrapper over PyTorch's own CUDA flash kernels (``sdpa_flash``): the
+  public ``torch.nn.attention.varlen.varlen_attn`` forward and, for the merged-lse backward,
+  the op its own backward calls. Fused attention on CUDA with nothing to build. ``"auto"``
+  takes flash-attn when installed and
   usable, else these, else the torch backend.
 
 The modules: ``common`` (``AttentionOutput``, ``accumulation_dtype``, the merge),
@@ -31,7 +34,7 @@ wrapper of the two fused backends) and ``choice`` (which backend runs). Each bac
 and backward, one ``autograd.Function``, stay in one module: backward recomputes from what
 forward saved. Tests patch the block budgets and kernel lookups in the modules that read them
 (``blocks.MAX_SCORE_ELEMENTS``, ``cpu_flash.FUSED_BWD_CHUNK``, ``fused.FLASH_BWD_CHUNK``,
-``flash_backend.flash_interface``, ``choice.fused_unsupported_reason``).
+``flash_backend.flash_interface``/``flash_version``, ``choice.fused_unsupported_reason``).
 
 NOTE: what has been run. The torch backend is tested on CPU (float64 against a plain
 softmax reference, gradcheck, a no-copy check). The flash backend's wrapper logic (layouts,

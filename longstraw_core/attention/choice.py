@@ -44,7 +44,9 @@ def unsupported_reason(
     if reason is not None:
         return reason
     if backend == "flash":
-        return "flash_attn is not installed" if flash_backend.flash_interface() is None else None
+        if flash_backend.flash_interface() is None:
+            return "flash_attn is not installed"
+        return flash_backend.unsupported_version_reason()
     return sdpa_flash.unsupported_reason(q)
 
 

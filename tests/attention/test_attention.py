@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from flash_standins import FakeFlashInterface, FakeFlashInterface26, FakeVarlenOps
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -267,55 +268,6 @@ def test_shape_errors():
         segmented_attention(q, k, v, [(prefix[0][0], prefix[2][1])], scale=SCALE)
 
 
-class _FakeFlashInterface:
-    """flash-attn 2.8's low-level API in plain torch, [B, T, H, D] layout, GQA, bottom-right
-    causal. Lets the flash backend's layouts, folding, merging and chunked backward run on CPU.
-    """
-
-    @staticmethod
-    def _scores(q, k, v, scale, causal):
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        scores = scale * q @ k.transpose(-1, -2)
-        if causal:
-            tq, tk = q.shape[2], k.shape[2]
-            hidden = torch.arange(tk)[None, :] > tk - tq + torch.arange(tq)[:, None]
-            scores = scores.masked_fill(hidden, float("-inf"))
-        return q, k, v, scores
-
-    @staticmethod
-    def _flash_attn_forward(
-        q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-        softcap, alibi_slopes, return_softmax,
-    ):  # fmt: skip
-        _, _, v, scores = _FakeFlashInterface._scores(q, k, v, softmax_scale, causal)
-        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous()
-        return out, torch.logsumexp(scores, dim=-1).float(), torch.empty(0), torch.empty(2)
-
-    @staticmethod
-    def _flash_attn_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-        rng_state=None,
-    ):  # fmt: skip
-        kv_heads = k.shape[2]
-        q_, k_, v_, scores = _FakeFlashInterface._scores(q, k, v, softmax_scale, causal)
-        dout, out = dout.transpose(1, 2), out.transpose(1, 2)
-        probs = torch.exp(scores - softmax_lse.unsqueeze(-1))
-        d_scores = probs * (dout @ v_.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
-        d_scores = d_scores * softmax_scale
-
-        def per_kv_head(x):  # [B, H, T, D] -> [B, T, KVH, D], summed over the GQA group
-            b, h, t, d = x.shape
-            return x.reshape(b, kv_heads, h // kv_heads, t, d).sum(2).transpose(1, 2)
-
-        dq.copy_((d_scores @ k_).transpose(1, 2))
-        dk.copy_(per_kv_head(d_scores.transpose(-1, -2) @ q_))
-        dv.copy_(per_kv_head(probs.transpose(-1, -2) @ dout))
-        return torch.empty(0)
-
-
 def _check_fused_wrapper(function: type[torch.autograd.Function]) -> torch.Tensor:
     """A fused backend's autograd function (its kernels faked by the caller) against the
     reference, float64 on CPU: the output and every gradient, with a prefix segment that
@@ -340,17 +292,71 @@ def _check_fused_wrapper(function: type[torch.autograd.Function]) -> torch.Tenso
     return out
 
 
-def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch):
-    """The flash backend's own logic (no GPU): against the reference, float64 on CPU."""
-    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
+def _fake_flash(monkeypatch, interface=FakeFlashInterface, version=(2, 8)) -> None:
+    """flash-attn replaced by a plain-torch stand-in of the given version's signatures."""
+    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: interface)
+    monkeypatch.setattr(attention.flash_backend, "flash_version", lambda: version)
+
+
+@pytest.mark.parametrize(
+    ("interface", "version"), [(FakeFlashInterface, (2, 8)), (FakeFlashInterface26, (2, 6))]
+)
+def test_flash_wrapper_layouts_with_fake_kernel(monkeypatch, interface, version):
+    """The flash backend's own logic (no GPU): against the reference, float64 on CPU, for
+    2.8's and 2.6's backward signatures (the stand-ins assert a dense lse, as the kernel
+    reads it)."""
+    _fake_flash(monkeypatch, interface, version)
     _check_fused_wrapper(attention._FlashSegmentedAttention)
+
+
+@pytest.mark.parametrize("version", [(2, 5), (3, 0), None])
+def test_flash_backward_refuses_unknown_versions(monkeypatch, version):
+    """The one private call (``_flash_attn_backward``) runs only on the versions whose
+    signature it knows; elsewhere a clear error names them, and ``auto`` passes flash by."""
+    _fake_flash(monkeypatch, version=version)
+    q, k, v, prefix = make_inputs(CASES["mha-one-segment"])
+    with pytest.raises(RuntimeError, match=r"2\.6\.x, 2\.7\.x or 2\.8\.x"):
+        attention._FlashSegmentedAttention.apply(
+            q, k, v, SCALE, None, ((None, None),), None, None, *flat(prefix)
+        ).sum().backward()
+    monkeypatch.setattr(attention.choice, "fused_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: None)
+    assert attention._choose_backend("auto", q, k, v, prefix) == "torch"
+
+
+def test_stand_ins_take_the_real_signatures():
+    """The stand-ins' keyword names are the real functions' (torch's, read here; flash-attn
+    2.8's from its source, as flash-attn is not installed here), so a wrong name in the
+    backends fails on CPU too."""
+    import inspect
+
+    from torch.nn.attention import varlen
+
+    def names(function):
+        return list(inspect.signature(function).parameters)
+
+    ops = FakeVarlenOps()
+    assert names(ops.forward) == names(varlen.varlen_attn)
+    schema = torch.ops.aten._flash_attention_backward.default._schema
+    assert names(ops.backward) == [argument.name for argument in schema.arguments]
+    assert names(FakeFlashInterface.flash_attn_func) == [
+        "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+        "alibi_slopes", "deterministic", "return_attn_probs",
+    ]  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_FLASH), reason="needs CUDA and flash-attn"
 )
-@pytest.mark.parametrize("case", [Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 4, 2, 5, 9, 64, 64, (300, 0, 77), 128),  # GQA, a branch after its start
+        Case(3, 8, 2, 1, 1, 128, 128, (1000,), None),  # decoding one token
+    ],
+    ids=["gqa-chunked", "decode"],
+)
 def test_flash_matches_torch_backend_bf16(case):
     results = {}
     for backend in ("flash", "torch"):
@@ -373,44 +379,10 @@ def test_flash_matches_torch_backend_bf16(case):
             assert err < 2e-2, f"relative error {err:.3e}"
 
 
-class _FakeSdpaOps:
-    """``aten._scaled_dot_product_flash_attention`` and its backward in plain torch: the
-    CUDA ops' contract ([B, H, T, D] in, [B, T, H, D] inside, GQA, bottom-right causal), as
-    ``sdpa_flash`` calls them. Built on the flash-attn stand-in."""
-
-    calls: list[str]
-
-    def __init__(self):
-        self.calls = []
-
-    def forward(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
-        assert dropout_p == 0.0 and not return_debug_mask
-        self.calls.append("forward")
-        out, lse, _, _ = _FakeFlashInterface._flash_attn_forward(
-            *(x.transpose(1, 2) for x in (q, k, v)), 0.0, scale, is_causal, -1, -1, 0.0, None,
-            False,
-        )  # fmt: skip
-        seed, offset = torch.empty(2, dtype=torch.int64), torch.empty((), dtype=torch.int64)
-        return out.transpose(1, 2), lse, None, None, q.shape[2], k.shape[2], seed, offset, None
-
-    def backward(self, d_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
-                 is_causal, seed, offset, *, scale):  # fmt: skip
-        assert cum_q is None and cum_k is None and dropout_p == 0.0
-        assert (max_q, max_k) == (q.shape[2], k.shape[2])
-        assert seed.dtype == offset.dtype == torch.int64
-        self.calls.append("backward")
-        flash = [x.transpose(1, 2) for x in (d_out, q, k, v, out)]
-        grads = [torch.empty_like(x) for x in flash[1:4]]
-        _FakeFlashInterface._flash_attn_backward(
-            *flash, lse, *grads, 0.0, scale, is_causal, -1, -1, 0.0, None, False
-        )
-        return tuple(g.transpose(1, 2) for g in grads)
-
-
 def test_sdpa_wrapper_with_fake_kernel(monkeypatch):
     """The SDPA backend's own logic (no GPU): the flash wrapper over the aten ops' contract,
     against the reference, float64 on CPU; a prefix segment needing no gradient too."""
-    ops = _FakeSdpaOps()
+    ops = FakeVarlenOps()
     monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: (ops.forward, ops.backward))
     out = _check_fused_wrapper(attention._SdpaSegmentedAttention)
     assert "sdpa" in type(out.grad_fn).__name__.lower()
@@ -431,7 +403,7 @@ def test_backend_choice(monkeypatch):
     assert attention._choose_backend("auto", q, k, v, prefix) == "sdpa"
     with pytest.raises(RuntimeError, match="flash_attn is not installed"):
         attention._choose_backend("flash", q, k, v, prefix)
-    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
+    _fake_flash(monkeypatch)
     assert attention._choose_backend("auto", q, k, v, prefix) == "flash"
     assert attention._choose_backend("sdpa", q, k, v, prefix) == "sdpa"
     assert attention._choose_backend("torch", q, k, v, prefix) == "torch"
@@ -590,7 +562,7 @@ def test_reusing_a_kept_output_gives_the_same_output_and_gradients(case, dtype):
 
 
 def test_reuse_through_the_flash_wrapper_with_fake_kernel(monkeypatch):
-    monkeypatch.setattr(attention.flash_backend, "flash_interface", lambda: _FakeFlashInterface)
+    _fake_flash(monkeypatch)
     case = Case(1, 4, 2, 5, 5, 8, 8, (7, 0, 3), None)
     q, k, v, prefix = make_inputs(case)
     grad_out = torch.randn(1, 4, 5, 8, dtype=torch.float64)
@@ -622,3 +594,31 @@ def test_reuse_from_another_span_is_refused():
     wrong = AttentionOutput(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="same span"):
         segmented_attention(q, k, v, prefix, scale=SCALE, reuse=wrong)
+
+
+def test_the_public_flash_api_alone_misses_the_lse_term():
+    """Why the fused backends keep one private backward call (``flash_backend``'s docstring):
+    segment results merged by log-sum-exp and differentiated through each segment's public
+    autograd, which drops the lse's gradient as ``FlashAttnFunc.backward(ctx, dout, *args)``
+    does, get wrong gradients; with the lse's gradient they are exact. float64 on CPU."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    keys = [torch.randn(1, 2, n, 4, dtype=torch.float64, generator=generator) for n in (5, 6)]
+    values = [torch.randn(1, 2, n, 4, dtype=torch.float64, generator=generator) for n in (5, 6)]
+    grad_out = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=generator)
+
+    def merged_grad(lse_gradient: bool) -> torch.Tensor:
+        results = []
+        for k, v in zip(keys, values, strict=True):
+            scores = SCALE * q @ k.transpose(-1, -2)
+            lse = torch.logsumexp(scores, dim=-1)
+            out = torch.softmax(scores, dim=-1) @ v
+            results.append((out, lse if lse_gradient else lse.detach()))
+        out, _ = attention.common.merge(*results[0], *results[1])
+        (grad,) = torch.autograd.grad(out, q, grad_out)
+        return grad
+
+    scores = SCALE * q @ torch.cat(keys, dim=2).transpose(-1, -2)
+    want = torch.autograd.grad(torch.softmax(scores, -1) @ torch.cat(values, 2), q, grad_out)[0]
+    assert_close(merged_grad(lse_gradient=True), want, tol=TOL)
+    assert (merged_grad(lse_gradient=False) - want).abs().max() > 1e-3 * want.abs().max()
