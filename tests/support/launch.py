@@ -7,11 +7,15 @@ gloo (``nccl_rules``), so a test hangs, and fails with a report, where NCCL woul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,3 +86,100 @@ def torchrun_ok(
     returncode, log = torchrun(script, *args, ranks=ranks, env=env)
     assert returncode == 0, f"torchrun failed ({returncode}):\n{log[-5000:]}"
     return log
+
+
+# --------------------------------------------------------------------------- several nodes
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it), for a rendezvous of this test."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_node_command(
+    script: Path | str, *args: str, node: int, nodes: int, ranks_per_node: int, port: int,
+    env: dict[str, str] | None = None,
+) -> list[str]:  # fmt: skip
+    """Node ``node``'s torchrun of a ``nodes``-node run, rendezvous (c10d) at
+    127.0.0.1:``port``; node 0 hosts the rendezvous store (``is_host``), as a cluster's head."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank",
+        str(node), "--nproc_per_node", str(ranks_per_node), "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", f"is_host={int(node == 0)}",
+        *under_nccl_rules(script, env), *args,
+    ]  # fmt: skip
+
+
+def launch_nodes(
+    commands: list[list[str]], timeout: int = 300, env: dict[str, str] | None = None
+) -> list[tuple[int, str]]:
+    """Run one launcher per "node" at once (``commands``, e.g. ``torchrun_node_command``
+    for each node rank); each launcher's ``(returncode, log)``.
+
+    Once one launcher fails, the others get ``FAILED_GRACE`` seconds to fail too (their ranks
+    lose their peers), then they are killed; at ``timeout`` every launcher is. Killing takes a
+    launcher's whole process tree: torchrun starts each rank in a session of its own, so the
+    launcher's process group does not hold its ranks.
+    """
+    environ = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
+    # Logs in files, not pipes: nobody reads a pipe while the launchers run, and a full one
+    # would stop its writer.
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]  # noqa: SIM115 (closed below)
+    processes, killed = [], []
+    try:
+        for command, log in zip(commands, logs, strict=True):
+            processes.append(subprocess.Popen(
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environ,
+                start_new_session=True,
+            ))  # fmt: skip
+        _wait_for_nodes(processes, timeout)
+    finally:
+        killed = [kill_tree(process) for process in processes]
+    results = []
+    for process, log, was_killed in zip(processes, logs, killed, strict=True):
+        log.seek(0)
+        note = "\n[launch_nodes: killed, still running at the time limit or after another failed]"
+        results.append((process.returncode, with_report_last(log.read() + note * was_killed)))
+        log.close()
+    return results
+
+
+FAILED_GRACE = 30.0  # seconds the other launchers get once one has failed
+
+
+def _wait_for_nodes(processes: list[subprocess.Popen], timeout: float) -> None:
+    """Until every launcher exits, ``FAILED_GRACE`` after the first failure, or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in processes):
+        now = time.monotonic()
+        if any(p.returncode not in (None, 0) for p in processes):
+            deadline = min(deadline, now + FAILED_GRACE)
+        if now >= deadline:
+            return
+        time.sleep(0.2)
+
+
+def kill_tree(process: subprocess.Popen) -> bool:
+    """SIGKILL ``process`` and every process it started (found through /proc before any dies,
+    as orphans leave the tree), then reap it; whether it was still running."""
+    if process.poll() is not None:
+        return False
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # exited while listed
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, queue = [], [process.pid]
+    while queue:
+        pid = queue.pop()
+        tree.append(pid)
+        queue += children.get(pid, [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    return True
