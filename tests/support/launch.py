@@ -52,9 +52,8 @@ def torchrun(
 ) -> tuple[int, str]:
     """``script args`` on ``ranks`` CPU ranks; ``(returncode, log)``.
 
-    The launch gets its own process session, so that a hang (ranks out of step in a
-    collective) kills the ranks too, not only torchrun. ``env``: the ranks' environment
-    (default: this process's).
+    A hang (ranks out of step in a collective) kills torchrun and its ranks (``kill_tree``).
+    ``env``: the ranks' environment (default: this process's).
     """
     command = torchrun_command(script, *args, ranks=ranks, env=env)
     process = subprocess.Popen(
@@ -64,7 +63,7 @@ def torchrun(
     try:
         log, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process)  # torchrun's ranks too: each runs in a session of its own
         log, _ = process.communicate()
         raise AssertionError(f"torchrun timed out (ranks out of step?):\n{log[-5000:]}") from None
     return process.returncode, with_report_last(log)
@@ -113,13 +112,16 @@ def torchrun_node_command(
 
 
 def launch_nodes(
-    commands: list[list[str]], timeout: int = 300, env: dict[str, str] | None = None
+    commands: list[list[str]],
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    grace: float = 30,
 ) -> list[tuple[int, str]]:
     """Run one launcher per "node" at once (``commands``, e.g. ``torchrun_node_command``
     for each node rank); each launcher's ``(returncode, log)``.
 
-    Once one launcher fails, the others get ``FAILED_GRACE`` seconds to fail too (their ranks
-    lose their peers), then they are killed; at ``timeout`` every launcher is. Killing takes a
+    Once one launcher fails, the others get ``grace`` seconds to fail too (their ranks lose
+    their peers), then they are killed; at ``timeout`` every launcher is. Killing takes a
     launcher's whole process tree: torchrun starts each rank in a session of its own, so the
     launcher's process group does not hold its ranks.
     """
@@ -134,7 +136,7 @@ def launch_nodes(
                 command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environ,
                 start_new_session=True,
             ))  # fmt: skip
-        _wait_for_nodes(processes, timeout)
+        _wait_for_nodes(processes, timeout, grace)
     finally:
         killed = [kill_tree(process) for process in processes]
     results = []
@@ -146,16 +148,16 @@ def launch_nodes(
     return results
 
 
-FAILED_GRACE = 30.0  # seconds the other launchers get once one has failed
-
-
-def _wait_for_nodes(processes: list[subprocess.Popen], timeout: float) -> None:
-    """Until every launcher exits, ``FAILED_GRACE`` after the first failure, or ``timeout``."""
+def _wait_for_nodes(processes: list[subprocess.Popen], timeout: float, grace: float) -> None:
+    """Until every launcher exits, ``grace`` seconds after the first failure, or ``timeout``."""
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in processes):
+    while True:
+        codes = [p.poll() for p in processes]  # every one (``any`` would stop at the first)
+        if None not in codes:
+            return
         now = time.monotonic()
-        if any(p.returncode not in (None, 0) for p in processes):
-            deadline = min(deadline, now + FAILED_GRACE)
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, now + grace)
         if now >= deadline:
             return
         time.sleep(0.2)

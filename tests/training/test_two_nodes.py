@@ -157,3 +157,49 @@ def toy_parameters() -> dict[str, torch.Tensor]:
     cfg = load_config(ROOT / QWEN, SMALL)
     model = models.build_model(cfg.model, seed=cfg.train.seed)
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+# A rank of each node: writes its pid; node 1's exit with an error once every rank is up,
+# node 0's wait forever, as ranks whose peers died wait in a collective.
+FAILING_NODE = """
+import os, sys, time
+from pathlib import Path
+pids = Path(sys.argv[1])
+(pids / os.environ["RANK"]).write_text(str(os.getpid()))
+if os.environ["GROUP_RANK"] == "1":
+    while len(list(pids.iterdir())) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.1)
+    sys.exit(1)
+time.sleep(600)
+"""
+
+
+def test_a_failed_node_takes_the_other_nodes_ranks_down(tmp_path):
+    """One node's rank fails while the other node's ranks wait: ``launch_nodes`` kills the
+    waiting launcher and its ranks (each in its own session) after the grace, leaking none."""
+    script, pids = tmp_path / "node.py", tmp_path / "pids"
+    script.write_text(FAILING_NODE)
+    pids.mkdir()
+    port = launch.free_port()
+    commands = [
+        launch.torchrun_node_command(
+            script, str(pids), node=n, nodes=2, ranks_per_node=2, port=port
+        )
+        for n in (0, 1)
+    ]
+    results = launch.launch_nodes(commands, timeout=120, grace=2)
+    codes = sorted(code for code, _ in results)
+    assert codes == [-9, 1], results  # one failed by itself, the other killed after the grace
+    assert "launch_nodes: killed" in next(log for code, log in results if code == -9)
+    assert len(list(pids.iterdir())) == 4
+    for pid in (int(path.read_text()) for path in pids.iterdir()):
+        assert not alive(pid), f"rank process {pid} outlived its launcher"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, killed and not yet reaped by init, does not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
