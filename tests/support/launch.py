@@ -184,4 +184,15 @@ def kill_tree(process: subprocess.Popen) -> bool:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
+    deadline = time.monotonic() + 10  # SIGKILL is asynchronous: until the orphans are gone
+    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead and not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -193,13 +193,4 @@ def test_a_failed_node_takes_the_other_nodes_ranks_down(tmp_path):
     assert "launch_nodes: killed" in next(log for code, log in results if code == -9)
     assert len(list(pids.iterdir())) == 4
     for pid in (int(path.read_text()) for path in pids.iterdir()):
-        assert not alive(pid), f"rank process {pid} outlived its launcher"
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, killed and not yet reaped by init, does not)."""
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        assert not launch.alive(pid), f"rank process {pid} outlived its launcher"
