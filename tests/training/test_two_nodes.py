@@ -159,13 +159,13 @@ def toy_parameters() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
-# A rank of each node: writes its pid; node 1's exit with an error once every rank is up,
-# node 0's wait forever, as ranks whose peers died wait in a collective.
+# A rank of each node: writes its pid and node; node 1's exit with an error once every rank
+# is up, node 0's wait forever, as ranks whose peers died wait in a collective.
 FAILING_NODE = """
 import os, sys, time
 from pathlib import Path
 pids = Path(sys.argv[1])
-(pids / os.environ["RANK"]).write_text(str(os.getpid()))
+(pids / os.environ["RANK"]).write_text(f"{os.getpid()} {os.environ['GROUP_RANK']}")
 if os.environ["GROUP_RANK"] == "1":
     while len(list(pids.iterdir())) < int(os.environ["WORLD_SIZE"]):
         time.sleep(0.1)
@@ -176,7 +176,9 @@ time.sleep(600)
 
 def test_a_failed_node_takes_the_other_nodes_ranks_down(tmp_path):
     """One node's rank fails while the other node's ranks wait: ``launch_nodes`` kills the
-    waiting launcher and its ranks (each in its own session) after the grace, leaking none."""
+    waiting launcher and its ranks (each in its own session) after the grace, leaking none.
+    On the way, the placement that docs/pipeline.md's "Several machines" relies on: torchrun
+    numbers a node's ranks together, so the S=2 pipelines (ranks 0-1, 2-3) are one node each."""
     script, pids = tmp_path / "node.py", tmp_path / "pids"
     script.write_text(FAILING_NODE)
     pids.mkdir()
@@ -191,6 +193,9 @@ def test_a_failed_node_takes_the_other_nodes_ranks_down(tmp_path):
     codes = sorted(code for code, _ in results)
     assert codes == [-9, 1], results  # one failed by itself, the other killed after the grace
     assert "launch_nodes: killed" in next(log for code, log in results if code == -9)
-    assert len(list(pids.iterdir())) == 4
-    for pid in (int(path.read_text()) for path in pids.iterdir()):
+    ranks = {int(path.name): path.read_text().split() for path in pids.iterdir()}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    node = {rank: group for rank, (_, group) in ranks.items()}
+    assert node[0] == node[1] != node[2] == node[3], node
+    for pid in (int(pid) for pid, _ in ranks.values()):
         assert not launch.alive(pid), f"rank process {pid} outlived its launcher"
