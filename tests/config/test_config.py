@@ -104,7 +104,8 @@ def test_accelerate_configs_load_in_accelerate(path: Path) -> None:
     first = path.read_text().splitlines()[0]
     assert first.startswith(f"# accelerate launch --config_file {path.relative_to(ROOT)} ")
     config = ClusterConfig.from_yaml_file(path)
-    assert config.num_processes == {"8xgpu": 8, "32xgpu": 32, "cpu": 2}[path.stem.split("_")[0]]
+    processes = {"8xgpu": 8, "16xgpu": 16, "32xgpu": 32, "cpu": 2}[path.stem.split("_")[0]]
+    assert config.num_processes == processes
     assert config.num_processes % config.num_machines == 0
     # Launched through torchrun (MULTI_GPU): accelerate starts MULTI_CPU runs only via mpirun.
     assert config.distributed_type.value == "MULTI_GPU"
