@@ -90,11 +90,10 @@ def assert_grads_close(
     largest entry it passes on one machine's rounding and fails on another's (issue 38:
     ``k_norm.weight`` at 1.02e-6 against 1e-6); relative to the model's largest entry (an
     absolute floor for every parameter), a wrong gradient still fails wherever the error
-    exceeds ``rtol`` x that entry.
+    exceeds ``rtol`` x that entry. All-zero expected gradients (no advantage) need zeros.
     """
     assert actual.keys() == expected.keys() and expected
     largest = max(float(want.abs().max()) for want in expected.values())
-    assert largest > 0, "every expected gradient is zero: the comparison would test nothing"
     for name, want in expected.items():
         err = float((actual[name] - want).abs().max())
         own = float(want.abs().max())
