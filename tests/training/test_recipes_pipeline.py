@@ -108,11 +108,13 @@ def assert_later_steps_close(
     run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], previous: dict, steps: int
 ) -> None:
     """Weights of two runs ``steps`` AdamW steps after the weights they shared (the same
-    init, or the same checkpoint); ``previous``: the reference's weights a step before. An entry whose gradient round-off decides its sign can move by up to a whole
-    step the other way, and every later gradient differs by what that changed: each
-    entry within 2 lr x 1.002 a step (|m_hat| / sqrt(v_hat) <= 1.002 at betas (0.9, 0.999)
-    for two steps, by Cauchy-Schwarz); and such entries are few (1 of 184924 in issue 38), so
-    over the model the difference is at most 5% of the steps' update (measured 0.07%)."""
+    init, or the same checkpoint); ``previous``: the reference's weights a step before.
+
+    An entry whose gradient round-off decides its sign can move a whole step the other way,
+    and every later gradient differs by what that changed: each entry within 2 lr x 1.002 a
+    step (|m_hat| / sqrt(v_hat) <= 1.002 at betas (0.9, 0.999) for two steps, by
+    Cauchy-Schwarz); and such entries are few (1 of 184924 in issue 38), so over the model
+    the difference is at most 5% of the last step's update (measured 0.07%)."""
     assert run.keys() == reference.keys()
     per_entry = steps * 2 * 1.002 * LR
     for name, want in reference.items():
