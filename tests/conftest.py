@@ -21,6 +21,26 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 
+def pytest_generate_tests(metafunc):
+    """``@pytest.mark.threads``: the test twice, at 1 and 2 torch threads (``torch_threads``).
+    Thread counts change where float32 and float64 sums split, so a tolerance tuned to one
+    machine's rounding fails at the other count: a cheap sample of the numeric tests carries
+    the mark (the suite itself runs at one thread, above)."""
+    if metafunc.definition.get_closest_marker("threads"):
+        metafunc.fixturenames.append("torch_threads")
+        metafunc.parametrize("torch_threads", [1, 2], indirect=True, ids=lambda n: f"threads{n}")
+
+
+@pytest.fixture
+def torch_threads(request):
+    """``torch.set_num_threads(request.param)`` for one test (``@pytest.mark.threads``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    assert torch.get_num_threads() == request.param
+    yield request.param
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def world_of_one(tmp_path):
     """A gloo process group of one rank, so FSDP2 and DCP run in this process."""

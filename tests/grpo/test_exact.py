@@ -79,6 +79,7 @@ def test_exact_step_equals_full_graph(models, loss_type, beta):
     assert_grads_close(grads, expected, rtol=1e-6)
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 def test_exact_chunkings_and_dense_types(model_type, chunk_size):

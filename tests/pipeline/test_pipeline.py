@@ -100,8 +100,11 @@ def test_stages_train_like_one_process(staged_runs, stages, ranks, name):
     for replica, step, loss in got["losses"]:  # the reference runs the groups step by step
         assert loss == pytest.approx(expected["losses"][step * replicas + replica], rel=loss_rtol)
     assert sorted(got["grads"]) == sorted(expected["grads"])
+    # Of the model's largest gradient entry: round-off reaches a parameter whose gradient
+    # cancels (a norm's weight) at the size of the others' (issue 38)
+    largest = max(float(grad.abs().max()) for grad in expected["grads"].values())
     for key, grad in expected["grads"].items():
-        assert _relative(got["grads"][key], grad) < 1e-6, key
+        assert float((got["grads"][key] - grad).abs().max()) < 1e-6 * largest, key
     initial = dict(worker.build(worker.CASES[name])[0].named_parameters())
     for key, entry in expected["state"].items():
         saved = got["state"][key]

@@ -22,12 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # The tests' helpers and the scripts their ranks run (``tests/support``).
 SUPPORT = Path(__file__).resolve().parent
 NCCL_RULES_RUN = SUPPORT / "nccl_rules_run.py"
+# The ranks' torch threads: 1 (tiny models; steady timings on a busy machine) unless a test
+# sets this in the environment it launches with (a thread count changes where sums split).
+RANK_THREADS = "LONGSTRAW_TEST_RANK_THREADS"
 
 
 def under_nccl_rules(script: Path | str, env: dict[str, str] | None = None) -> list[str]:
     """The arguments that run ``script`` under the NCCL-rules harness (``[runner, script]``),
     or as itself when ``env`` (default: this process's) has ``LONGSTRAW_NCCL_RULES=0``."""
-    environ = env if env is not None else os.environ
+    environ = env or os.environ
     if environ.get("LONGSTRAW_NCCL_RULES", "1") == "0":
         return [str(script)]
     return [str(NCCL_RULES_RUN), str(script)]
@@ -56,9 +59,10 @@ def torchrun(
     ``env``: the ranks' environment (default: this process's).
     """
     command = torchrun_command(script, *args, ranks=ranks, env=env)
+    environ = env or os.environ
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**(env or os.environ), "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        env={**environ, "OMP_NUM_THREADS": environ.get(RANK_THREADS, "1")}, start_new_session=True,
     )  # fmt: skip
     try:
         log, _ = process.communicate(timeout=timeout)

@@ -12,7 +12,7 @@ logged metrics are compared:
 - ``grpo_step`` itself on the three adapter families, both gradient modes (detached mode
   trains only the head, whose gradient does not reach the prompt, so TRL's is its reference
   too), with ``old_logps`` (a later update) and ``ref_logps``; TRL scores in float32, so the
-  tolerances are float32's (1e-6 relative);
+  tolerances are float32's (``HEAD_RTOL``, relative to the model's largest gradient);
 - ``GenerationBatch`` with masks over two prompts == TRL's one batch;
 - all-ones masks are the unmasked step bit for bit; an all-zero mask is TRL's arithmetic; bad
   masks are refused; the masks add no per-branch copy of anything to the replay.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import assert_grads_close, float32_sum_rtol
 from trl import GRPOTrainer
 from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 
@@ -45,6 +46,13 @@ REWARDS = [1.0, 0.25, -0.5, -1.0]
 TOOL = [[1, 1, 0, 0, 1, 1], [1, 0, 0, 1], [1, 0, 0, 1, 1, 0, 1], [1, 1, 1]]
 PROMPT_LENGTH = 9
 CHUNK = 4  # the exact sweep crosses prefill chunks
+VOCAB = 260
+# TRL's fused head scores in float32 (the model is float64): the logits, their log-softmax
+# and, backwards, the hidden states' gradient are float32 sums, the longest over the
+# vocabulary. Their round-off reaches every gradient through the (float64) backward, so the
+# bound is float32's for a vocabulary-long sum, relative to the largest gradient entry
+# (sqrt(260) x eps = 1.9e-6; measured <= 4.7e-7 on qwen3 and GLM, issue 38).
+HEAD_RTOL = float32_sum_rtol(VOCAB)
 
 
 def trl_trainer(model, tokenizer, tmp_path, **args) -> GRPOTrainer:
@@ -65,14 +73,6 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
-
-
-def assert_same_grads(actual, expected, rtol):
-    assert actual.keys() == expected.keys() and expected
-    for name, want in expected.items():
-        scale = want.abs().max().clamp_min(1e-30)
-        err = ((actual[name] - want).abs().max() / scale).item()
-        assert err <= rtol, f"{name}: relative error {err:.2e}"
 
 
 def padded(rows, width, fill=0):
@@ -155,7 +155,7 @@ def test_branch_losses_with_tool_masks_equal_trl(
 ):
     extra = {"beta": beta, "importance_sampling_level": level}
     args = grpo_args(loss_type, mask_truncated_completions=mask_truncated, **extra)
-    model = tiny_model("qwen3", dtype=F64, seed=0, vocab_size=260)
+    model = tiny_model("qwen3", dtype=F64, seed=0, vocab_size=VOCAB)
     trainer = trl_trainer(model, tokenizer, tmp_path, **dict(args))
     config = ls.GRPOConfig(**args, num_generations=G)
     prompt, responses, gen = branches()
@@ -177,7 +177,7 @@ def test_branch_losses_with_tool_masks_equal_trl(
             stats.append(branch_stats)
     total.backward()
     assert total.item() == pytest.approx(expected_loss.item(), rel=1e-10, abs=1e-13)
-    assert_same_grads(grads_of(model), expected, rtol=1e-10)
+    assert_grads_close(grads_of(model), expected, rtol=1e-10)
     # TRL's vespo weight metric averages over every row, a truncation-masked one too
     skip = ("vespo/phi_seq_mean",) if mask_truncated else ()
     assert_metrics_equal_trl(reduce_branch_stats(stats), trl_metrics(trainer), skip=skip)
@@ -235,7 +235,7 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
     mask_truncated,
 ):  # fmt: skip
     args = grpo_args(loss_type, beta=beta, mask_truncated_completions=mask_truncated)
-    model = tiny_model(family, dtype=F64, seed=0, vocab_size=260)
+    model = tiny_model(family, dtype=F64, seed=0, vocab_size=VOCAB)
     if gradient == "detached":  # train the head only: its gradient never reaches the prompt
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("lm_head.weight", "model.norm.weight"))
@@ -257,16 +257,16 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
         ref_logps=ref, truncated=TRUNC, loss_masks=TOOL, chunk_size=CHUNK,
     )  # fmt: skip
     grads = grads_of(model)
-    # TRL's log-probs are float32 (its fused head's kernel): float32's agreement. The
-    # transformers qwen3_5 model TRL runs also computes its gated delta rule in float32
-    # whatever the model's dtype: 3e-6 off here, and as far off unmasked (all-ones masks:
-    # 5e-5 in the loss, 5e-6 in the gradients).
-    rtol = 2e-5 if family == "qwen3_5_text" else 1e-6
+    # TRL's log-probs are float32 (its fused head's kernel): HEAD_RTOL. The transformers
+    # qwen3_5 model TRL runs also computes its gated delta rule in float32 whatever the
+    # model's dtype, and four layers amplify it: measured <= 4.2e-6 of the largest gradient
+    # entry (as far off unmasked), so 2e-5.
+    rtol = 2e-5 if family == "qwen3_5_text" else HEAD_RTOL
     assert result.loss == pytest.approx(expected_loss.item(), rel=rtol, abs=1e-9)
-    assert_same_grads(grads, expected, rtol=rtol)
+    assert_grads_close(grads, expected, rtol=rtol)
     skip = ("vespo/phi_seq_mean",) if mask_truncated else ()
     assert_metrics_equal_trl(result.branch_stats, expected_metrics, skip=skip, rel=1e-5, abs_=1e-6)
-    assert result.entropy == pytest.approx(expected_metrics["entropy"], rel=1e-6)
+    assert result.entropy == pytest.approx(expected_metrics["entropy"], rel=HEAD_RTOL)
     # TRL's completion lengths count the tool mask's ones (completions/mean_length)
     assert result.completion_tokens == sum(map(sum, TOOL))
     assert result.completion_length_mean == sum(map(sum, TOOL)) / G
@@ -274,9 +274,23 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
     assert result.branches_replayed == replayed
 
 
+@pytest.mark.threads
+@pytest.mark.filterwarnings("ignore:loss_type=")
+def test_the_case_seen_failing_elsewhere_holds_at_one_and_two_threads(
+    float64_default, tokenizer, tmp_path
+):
+    """Issue 38's case (``k_norm.weight`` 1.02e-6 off its own scale, against a 1e-6 bound
+    per parameter) at 1 and 2 torch threads: the bound relative to the largest gradient
+    holds whichever way the sums split."""
+    test_grpo_step_with_loss_masks_equals_trl_on_every_family(
+        float64_default, tokenizer, tmp_path, "qwen3", "sapo", 0.04, "exact", True, True
+    )
+
+
 # --- several prompts of a step: GenerationBatch with masks == TRL's one batch ---------------
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize(("loss_type", "scale"), [("dapo", "batch"), ("grpo", "group")])
 def test_generation_batch_with_loss_masks_equals_trl_over_both_prompts(
     float64_default, tokenizer, tmp_path, loss_type, scale
@@ -284,7 +298,7 @@ def test_generation_batch_with_loss_masks_equals_trl_over_both_prompts(
     """Two prompts' groups, the masks passed to ``GenerationBatch.add`` (the token
     normaliser counts their ones across both groups) and on to every replay."""
     args = grpo_args(loss_type, scale_rewards=scale)
-    model = tiny_model("qwen3", dtype=F64, seed=0, vocab_size=260)
+    model = tiny_model("qwen3", dtype=F64, seed=0, vocab_size=VOCAB)
     trainer = trl_trainer(model, tokenizer, tmp_path, **dict(args))
     config = ls.GRPOConfig(**args, num_generations=G, gradient="exact")
     groups = []
@@ -320,8 +334,8 @@ def test_generation_batch_with_loss_masks_equals_trl_over_both_prompts(
         batch.record(k, result)
     batch.finish(model.parameters())
     assert batch.advantages(0) + batch.advantages(1) == pytest.approx(advantages.tolist())
-    assert batch.step_loss() == pytest.approx(expected_loss.item(), rel=1e-6)
-    assert_same_grads(grads_of(model), expected, rtol=1e-6)
+    assert batch.step_loss() == pytest.approx(expected_loss.item(), rel=HEAD_RTOL)
+    assert_grads_close(grads_of(model), expected, rtol=HEAD_RTOL)
 
 
 def inputs_of(group, advantages, width):
@@ -342,7 +356,7 @@ def inputs_of(group, advantages, width):
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return tiny_model("qwen3", dtype=F64, seed=0, vocab_size=260)
+    return tiny_model("qwen3", dtype=F64, seed=0, vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("gradient", ["detached", "exact"])
@@ -374,6 +388,7 @@ def test_all_ones_masks_are_the_unmasked_step_bit_for_bit(qwen3, gradient):
         assert all(torch.equal(grads[k], first_grads[k]) for k in grads)
 
 
+@pytest.mark.threads
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
 def test_an_all_zero_mask_follows_trl_arithmetic(
     float64_default, tokenizer, tmp_path, qwen3, loss_type
@@ -397,8 +412,8 @@ def test_an_all_zero_mask_follows_trl_arithmetic(
         ref_logps=ref, loss_masks=tool, chunk_size=CHUNK,
     )  # fmt: skip
     assert result.branches_replayed == G - 1 and result.logps[1] is None
-    assert result.loss == pytest.approx(expected_loss.item(), rel=1e-6)
-    assert_same_grads(grads_of(qwen3), expected, rtol=1e-6)
+    assert result.loss == pytest.approx(expected_loss.item(), rel=HEAD_RTOL)
+    assert_grads_close(grads_of(qwen3), expected, rtol=HEAD_RTOL)
 
 
 @pytest.mark.parametrize(

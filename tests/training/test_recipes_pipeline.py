@@ -16,9 +16,11 @@ import json
 import shutil
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 from recipe_runs import (
+    GROUP,
     QWEN,
     ROOT,
     SMALL,
@@ -28,6 +30,7 @@ from recipe_runs import (
     stopped_at,
     tensors,
 )
+from reference import float32_sum_rtol
 
 from longstraw_core import models
 from longstraw_core.config import load_config
@@ -49,16 +52,93 @@ CASES = {  # name: (recipe, config, overrides, the (stages, ranks) a checkpoint 
 # LoRA on stages (and its checkpoints across stage counts) is tests/pipeline/test_pipeline.py's.
 
 
+# float32 round-off of the gradients two layouts sum in another order (stages: the clip's
+# norm; FSDP: the replicas' reduce-scatter against their all-reduce): each entry sums the
+# GROUP branches of two replicas, so float32's bound for 2 x GROUP terms, relative to the
+# model's largest gradient entry (4.8e-7; measured 1.9e-7, issue 38).
+GRAD_RTOL = float32_sum_rtol(2 * GROUP)
+# The config's optim.lr and betas; AdamW's default eps.
+LR, ADAM_EPS, BETA1, BETA2 = 1e-4, 1e-8, 0.9, 0.999
+F32 = torch.finfo(torch.float32).eps
+
+
+def parameter_names(config_path: str) -> list[str]:
+    """The trainable parameters' names in the optimizer's order (its state is by index)."""
+    cfg = load_config(ROOT / config_path, SMALL)
+    model = models.build_model(cfg.model, seed=cfg.train.seed)
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def assert_first_step_close(run: Path, reference: Path, config_path: str) -> None:
+    """One AdamW step of two layouts: the gradients (first moment / (1 - beta1)) within
+    ``GRAD_RTOL`` of the largest, and each weight within what AdamW makes of that.
+
+    The first step moves an entry by ``lr g / (|g| + eps)``: whole steps of +-lr wherever
+    |g| >> eps, so a gradient entry within round-off of zero (1.7e-10 against 2.4e-10 in
+    issue 38) moves its weight by a fraction of lr (6.5e-7 there), up to 2 lr where the
+    round-off flips its sign. With ``delta`` the gradients' bound, the step's change is at
+    most ``lr delta eps / (max(|g| - delta, 0) + eps)^2`` (the slope of g / (|g| + eps) over
+    g +- delta) and at most 2 lr; plus the update's own rounding (2 eps32 (|w| + lr)).
+    """
+    ours, theirs = (optimizer_moments(d / "step-000001") for d in (run, reference))
+    names = parameter_names(config_path)
+    assert len(names) == len(theirs) == len(ours)
+    grads = {names[i]: state["exp_avg"] / (1 - BETA1) for i, state in theirs.items()}
+    largest = max(float(g.abs().max()) for g in grads.values())
+    delta = GRAD_RTOL * largest
+    weights, expected = (tensors(d / "step-000001/model") for d in (run, reference))
+    for i, state in theirs.items():
+        name, g = names[i], grads[names[i]]
+        err = float((ours[i]["exp_avg"] / (1 - BETA1) - g).abs().max())
+        assert err <= delta, f"{name}: gradient off by {err:.3e} > {GRAD_RTOL:.1e} x {largest:.3e}"
+        # the second moment is (1 - beta2) g^2: off by at most (1 - beta2)(2 |g| delta + delta^2)
+        err = float((ours[i]["exp_avg_sq"] - state["exp_avg_sq"]).abs().max())
+        assert err <= (1 - BETA2) * (2 * largest + delta) * delta * (1 + 4 * F32), name
+        reach = (g.abs() - delta).clamp_min(0)
+        slope = (delta * ADAM_EPS / (reach + ADAM_EPS) ** 2).clamp_max(2.0)
+        bound = LR * slope + 2 * F32 * (expected[name].abs() + LR)
+        diff = (weights[name] - expected[name]).abs()
+        assert bool((diff <= bound).all()), (
+            f"{name}: {int((diff > bound).sum())} weights beyond AdamW's bound "
+            f"(largest difference {float(diff.max()):.3e})"
+        )
+
+
+def assert_later_steps_close(
+    run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], previous: dict, steps: int
+) -> None:
+    """Weights of two runs ``steps`` AdamW steps after the weights they shared (the same
+    init, or the same checkpoint); ``previous``: the reference's weights a step before.
+
+    An entry whose gradient round-off decides its sign can move a whole step the other way,
+    and every later gradient differs by what that changed: each entry within 2 lr x 1.002 a
+    step (|m_hat| / sqrt(v_hat) <= 1.002 at betas (0.9, 0.999) for two steps, by
+    Cauchy-Schwarz); and such entries are few (1 of 184924 in issue 38), so over the model
+    the difference is at most 5% of the last step's update (measured 0.07%)."""
+    assert run.keys() == reference.keys()
+    per_entry = steps * 2 * 1.002 * LR
+    for name, want in reference.items():
+        err = float((run[name] - want).abs().max())
+        assert err <= per_entry + 2 * F32 * float(want.abs().max()), f"{name}: {err:.3e}"
+    diff = sum(float(((run[n] - w) ** 2).sum()) for n, w in reference.items()) ** 0.5
+    update = sum(float(((w - previous[n]) ** 2).sum()) for n, w in reference.items()) ** 0.5
+    assert update > 0, "the steps changed nothing"
+    assert diff <= 0.05 * update, f"weights off by {diff:.3e}, 5% of the update {update:.3e}"
+
+
 def assert_close(
     first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], tolerance: float
 ) -> None:
-    """Every tensor within ``tolerance`` of the other's largest entry: the stages sum the
-    clip's norm in another order, so float32 rounding differs; AdamW then magnifies it in
-    tiny gradient entries (m / sqrt(v)), which a second step shows."""
+    """Every tensor within ``tolerance`` of the other's largest entry."""
     assert first.keys() == second.keys()
     for name in first:
         scale = float(second[name].abs().max())
-        assert float((first[name] - second[name]).abs().max()) <= tolerance * scale, name
+        diff = (first[name] - second[name]).abs()
+        err = float(diff.max())
+        assert err <= tolerance * scale, (
+            f"{name}: max error {err:.3e} > {tolerance:.1e} x largest entry {scale:.3e} "
+            f"({int((diff > tolerance * scale).sum())} of {diff.numel()} entries)"
+        )
 
 
 def eval_metrics(checkpoint: Path) -> dict[int, dict[str, float]]:
@@ -98,23 +178,21 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
         not torch.equal(tensors(staged / "step-000001/model")[n], final[n]) for n in final
     ), "the second step changed nothing"
     # One step: the gradients' float32 rounding; two: AdamW's magnification of it.
-    assert_close(tensors(staged / "step-000001/model"), tensors(one / "step-000001/model"), 1e-6)
-    assert_close(final, tensors(one / "step-000002/model"), 1e-3)
-    for index, moments in optimizer_moments(one / "step-000001").items():
-        for key, value in moments.items():
-            saved = optimizer_moments(staged / "step-000001")[index][key]
-            assert float((saved - value).abs().max()) <= 1e-5 * float(value.abs().max())
+    assert_first_step_close(staged, one, config_path)
+    first = tensors(one / "step-000001/model")
+    assert_later_steps_close(final, tensors(one / "step-000002/model"), first, steps=2)
 
     # Stopped after step 1 (the staged run's checkpoint of it) and resumed on two stages:
     # bit-equal to the uninterrupted run.
     stopped_at(staged, 1, stopped)
+    staged_first = tensors(staged / "step-000001/model")
     for stages, ranks in resume_on:  # the same step-1 checkpoint, other stage counts
         other = tmp_path / f"resumed-S{stages}"
         shutil.copytree(stopped, other)
         overrides = [f"distributed.pipeline_stages={stages}", "train.save_every=1", ONE_PIECE]
         run_on_ranks(recipe, config_path, other, "train.steps=2", "train.resume_from=latest",
             *overrides, *extra, ranks=ranks)  # fmt: skip
-        assert_close(tensors(other / "step-000002/model"), final, 1e-3)
+        assert_later_steps_close(tensors(other / "step-000002/model"), final, staged_first, 1)
         state = json.loads((other / "step-000002" / "trainer_state.json").read_text())
         assert (state["step"], state["data_position"]) == (2, 2)  # one replica: one sample a step
     run_on_ranks(recipe, config_path, stopped, "train.steps=2", "train.resume_from=latest", *STAGED,
@@ -128,7 +206,7 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
     assert_same_optimizer_state(staged / "step-000002", stopped / "step-000002")
 
 
-def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
+def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path, monkeypatch):
     """Two stages x two replicas, each stage sharded over its replicas by FSDP2
     (``distributed.fsdp=true``), train like the same stages whose replicas average their
     gradients, and the sharded run's checkpoint resumes unsharded and ends where that run
@@ -136,16 +214,20 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     runs a third prompt it drops, as its ranks gather together): the same eval metrics."""
     recipe, overrides = "grpo_qwen36.py", [*STAGED, "grpo.gradient=exact"]
     sharded, averaged, resumed = tmp_path / "fsdp", tmp_path / "averaged", tmp_path / "resumed"
+    # The sharded run's ranks at 2 threads, the averaged run's at 1: the bounds also hold
+    # where a thread count changes where the sums split (issue 38).
+    monkeypatch.setenv(launch.RANK_THREADS, "2")
     log = run_on_ranks(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
               *EVAL, ranks=4)  # fmt: skip
+    monkeypatch.delenv(launch.RANK_THREADS)
     assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
     run_on_ranks(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
     assert_same_eval(
         eval_metrics(sharded / "step-000002")[1], eval_metrics(averaged / "step-000002")[1]
     )
     first, final = tensors(averaged / "step-000001/model"), tensors(averaged / "step-000002/model")
-    assert_close(tensors(sharded / "step-000001/model"), first, 1e-6)
-    assert_close(tensors(sharded / "step-000002/model"), final, 1e-3)
+    assert_first_step_close(sharded, averaged, QWEN)
+    assert_later_steps_close(tensors(sharded / "step-000002/model"), final, first, steps=2)
     for step in ("step-000001", "step-000002"):
         state = json.loads((sharded / step / "trainer_state.json").read_text())
         assert state["data_position"] == 2 * int(step[-1])  # two replicas: two samples a step
@@ -155,7 +237,7 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path):
     run_on_ranks(
         recipe, QWEN, resumed, "train.steps=2", "train.resume_from=latest", *overrides, ranks=4
     )
-    assert_close(tensors(resumed / "step-000002/model"), final, 1e-3)
+    assert_later_steps_close(tensors(resumed / "step-000002/model"), final, first, steps=1)
 
 
 @pytest.mark.parametrize("base", ["toy", "checkpoint"])
