@@ -96,11 +96,12 @@ def stage_link(
     run on their own NCCL stream (``transport``'s docstring says why one group per pipeline
     hangs). That is ``S`` communicators per pipeline (one at ``S = 2``), two per rank.
     Every rank creates every pipeline's pair groups, in the same order, as ``new_group``
-    requires, with ``timeout`` (``None``: torch's default for the backend); a barrier in
+    requires, with ``timeout`` (default: the world's, ``group_timeout``); a barrier in
     each of its own then initialises them, in an order that cannot wait in a circle (pair
     ``k`` joins stages ``k`` and ``k + 1``; each rank takes its lower pair first, so the
     ring's pair ``S - 1`` waits for stage 0's pair 0 only).
     """
+    timeout = timeout or group_timeout()
     group = mesh.get_group(STAGE)
     stages = mesh.size(mesh.mesh_dim_names.index(STAGE))
     stage = mesh.get_local_rank(STAGE)
