@@ -160,13 +160,17 @@ def test_recipe_trains_an_agent_with_trls_tool_metrics(one_process):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    [["distributed.pipeline_stages=2", "distributed.replay_pieces=1"],
-     ["distributed.fsdp=true", "train.prompts_per_step=1"]],
-    ids=["stages", "fsdp-replicas"],
+    [(2, ["distributed.pipeline_stages=2", "distributed.replay_pieces=1"]),
+     (2, ["distributed.fsdp=true", "train.prompts_per_step=1"]),
+     # more stages than branches (G=2 < S=3): the ring's messages wait on every stage pair
+     (3, ["distributed.pipeline_stages=3", "distributed.replay_pieces=1"])],
+    ids=["stages", "fsdp-replicas", "three-stages"],
 )  # fmt: skip
-def test_agent_run_on_two_ranks_logs_one_process_numbers(agent_run, one_process, layout):
+def test_agent_run_on_several_ranks_logs_one_process_numbers(agent_run, one_process, layout):
+    ranks, overrides = layout
     one, _ = one_process
-    two, _ = run_metrics(agent_run, f"two-{layout[0].split('.')[1]}", *layout, ranks=2)
+    name = f"{ranks}-{overrides[0].split('.')[1]}"
+    two, _ = run_metrics(agent_run, name, *overrides, ranks=ranks)
     for key in ("tools/call_frequency", "tools/failure_frequency", "reward",
                 "rewards/CountingVault/mean", "completions/mean_length", "eval/greedy_reward", "eval/tools/call_frequency"):  # fmt: skip
         assert two[key] == pytest.approx(one[key], rel=1e-6), key

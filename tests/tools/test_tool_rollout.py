@@ -198,11 +198,12 @@ def training_sequence(tok, name: str) -> tuple[list[int], list[int]]:
 @pytest.fixture(scope="module")
 def agent(byte_tok):
     """A tiny qwen3 that greedily replays both scripts (every assistant token the argmax,
-    by a margin of at least 1 logit, far beyond float32 round-off)."""
+    by a margin of at least 1 logit, far beyond float32 round-off). Three layers: enough for
+    the agents' ring on three pipeline stages (``test_agent_run.py``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loaded machine: one thread is the fastest
     try:
-        model = tiny_model("qwen3", vocab_size=len(byte_tok), seed=0)
+        model = tiny_model("qwen3", vocab_size=len(byte_tok), seed=0, num_hidden_layers=3)
         sequences = [training_sequence(byte_tok, name) for name in SCRIPTS]
         width = max(len(s) for s, _ in sequences)
         pad = byte_tok.pad_token_id

@@ -206,6 +206,27 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
     assert_same_optimizer_state(staged / "step-000002", stopped / "step-000002")
 
 
+def test_more_stages_than_branches_train_like_one_process(tmp_path):
+    """Two branches on three and on four stages (G < S, where one NCCL stream per rank
+    would hang the ring's rollout: ``longstraw_core.pipeline.transport``), and the greedy
+    evaluation's one branch on them: one step and its eval metrics equal one process's.
+    Under the tests' NCCL-rules harness, as every torchrun here."""
+    # A reward that differs between the two branches, so that the step trains.
+    overrides = ["train.steps=1", "train.save_every=1", "rollout.num_generations=2", *EVAL,
+                 "rewards=[{name: 'varied_reward:even_characters'}]"]  # fmt: skip
+    one = tmp_path / "one"
+    run_on_ranks("grpo_qwen36.py", QWEN, one, *overrides, ranks=1)
+    for stages in (3, 4):  # the tiny Qwen3.6 has four layers
+        staged = tmp_path / f"S{stages}"
+        log = run_on_ranks("grpo_qwen36.py", QWEN, staged, *overrides, ONE_PIECE,
+            f"distributed.pipeline_stages={stages}", ranks=stages)  # fmt: skip
+        assert log.count("step 1/1") == 1, "only rank 0 prints the per-step line"
+        assert_same_eval(
+            eval_metrics(staged / "step-000001")[1], eval_metrics(one / "step-000001")[1]
+        )
+        assert_first_step_close(staged, one, QWEN)
+
+
 def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path, monkeypatch):
     """Two stages x two replicas, each stage sharded over its replicas by FSDP2
     (``distributed.fsdp=true``), train like the same stages whose replicas average their
