@@ -11,8 +11,10 @@ for the transfers (which gloo does not enforce):
 - a send completes only when the peer's stream reaches the matching receive (the ``n``-th
   send from ``a`` to ``b`` matches ``b``'s ``n``-th receive from ``a``), at the time both
   batches are at the heads of their streams (plus ``transfer``), whatever the size;
-- ``Wait`` blocks the stage until its exchange is done, a ``Collective`` (on the pipeline's
-  collective group, another communicator) until every stage has joined it.
+- ``Wait`` blocks the stage until its exchange is done, a ``Collective`` (on another
+  communicator: the pipeline's stage group, a replica group) until every program that
+  names it has joined it (its group's members: programs of several replicas simulated
+  together join the rollout's stop check across replicas, FSDP's gathers per stage).
 
 ``streams`` says how the programs' exchanges map onto process groups:
 
@@ -34,6 +36,7 @@ prove each schedule live for many shapes (``tests/pipeline/test_schedule.py``).
 from __future__ import annotations
 
 import functools
+import gc
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -90,7 +93,7 @@ class Timeline:
         return sum(self.busy) / self.makespan if self.makespan > 0 else 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Op:
     batch: _Batch
     send: bool
@@ -103,7 +106,7 @@ class _Op:
         return self.message.dst if self.send else self.message.src
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Batch:
     """One ``batch_isend_irecv`` on one stream: ``head`` is when it reached the stream's
     head (``None`` while queued behind another), ``done`` when all its ops were."""
@@ -147,7 +150,15 @@ def simulate(
     simulation = _Simulation(
         stage_programs, cost or unit_cost(), transfer or (lambda _: 0.0), streams
     )
-    return simulation.run()
+    # The ops and batches point at each other (hundreds of thousands in a long pass): the
+    # cyclic collector would rescan them all again and again while nothing is garbage yet.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return simulation.run()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Simulation:
@@ -169,6 +180,10 @@ class _Simulation:
         self.unmatched: dict[tuple[str, int, int, object], _Op] = {}
         self.arrivals: dict[object, dict[int, float]] = {}
         self.computes: list[tuple[int, Compute, float, float]] = []
+        self.members: dict[Hashable, int] = {}  # collective -> how many programs join it
+        for program in stage_programs:
+            for name in {step.name for step in program if isinstance(step, Collective)}:
+                self.members[name] = self.members.get(name, 0) + 1
 
     def run(self) -> Timeline:
         progress = True
@@ -205,7 +220,7 @@ class _Simulation:
             elif isinstance(step, Collective):
                 arrived = self.arrivals.setdefault(step.name, {})
                 arrived.setdefault(stage, self.clock[stage])
-                if len(arrived) < len(self.programs):
+                if len(arrived) < self.members[step.name]:
                     return moved
                 self.clock[stage] = max(arrived.values())
             self.pc[stage] += 1

@@ -70,7 +70,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Collective:
-    """A collective every stage joins, named for the reports."""
+    """A collective every member of its group joins (a pass's: every stage), named for
+    the reports and the simulator's matching."""
 
     name: Key
 
