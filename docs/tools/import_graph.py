@@ -39,7 +39,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         tuple(
             f"longstraw_core.{name}"
             for name in (
-                "distributed", "generation", "losses", "reference_policy", "replay", "rollout",
+                "distributed", "generation", "losses", "reference_policy", "replay", "replay_totals", "rollout",
                 "rollout_turns", "sampled_group", "sampling",
             )
         ),
