@@ -89,8 +89,9 @@ def schedules(stages: int, group: int) -> dict[str, float]:
         ring_program,
     )
     from longstraw_core.pipeline.simulate import replay_pieces, simulate
+    from longstraw_core.rollout import STOP_CHECK_EVERY
 
-    ring = Ring(stages, len(micro_groups(group, stages)), 64)
+    ring = Ring(stages, len(micro_groups(group, stages)), 64, check_every=STOP_CHECK_EVERY)
     pieces = replay_pieces(stages, group)
     replay = simulate(programs(replay_orders(stages, [pieces] * group)))
     return {

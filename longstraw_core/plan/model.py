@@ -15,6 +15,7 @@ from torch import nn
 from longstraw_core.kinds import registry as kinds
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.quantization import is_quantized, quantizable_in_layer
+from longstraw_core.rollout import STOP_CHECK_EVERY
 
 PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 LOAD = "load"  # the phase before the first step: loading the weights (``plan.phases`` first)
@@ -255,6 +256,8 @@ class Workload:
     # the worst count from 1 to group: fewer branches get more pieces)
     replay_branches: int | None = None
     quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
+    # rollout.stop_check_every: decode steps between the ring's stop collectives
+    stop_check_every: int = STOP_CHECK_EVERY
 
     @property
     def stored(self) -> int:

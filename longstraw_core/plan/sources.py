@@ -180,6 +180,7 @@ def workload_from_config(
         prompt_tokens=prompt_tokens or cfg.data.prompt_tokens,
         group=group or cfg.rollout.num_generations,
         response_tokens=cfg.rollout.max_new_tokens,
+        stop_check_every=cfg.rollout.stop_check_every,
         chunk_size=cfg.train.chunk_size,
         gradient=cfg.grpo.gradient,
         checkpoints=cfg.grpo.recurrent_checkpoints,

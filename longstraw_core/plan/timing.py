@@ -197,7 +197,9 @@ class StepModel(StageCosts):
             ticks.append(Work(forward, hbm + weights, host, self.dequant(s, 1, size)))
         hidden = size * self.spec.hidden * self.cb
         seconds = self.scheduled(
-            lambda steps: ring_program(Ring(self.stages, len(rows), steps)),
+            lambda steps: ring_program(
+                Ring(self.stages, len(rows), steps, check_every=work.stop_check_every)
+            ),
             new,
             lambda c: ticks[c.stage].seconds(hw)[0],
             lambda m: hidden if m.key[0] == "H" else size * INT64,
