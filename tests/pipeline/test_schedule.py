@@ -1,8 +1,9 @@
 """The pipeline schedules as programs, played under NCCL's point-to-point rules.
 
-``simulate`` runs every stage's program with NCCL's rules (one in-order stream per pair of
-stages for both directions, a send done only when the peer's stream reaches its receive,
-an exchange's ops together, tags ignored). Here every schedule the stages run is live for
+``simulate`` runs every stage's program with NCCL's rules as the pipeline's process groups
+make them (one 2-rank group, so one in-order stream, per pair of stages for both directions;
+a send done only when the peer's stream reaches its receive; an exchange's ops together;
+tags ignored). The whole S x G grid, and one group a pipeline: ``test_schedule_grid.py``. Here every schedule the stages run is live for
 many shapes (pipelines of 2 to 32 stages), its idle share is what its op order gives with
 unit costs per microbatch (the issue's targets: replay at S=8 idles at most 15% at G=8 and
 30% at G=2; rollout keeps at least 4 of 8 stages busy at G=8), and the simulator itself

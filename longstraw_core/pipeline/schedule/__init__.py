@@ -7,9 +7,10 @@ computes (``*_orders``), and ``programs`` turns those orders into each stage's *
 the exact sequence of steps its rank runs (``longstraw_core.pipeline.runner``) and the
 simulator plays (``longstraw_core.pipeline.simulate``):
 
-- ``Exchange``: one ``batch_isend_irecv``: the messages the previous compute produced for
+- ``Exchange``: one ``batch_isend_irecv`` per peer: the messages the previous compute produced for
   other stages, fused with the ones the next compute needs. Fusing is what keeps a schedule
-  live under NCCL's rules (one in-order stream per rank pair, a send completes only when
+  live under NCCL's rules (one in-order stream per rank pair, each pair of stages a
+  process group of its own: ``transport``, a send completes only when
   the peer's stream reaches the matching receive, ops of one batch progress together):
   in 1F1B's steady state stage ``s`` sends forward ``k + 1`` and receives backward ``k``
   while stage ``s + 1`` sends backward ``k`` and receives forward ``k + 1``; unbatched, the
