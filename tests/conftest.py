@@ -89,13 +89,16 @@ LONGEST_FIRST = (
     "checkpoint/test_output_dir.py",  # 105 s
     "plan/test_scale_check.py",  # 99 s
     "distributed/test_distributed.py",  # 98 s
+    "pipeline/test_schedule_grid.py",  # ~75 s
     "adapters/test_activation_checkpointing.py",  # 71 s
     "distributed/test_same_run.py",  # 69 s
     "test_entry_points.py",  # 64 s
     "models/test_qlora.py",  # 63 s
     "plan/test_plan_stages.py",  # 60 s
     "distributed/test_nccl_rules.py",  # 56 s
+    "training/test_two_nodes.py",  # ~56 s
     "families/test_glm52_adapter.py",  # 54 s
+    "distributed/test_fsdp_lora.py",  # ~48 s
 )
 
 
