@@ -32,6 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from gpu_check_bench import timed  # a script beside this one
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -52,25 +54,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def timed(work: Callable[[], Any], device: Any, repeats: int = 2) -> float:
-    """Seconds of the fastest of ``repeats`` runs after one warm-up."""
-    import torch
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        work()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # --- warm-up --------------------------------------------------------------------------------
