@@ -20,7 +20,6 @@ span both ranks, and the gradient equals one process running all four groups.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_exit import leave_process_group_and_exit
 from reference import with_lora
 
 import longstraw_core as ls
@@ -362,14 +362,7 @@ def main(out_dir: str, names: list[str]) -> None:
             result = {"parameters": parameters, "grads": grads, "reduced": reduced}
             result["extremes"] = extremes
             torch.save(result, out / f"{name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    # NOTE: skip the interpreter's teardown. Gloo's worker threads may still be dropping
-    # finished work (which holds tensors, so needs the GIL) while Python finalizes, and that
-    # aborts the process now and then (torch 2.13). Everything is written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group_and_exit()
 
 
 if __name__ == "__main__":

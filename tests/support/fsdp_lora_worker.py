@@ -17,7 +17,6 @@ exact-mode ``grpo_step`` per rank on the Qwen3.6 toy (rank ``r`` takes group ``r
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections import Counter
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from distributed_worker import Case as StepCase
 from distributed_worker import full_tensors, grpo_config, step_groups
+from rank_exit import leave_process_group_and_exit
 from reference import with_lora
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -167,13 +167,7 @@ def main(out_dir: str) -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save(gathered, Path(out_dir) / "fsdp-lora.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    # NOTE: skip the interpreter's teardown, as distributed_worker.py does (gloo's threads
-    # may abort a finalizing interpreter, torch 2.13); everything is written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group_and_exit()
 
 
 if __name__ == "__main__":

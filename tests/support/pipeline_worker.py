@@ -18,7 +18,6 @@ test runs it and compares. The ``rollout`` case decodes greedily and with sampli
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from distributed_worker import Group, random_groups
+from rank_exit import leave_process_group_and_exit
 from reference import with_lora
 from torch.distributed.tensor import DTensor
 
@@ -393,11 +393,7 @@ def main(out_dir: str, stages: int, names: list[str]) -> None:
             result = train_staged(CASES[name], stages, out / f"checkpoint-{run}")
         if dist.get_rank() == 0:
             torch.save(result, out / f"{run}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip gloo's teardown (see tests/support/distributed_worker.py)
+    leave_process_group_and_exit()
 
 
 if __name__ == "__main__":
