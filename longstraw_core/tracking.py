@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from longstraw_core import metrics as names
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
+from longstraw_core.run_curves import write_run_curves
 from longstraw_core.state import format_bytes
 
 if TYPE_CHECKING:
@@ -88,11 +89,14 @@ class RunLogger:
         completions_every: int = 0,
         run_id: str | None = None,
         write: Callable[[str], None] | None = None,
+        curves_png: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.wandb = wandb and mode != "disabled"
         self.mode = mode
+        self.run_name = run_name
+        self.curves_png = curves_png
         self.total_steps = total_steps
         self.log_every = log_every
         self.completions_every = completions_every
@@ -117,6 +121,7 @@ class RunLogger:
             "total_steps": cfg.train.steps,
             "log_every": cfg.train.log_every,
             "completions_every": cfg.train.completions_every,
+            "curves_png": t.curves_png,
         }
         return cls(accelerator, **(settings | kwargs))
 
@@ -226,6 +231,8 @@ class RunLogger:
         The process group stays up (``accelerator.end_training()`` ends it, after this), so
         ranks can still wait for rank 0 to finish writing the run.
         """
+        if self.is_main:
+            self._write_curves()
         if self.wandb:
             offline_dir = self.run_dir if self.mode == "offline" else None
             for tracker in self.accelerator.trackers:
@@ -235,6 +242,18 @@ class RunLogger:
                 print(f"wandb: to upload this offline run: wandb sync {offline_dir}")
         if print_summary and self.is_main and self.history:
             Console().print(self.summary_table())
+
+    def _write_curves(self) -> None:
+        """``metrics.csv`` and ``curves.png`` beside the run (``run_curves``); the PNG also
+        to W&B, as the image ``curves``."""
+        written = write_run_curves(
+            self.history, self.output_dir, self.run_name or "", png=self.curves_png
+        )
+        png = [p for p in written if p.suffix == ".png"]
+        if png and self.wandb:
+            import wandb
+
+            self.accelerator.log({"curves": wandb.Image(str(png[0]))}, step=self.history[-1][0])
 
     # ----------------------------------------------------------------------- rendering
 

@@ -266,6 +266,10 @@ class TrackingSection:
     project: str = "longstraw"
     run_name: str | None = None
     mode: str = "offline"  # one of TRACKING_MODES
+    # metrics.csv is always written beside the run (output_dir) when it ends; true: also the
+    # learning curves as curves.png (training reward, eval accuracy), logged to W&B as an
+    # image. Needs matplotlib; costs a few seconds at the end of the run.
+    curves_png: bool = False
 
 
 @dataclass

@@ -4,6 +4,7 @@ W&B's own summary), and a config error once, not once per rank."""
 
 from __future__ import annotations
 
+import csv
 import io
 import re
 import warnings
@@ -14,11 +15,13 @@ from accelerate import Accelerator
 from launch import torchrun
 from rich.console import Console
 from tiny_training import optimizer_and_schedule, tiny_policy, train_step
+from wandb_records import wandb_history, wandb_records
 
 from longstraw_core import metrics as names
 from longstraw_core import models
 from longstraw_core.checkpoint import save_checkpoint
 from longstraw_core.config import LoraSection, load_config
+from longstraw_core.run_curves import CURVES_PNG, METRICS_CSV
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tracking import RunLogger, log_with
 
@@ -134,3 +137,25 @@ def test_a_config_error_under_torchrun_prints_once_and_is_the_launchers_root_cau
     root_cause = log.split("Root Cause", 1)[1]
     assert re.search(r"traceback\s*: config error: train.stepz: unknown key", root_cause), log
     assert "To enable traceback" not in log
+
+
+def test_a_finished_run_leaves_its_metrics_as_csv_and_its_curves_as_png(tmp_path):
+    """Readable without W&B: every metric per step in ``metrics.csv`` (a metric a step did
+    not log is an empty cell), the reward and eval curves in ``curves.png``, which W&B
+    records too, as the image ``curves``."""
+    logger = _logger(tmp_path, "tracking.mode=offline", "tracking.curves_png=true")
+    for step in (1, 2, 3):
+        logger.log(step, {names.REWARD: 0.1 * step, names.LOSS: float("nan")})
+    logger.log(3, {names.EVAL_GREEDY_ACCURACY: 0.25})
+    run_file = next(logger.run_dir.glob("run-*.wandb"))
+    logger.finish(print_summary=False)
+    run = tmp_path / "run"
+    with open(run / METRICS_CSV) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["1", "2", "3", "3"]
+    assert [r[names.REWARD] for r in rows] == [repr(0.1), repr(0.2), repr(0.1 * 3), ""]
+    assert rows[0][names.LOSS] == "" and rows[-1][names.EVAL_GREEDY_ACCURACY] == "0.25"
+    assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(run.glob(".*partial"))  # written whole, then renamed
+    history = wandb_history(wandb_records(run_file))
+    assert history[3]["curves/_type"] == "image-file" and history[3][names.REWARD] == 0.1 * 3
