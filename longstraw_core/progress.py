@@ -67,13 +67,19 @@ class StepProgress:
 
     def step_done(self) -> dict[str, float]:
         """Advance the bar by one step; seconds per phase of that step, plus ``time/step``."""
+        timings = self.take_timings()
+        self.bar.set_postfix_str("", refresh=False)
+        self.bar.update(1)
+        self.steps_done += 1
+        return timings
+
+    def take_timings(self) -> dict[str, float]:
+        """Seconds per phase since the last call (``time/<phase>``, ``time/step``), without
+        advancing the bar: work outside the steps (the eval before the first)."""
         now = time.perf_counter()
         timings = {f"time/{name}": seconds for name, seconds in self._seconds.items()}
         timings["time/step"] = now - self._step_started
         self._seconds, self._step_started = {}, now
-        self.bar.set_postfix_str("", refresh=False)
-        self.bar.update(1)
-        self.steps_done += 1
         return timings
 
     def write(self, line: str) -> None:

@@ -125,6 +125,9 @@ class EvalSection:
     # Every N optimizer steps (and after the last), like TRL's eval_steps; 0: never. Each
     # eval costs a prefill and two rollouts per eval prompt, with no training in between.
     every: int = 0
+    # Also before the first step (TRL's eval_on_start), logged at step 0: where the held-out
+    # curve starts, so a run shows what training changed.
+    on_start: bool = False
     data: EvalDataSection = field(default_factory=EvalDataSection)
     # Prompts per eval: the first N of eval.data (every eval the same ones). null: the whole
     # dataset (TRL evaluates all of eval_dataset); a task needs a number.

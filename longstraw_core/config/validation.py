@@ -379,6 +379,10 @@ def _check_eval(cfg: RunConfig, facts: ModelFacts, check_paths: bool, check_rewa
             "null (rollout.max_new_tokens) or an int >= 1",
         )  # fmt: skip
     _check_range("eval.correct_reward", ev.correct_reward, True, "a finite float")
+    if ev.on_start and not ev.every:
+        raise ConfigError(
+            "eval.on_start", "true needs eval.every > 0 (and eval.data): set both, or false"
+        )
     if not ev.every:
         return
     if all(v is None for v in dataclasses.asdict(ev.data).values()):

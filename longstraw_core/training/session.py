@@ -239,6 +239,8 @@ class Session(StepBookkeeping):
         cfg = self.cfg
         per_step = cfg.train.prompts_per_step
         with GracefulStop(on_signal=self.checkpoints.write_kept) as stop:
+            if self.step == 0 and cfg.eval.on_start:  # the untrained policy: the curve's start
+                self.logger.log(0, self._evaluate() | self.progress.take_timings())
             while self.step < cfg.train.steps:
                 # Replica r of n takes samples data_position + r * per_step + k, as TRL
                 # slices a generation batch across processes.
@@ -248,11 +250,7 @@ class Session(StepBookkeeping):
                     self.step += 1
                     metrics = self.topology.reduce(metrics)
                     if self.evaluation.due(self.step):  # the updated policy, before a checkpoint
-                        with self.progress.phase("eval"), self.precision.step():
-                            metrics |= self.evaluation.run(
-                                self.adapter, self.rewards, self.step,
-                                offload=self.offload, gather_parameters=self.rollout_once,
-                            )  # fmt: skip
+                        metrics |= self._evaluate()
                     metrics |= self.progress.step_done()
                     self.logger.log(self.step, metrics)
                 self.data_position += self.topology.replicas * per_step
@@ -266,6 +264,14 @@ class Session(StepBookkeeping):
                 if stopping:
                     return stopping
         return None
+
+    def _evaluate(self) -> dict[str, float]:
+        """The ``eval/...`` metrics of the policy as it is after ``self.step`` steps."""
+        with self.progress.phase("eval"), self.precision.step():
+            return self.evaluation.run(
+                self.adapter, self.rewards, self.step,
+                offload=self.offload, gather_parameters=self.rollout_once,
+            )  # fmt: skip
 
     def save_checkpoint(self, write: bool = True) -> None:
         """Every rank calls it after each rollout's steps (a sharded model is gathered): rank

@@ -104,8 +104,9 @@ def test_eval_metrics_are_those_of_its_completions_and_rewards(tmp_path):
 
 def test_training_with_eval_equals_training_without(tmp_path):
     """LoRA dropout draws from torch's global generator in every replay; the reward draws from
-    every global stream, in training and in eval. Eval after each step leaves the training's
-    draws, weights, data position and metrics exactly as without it."""
+    every global stream, in training and in eval. Eval before the first step (``on_start``,
+    logged at step 0) and after each leaves the training's draws, weights, data position and
+    metrics exactly as without it."""
     common = [
         "train.steps=2", "train.save_every=2", "grpo.gradient=detached", "lora.dropout=0.1",
         "rewards=[{name: 'varied_reward:even_characters_drawing'}]", "tracking.wandb=false",
@@ -113,7 +114,13 @@ def test_training_with_eval_equals_training_without(tmp_path):
     config = "configs/qwen36/tiny_lora_grpo_cpu.yaml"
     plain = recipe_in_process("grpo_qwen36.py", config, tmp_path / "plain", *common)
     evaluated = recipe_in_process(
-        "grpo_qwen36.py", config, tmp_path / "eval", *common, "eval.every=1", *EVAL
+        "grpo_qwen36.py",
+        config,
+        tmp_path / "eval",
+        *common,
+        "eval.every=1",
+        *EVAL,
+        "eval.on_start=true",
     )
     first, second = (
         weights(run / "step-000002") for run in (tmp_path / "plain", tmp_path / "eval")
@@ -123,9 +130,11 @@ def test_training_with_eval_equals_training_without(tmp_path):
     initial = plain.model  # moved at all: the LoRA B matrices start at zero
     assert any(float(v.abs().max()) > 0 for n, v in initial.named_parameters() if "lora_B" in n)
     assert plain.data_position == evaluated.data_position == 2
-    assert [s for s, _ in evaluated.logger.history] == [1, 2]
+    assert [s for s, _ in evaluated.logger.history] == [0, 1, 2]
+    at_start = evaluated.logger.history[0][1]
+    assert names.EVAL_GREEDY_ACCURACY in at_start and names.REWARD not in at_start
     for (_, without), (_, with_eval) in zip(
-        plain.logger.history, evaluated.logger.history, strict=True
+        plain.logger.history, evaluated.logger.history[1:], strict=True
     ):
         assert any(key.startswith("eval/") for key in with_eval)
         kept = {k: v for k, v in with_eval.items() if not k.startswith("eval/")}
@@ -235,6 +244,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["eval.every=1", "eval.samples=1", "eval.data.task_kwargs={hops: 3}"],
          "eval.data.task_kwargs.hops"),
         (["eval.data.sead=1"], "eval.data.sead"),
+        (["eval.on_start=true"], "eval.on_start"),  # with eval.every=0: nothing evaluates
     ],
 )  # fmt: skip
 def test_bad_eval_settings_fail_at_load_naming_the_key(overrides, key):
