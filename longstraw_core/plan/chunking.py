@@ -102,11 +102,13 @@ def auto_chunk(spec: ModelSpec, work: Workload) -> ChunkChoice:
     workload's own ``chunk_size`` is ignored."""
     tried = candidates(work)
     plans = [compute_plan(spec, dataclasses.replace(work, chunk_size=chunk)) for chunk in tried]
-    pool = [plan for plan in plans if plan.fits is not False] or plans
-    leanest = min(pool, key=lambda plan: (plan.peak, -plan.work.chunk_size))
+    fitting = [plan for plan in plans if plan.fits is not False]
+    leanest = min(fitting or plans, key=lambda plan: (plan.peak, -plan.work.chunk_size))
     limit = leanest.peak * (1 + SLACK)
     chosen = max(
-        (plan for plan in pool if plan.peak <= limit), key=lambda plan: plan.work.chunk_size
+        (plan for plan in fitting if plan.peak <= limit),
+        key=lambda plan: plan.work.chunk_size,
+        default=leanest,  # none fits: the lowest peak, for check_fits to name a fix
     )
     index = plans.index(chosen)
     larger = plans[index + 1] if index + 1 < len(plans) else None
