@@ -63,7 +63,8 @@ kernels' scratch from their block budgets), ``activations`` (transients from ten
 shapes), ``flops`` (forward FLOPs from shapes), ``pieces`` (replay in pieces on a stage),
 ``stages`` (stage layouts, a stage's slice of the model, what is in flight), ``weights``
 (parameters, gradients, optimizer, FSDP), ``core`` (the pure plan: lines and phase peaks),
-``chunking`` (the chunk ``train.chunk_size: null`` leaves to the planner), ``roofline`` (one stage's work and its cost on a GPU), ``timing`` (seconds per phase, the
+``chunking`` (the chunk ``train.chunk_size: null`` leaves to the planner), ``roofline``
+(one stage's work and its cost on a GPU), ``timing`` (seconds per phase, the
 stages combined by the schedules), ``calibration`` (the time
 estimate's GPU figures from flags, defaults or ``make gpu-check``'s measurements),
 ``sources`` (specs and workloads from presets, checkpoints and run configs), ``advice``

@@ -8,7 +8,7 @@ what a whole-sequence trainer with gradient checkpointing needs. A smaller chunk
 time only through what each chunk pays once (kernel launches, every weight read once a
 chunk, attention reading the stored prefix once a chunk, a recurrent checkpoint a chunk),
 and that fades once a chunk holds a few hundred tokens: measured on SmolLM2 at 2K and 6K
-prompt tokens, chunk 1024 was as fast as 4096 or faster, at a third of the peak.
+prompt tokens, chunk 1024 was as fast as 4096 or faster, at 0.3x to 0.7x its peak.
 
 The rule (``auto_chunk``): of the powers of two from ``CHUNKS[0]`` = 256 to
 ``CHUNKS[-1]`` = 8192, no larger than the first that holds the stored prompt in one chunk,
