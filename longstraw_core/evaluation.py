@@ -51,6 +51,7 @@ one process computes.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import sys
@@ -221,6 +222,17 @@ class Evaluation:
             )
         return cls(cfg, source, tokenizer, topology, count=count, progress=progress, agents=agents)
 
+    @functools.cached_property
+    def chunk_size(self) -> int:
+        """The training's prefill chunk: ``train.chunk_size`` as the session set it (null
+        became the planner's choice at setup), or the planner's choice for an evaluation
+        built outside a session."""
+        if self.cfg.train.chunk_size is not None:
+            return self.cfg.train.chunk_size
+        from longstraw_core.plan import chunk_for_config
+
+        return chunk_for_config(self.cfg).chunk
+
     def due(self, step: int) -> bool:
         """Whether to evaluate after optimizer step ``step``: every ``eval.every`` steps and
         after the last."""
@@ -293,7 +305,7 @@ class Evaluation:
         )
         sample = group.sample
         state = adapter.prefill(
-            group.prompt_ids, chunk_size=cfg.train.chunk_size, progress=self.progress,
+            group.prompt_ids, chunk_size=self.chunk_size, progress=self.progress,
             offload=offload,
         )  # fmt: skip
         common = {

@@ -210,6 +210,14 @@ def grpo_step(
     gradient of the prefix state into a buffer shaped like the state, and a reverse sweep
     over the prompt's chunks turns it into parameter gradients (``longstraw_core.exact``).
 
+    ``chunk_size``: the prompt tokens a chunk of a prefill made here holds (``state=None``),
+    which is also the sweep's recompute unit (a given ``state`` keeps the chunk it was
+    prefilled with). Exact mode's peak grows with it: one chunk's graph is alive at a time.
+    The default stays 4096 (the algorithms do not import the planner); the recipes'
+    ``train.chunk_size: null`` is the planner's choice, which a caller can make too:
+    ``plan.auto_chunk(plan.ModelSpec.from_model(model, name), plan.Workload(...)).chunk``
+    (``longstraw_core.plan.chunking``).
+
     ``loss_scale`` multiplies the gradient (not the reported ``loss``): the group's share of
     an optimizer step over several groups, from ``longstraw_core.distributed.group_loss_scales``
     or ``longstraw_core.generation.GenerationBatch``. ``reward_std``: with

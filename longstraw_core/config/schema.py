@@ -238,7 +238,11 @@ class OptimSection:
 @dataclass
 class TrainSection:
     steps: int = 100  # optimizer steps (TRL's max_steps); grpo.num_iterations per rollout
-    chunk_size: int = 4096  # prefill chunk; also the exact sweep's recompute unit
+    # Prompt tokens a prefill chunk holds, also the exact sweep's recompute unit (its graph
+    # grows with it). null: the planner's choice, the largest chunk (256 .. 8192) whose step
+    # peak stays within 25% of the leanest chunk's (longstraw_core.plan.chunking; the run
+    # prints it and why); an int: that chunk.
+    chunk_size: int | None = None
     # Prompts (groups) each replica rolls out and accumulates into one optimizer step, the
     # loss normalised as TRL's over all of them: a larger batch per step for one more
     # rollout + replay each (one prefix state at a time, so no more memory).

@@ -450,7 +450,10 @@ def _check_optim(optim: OptimSection, train: TrainSection) -> None:
 
 def _check_train(train: TrainSection, check_paths: bool) -> None:
     _check_range("train.steps", train.steps, train.steps >= 1, "an int >= 1")
-    _check_range("train.chunk_size", train.chunk_size, train.chunk_size >= 1, "an int >= 1")
+    chunk = train.chunk_size
+    _check_range(
+        "train.chunk_size", chunk, chunk is None or chunk >= 1, "null (auto) or an int >= 1"
+    )
     _check_range("train.log_every", train.log_every, train.log_every >= 1, "an int >= 1")
     for name in ("completions_every", "save_every"):
         value = getattr(train, name)

@@ -40,6 +40,11 @@ on the device (NF4: its 4-bit share) and one tensor of it on the host
 (``MemoryPlan.load_host``; NF4: the largest 4-bit weight as read, with its quantization's
 scratch), as ``longstraw_core.loading`` reads a checkpoint; never the whole model.
 
+The chunk (``train.chunk_size: null``, the default): the largest power of two from 256 to
+8192 (no larger than the prompt needs) whose planned peak is within 25% of the leanest
+chunk's, so that exact mode's sweep graph does not set the step's peak
+(``chunking.auto_chunk``; the run prints the choice and why).
+
 Pipeline stages (``Workload.stages``, ``--stages``): each rank of a stage group holds only
 its stage's layers (weights, prefix state, dS, checkpoints), the embeddings on stage 0, the
 head on the last, and what the schedules keep in flight (replay's branches cut into
@@ -58,7 +63,8 @@ kernels' scratch from their block budgets), ``activations`` (transients from ten
 shapes), ``flops`` (forward FLOPs from shapes), ``pieces`` (replay in pieces on a stage),
 ``stages`` (stage layouts, a stage's slice of the model, what is in flight), ``weights``
 (parameters, gradients, optimizer, FSDP), ``core`` (the pure plan: lines and phase peaks),
-``roofline`` (one stage's work and its cost on a GPU), ``timing`` (seconds per phase, the
+``chunking`` (the chunk ``train.chunk_size: null`` leaves to the planner), ``roofline``
+(one stage's work and its cost on a GPU), ``timing`` (seconds per phase, the
 stages combined by the schedules), ``calibration`` (the time
 estimate's GPU figures from flags, defaults or ``make gpu-check``'s measurements),
 ``sources`` (specs and workloads from presets, checkpoints and run configs), ``advice``
@@ -75,12 +81,14 @@ from longstraw_core.plan.advice import (
     plan_memory,
     rollout_gathers_once,
 )
+from longstraw_core.plan.chunking import ChunkChoice, auto_chunk, resolve_chunk
 from longstraw_core.plan.core import Line, MemoryPlan, compute_plan, pipeline_plan
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.output import print_plan, render_markdown, render_text
 from longstraw_core.plan.roofline import Hardware
 from longstraw_core.plan.sources import (
     Scenario,
+    chunk_for_config,
     plan_for_config,
     scenario_workload,
     spec_for_config,
@@ -91,6 +99,7 @@ from longstraw_core.plan.stages import layer_costs, stage_layout, stage_spec
 from longstraw_core.plan.timing import PhaseTime, TimeEstimate, estimate_time
 
 __all__ = [
+    "ChunkChoice",
     "Hardware",
     "LayerSpec",
     "Line",
@@ -102,7 +111,9 @@ __all__ = [
     "Scenario",
     "TimeEstimate",
     "Workload",
+    "auto_chunk",
     "check_fits",
+    "chunk_for_config",
     "compute_plan",
     "estimate_time",
     "fixes_for",
@@ -113,6 +124,7 @@ __all__ = [
     "print_plan",
     "render_markdown",
     "render_text",
+    "resolve_chunk",
     "rollout_gathers_once",
     "scenario_workload",
     "spec_for_config",

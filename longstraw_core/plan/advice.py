@@ -11,6 +11,7 @@ from typing import Any
 
 from longstraw_core.kinds.registry import kind, kinds
 from longstraw_core.offload import PLACEMENT_FIELDS, OffloadPolicy
+from longstraw_core.plan.chunking import auto_chunk
 from longstraw_core.plan.core import MemoryPlan, compute_plan
 from longstraw_core.plan.model import ModelSpec, Workload
 from longstraw_core.plan.sources import plan_for_config
@@ -44,11 +45,15 @@ def plan_memory(spec: ModelSpec, work: Workload) -> MemoryPlan:
 
 
 def advice_for(plan: MemoryPlan) -> list[str]:
-    """What to change: the largest chunk that fits, offload when the state does not fit."""
-    if plan.budget is None:
-        return ["no GPU memory budget (memory.gpu_mem / --gpu-mem): nothing to check against"]
+    """What to change: the largest chunk that fits, offload when the state does not fit;
+    first, the chunk the planner chose and why (``train.chunk_size: null``)."""
     work = plan.work
-    advice = []
+    advice = [auto_chunk(plan.spec, work).note()] if work.chunk_auto else []
+    if plan.budget is None:
+        return [
+            *advice,
+            "no GPU memory budget (memory.gpu_mem / --gpu-mem): nothing to check against",
+        ]
     if plan.cpu_bytes:
         ranks = min(work.gpus, 8)
         advice.append(
@@ -57,7 +62,7 @@ def advice_for(plan: MemoryPlan) -> list[str]:
         )
     advice += _rollout_streaming_advice(plan)
     if plan.fits:
-        chunk = largest_chunk(plan.spec, work)
+        chunk = None if work.chunk_auto else largest_chunk(plan.spec, work)
         if chunk is not None:
             advice.append(
                 f"train.chunk_size={chunk} is the largest chunk that fits (configured: "

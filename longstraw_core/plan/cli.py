@@ -19,6 +19,7 @@ from longstraw_core.plan.calibration import (
     load_calibration,
     resolve_hardware,
 )
+from longstraw_core.plan.chunking import resolve_chunk
 from longstraw_core.plan.core import MemoryPlan
 from longstraw_core.plan.output import print_plan, print_time, render_markdown
 from longstraw_core.plan.roofline import Hardware
@@ -46,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, help="default: data.prompt_tokens")
     parser.add_argument("--group", type=int, help="G; default: rollout.num_generations")
     parser.add_argument("--response-tokens", type=int, help="default: rollout.max_new_tokens")
-    parser.add_argument("--chunk-size", type=int, help="default: train.chunk_size")
+    parser.add_argument(
+        "--chunk-size",
+        type=_chunk_arg,
+        help="tokens a prompt chunk holds, or auto: the planner's choice (default: "
+        "train.chunk_size, auto when null; 8192 for a preset)",
+    )
     parser.add_argument("--gradient", choices=("detached", "exact"))
     parser.add_argument("--gpus", type=int, help="ranks (FSDP shards over them)")
     parser.add_argument("--gpu-mem", help="memory per GPU, e.g. 96GiB or 80GB")
@@ -124,6 +130,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chunk_arg(text: str) -> int | str:
+    """``--chunk-size``: a positive int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive int or auto")
+    return value
+
+
 def hardware_from(
     args: argparse.Namespace,
     calibration: Calibration | None = None,
@@ -183,7 +202,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         if args.gradient:
             overrides.append(f"grpo.gradient={args.gradient}")
         if args.chunk_size:
-            overrides.append(f"train.chunk_size={args.chunk_size}")
+            chunk = "null" if args.chunk_size == "auto" else args.chunk_size
+            overrides.append(f"train.chunk_size={chunk}")
         cfg = load_config(args.config, overrides, check_paths=False)
         spec, work = plan_for_config(
             cfg,
@@ -202,8 +222,10 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         changes["replay_pieces"] = args.replay_pieces
     if args.response_tokens:
         changes["response_tokens"] = args.response_tokens
-    if args.chunk_size:
-        changes["chunk_size"] = args.chunk_size
+    if args.chunk_size == "auto":
+        changes["chunk_auto"] = True
+    elif args.chunk_size:
+        changes["chunk_size"], changes["chunk_auto"] = args.chunk_size, False
     if args.headroom is not None:
         changes["headroom"] = args.headroom
     if offload is not None:
@@ -216,7 +238,8 @@ def _cli_plan(args: argparse.Namespace) -> MemoryPlan:
         changes["keep_attention_outputs"] = args.keep_attention_outputs
     if args.quantization:
         changes["quantization"] = args.quantization
-    return plan_memory(spec, dataclasses.replace(work, **changes))
+    # auto: chosen again for the workload as changed (another chunk may suit it better)
+    return plan_memory(spec, resolve_chunk(spec, dataclasses.replace(work, **changes)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,6 +122,8 @@ def pipeline_plan(spec: ModelSpec, work: Workload) -> MemoryPlan:
 def _check_workload(work: Workload) -> None:
     if work.prompt_tokens < 2:
         raise ValueError(f"prompt_tokens={work.prompt_tokens}: a prompt has at least 2 tokens")
+    if work.chunk_size is None:
+        raise ValueError("chunk_size=None: choose it first (plan.resolve_chunk)")
     for name in ("group", "response_tokens", "chunk_size", "gpus", "stages"):
         if getattr(work, name) < 1:
             raise ValueError(f"{name}={getattr(work, name)}: must be at least 1")

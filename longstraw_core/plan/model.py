@@ -226,7 +226,7 @@ class Workload:
     prompt_tokens: int
     group: int
     response_tokens: int
-    chunk_size: int
+    chunk_size: int | None  # None: not chosen yet (``chunk_auto``: ``chunking.resolve_chunk``)
     gradient: str = "detached"
     checkpoints: str = "device"
     gpus: int = 1
@@ -258,6 +258,9 @@ class Workload:
     quantization: str | None = None  # model.quantization: "nf4" stores decoder linears in 4 bits
     # rollout.stop_check_every: decode steps between the ring's stop collectives
     stop_check_every: int = STOP_CHECK_EVERY
+    # train.chunk_size: null: the planner chooses chunk_size (``chunking.auto_chunk``), and
+    # chooses it again after a change to the workload (``chunking.resolve_chunk``)
+    chunk_auto: bool = False
 
     @property
     def stored(self) -> int:

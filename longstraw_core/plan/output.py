@@ -123,7 +123,8 @@ def _title(plan: MemoryPlan) -> str:
     checkpointing = ", activation checkpointing" if work.activation_checkpointing else ""
     title = (
         f"{plan.spec.name}: {work.prompt_tokens:,} prompt tokens, G={work.group}, "
-        f"{work.response_tokens} response tokens, chunk {work.chunk_size}, "
+        f"{work.response_tokens} response tokens, chunk {work.chunk_size}"
+        f"{' (auto)' if work.chunk_auto else ''}, "
         f"{work.gradient}{checkpointing}, {work.gpus} GPU(s){offload}"
     )
     if plan.layout is not None and work.stages > 1:

@@ -12,6 +12,7 @@ import torch
 
 from longstraw_core.adapters import registry
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.plan.chunking import ChunkChoice, auto_chunk, resolve_chunk
 from longstraw_core.plan.model import ModelSpec, Workload
 
 # The LoRA target modules of the shipped paper-scale configs, per preset.
@@ -120,7 +121,26 @@ def plan_for_config(
     **overrides: Any,
 ) -> tuple[ModelSpec, Workload]:
     """The model and the step of a ``RunConfig`` (``overrides``: ``workload_from_config``'s);
-    LoRA without target modules targets the config's defaults for the model."""
+    LoRA without target modules targets the config's defaults for the model;
+    ``train.chunk_size: null``: the chunk ``chunking.auto_chunk`` chooses."""
+    spec, work = _spec_and_workload(cfg, prompt_tokens, **overrides)
+    return spec, resolve_chunk(spec, work)
+
+
+def chunk_for_config(
+    cfg: Any, prompt_tokens: int | None = None, **overrides: Any
+) -> ChunkChoice | None:
+    """The chunk ``chunking.auto_chunk`` chooses for a ``RunConfig`` whose
+    ``train.chunk_size`` is null, with its reasons (None: the config sets the chunk)."""
+    if cfg.train.chunk_size is not None:
+        return None
+    return auto_chunk(*_spec_and_workload(cfg, prompt_tokens, **overrides))
+
+
+def _spec_and_workload(
+    cfg: Any, prompt_tokens: int | None, **overrides: Any
+) -> tuple[ModelSpec, Workload]:
+    """``plan_for_config``'s model and workload, the chunk not chosen yet."""
     model_type = None
     if cfg.model.tiny is not None:
         model_type = cfg.model.tiny
@@ -160,6 +180,8 @@ def workload_from_config(
     ``stages`` or ``distributed.pipeline_stages`` (1 when the key is absent), boundaries
     ``stage_starts`` or ``distributed.stage_starts`` (None: balanced), pieces a replayed
     branch ``replay_pieces`` or ``distributed.replay_pieces`` (None: the schedule's choice).
+    ``train.chunk_size: null`` leaves ``chunk_size`` None for ``chunking.resolve_chunk``
+    (``plan_for_config`` resolves it: the choice needs the model).
     """
     from longstraw_core.config import lora_targets
     from longstraw_core.memory import parse_bytes
@@ -182,6 +204,7 @@ def workload_from_config(
         response_tokens=cfg.rollout.max_new_tokens,
         stop_check_every=cfg.rollout.stop_check_every,
         chunk_size=cfg.train.chunk_size,
+        chunk_auto=cfg.train.chunk_size is None,
         gradient=cfg.grpo.gradient,
         checkpoints=cfg.grpo.recurrent_checkpoints,
         keep_attention_outputs=cfg.grpo.keep_attention_outputs,

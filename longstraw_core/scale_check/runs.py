@@ -15,6 +15,7 @@ from typing import Any
 
 from longstraw_core.config import load_config
 from longstraw_core.plan import pipeline_plan
+from longstraw_core.plan.chunking import resolve_chunk
 from longstraw_core.plan.model import ModelSpec
 from longstraw_core.plan.sources import preset_config, workload_from_config
 from longstraw_core.plan.stages import layout_for
@@ -80,7 +81,10 @@ def _prepare(run: DryRun) -> tuple[Any, Any, ModelSpec, Any, Any]:
     positions = cfg.data.prompt_tokens + cfg.rollout.max_new_tokens
     config.max_position_embeddings = max(config.max_position_embeddings, positions)
     spec = ModelSpec.from_config(config, run.name, _dtype(cfg.model.dtype))
-    work = workload_from_config(cfg, device="cuda", model_type=config.model_type)
+    work = resolve_chunk(
+        spec, workload_from_config(cfg, device="cuda", model_type=config.model_type)
+    )
+    cfg.train.chunk_size = work.chunk_size  # train.chunk_size: null: the planner's choice
     layout = layout_for(spec, work)
     # the dry run's rewards give every branch an advantage: all G replay
     starts = tuple(layout.boundaries[:-1])

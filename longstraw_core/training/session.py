@@ -12,6 +12,8 @@ one rollout, yielding each optimizer step's metrics.
   seed), gradients are averaged, metrics reduced over the ranks, and rank 0 logs and writes
   the checkpoints. ``distributed.pipeline_stages=S``: a replica is S ranks, each holding
   its stage's layers.
+- ``train.chunk_size: null`` (the default) becomes the planner's chunk at setup, printed
+  with its reason (``longstraw_core.plan.chunking``).
 - Evaluation (``eval.every`` > 0) runs after the optimizer step, before a checkpoint, and
   leaves the training untouched (``longstraw_core.evaluation``).
 - Faults lose nothing: SIGTERM/SIGINT saves the last finished step at once (``checkpoint.kept``),
@@ -94,6 +96,7 @@ class Session(StepBookkeeping):
             self.world_size, cfg.distributed.fsdp, cfg.distributed.pipeline_stages
         )
         same_run.require_same_run(cfg)  # every rank's config and data equal rank 0's
+        self._choose_chunk()  # train.chunk_size: null -> the planner's chunk, said once
         self.topology = RunTopology.from_config(
             cfg.distributed, self.world_size, self.rank, gradient=cfg.grpo.gradient
         )
@@ -153,6 +156,21 @@ class Session(StepBookkeeping):
         if resumed:
             self.logger.load_state_dict(resumed.extra.get("logger", {}))
         self.progress = StepProgress(cfg.train.steps, initial=self.step, enabled=self.bars)
+
+    def _choose_chunk(self) -> None:
+        """``train.chunk_size: null``: the planner's chunk for this model and prompt
+        (``plan.chunking``), written into the config, so that every reader of
+        ``train.chunk_size`` (prefill, the sweep, eval, W&B's config, checkpoints) has the
+        number, and printed with its reason. From the config alone: every rank chooses the
+        same. The kernels modelled are this run's (CUDA or the CPU's)."""
+        cfg = self.cfg
+        if cfg.train.chunk_size is not None:
+            return
+        device = "cuda" if self.accelerator.device.type == "cuda" else "cpu"
+        choice = plan.chunk_for_config(cfg, device=device)
+        cfg.train.chunk_size = choice.chunk
+        if self.accelerator.is_main_process:
+            print(f"note: {choice.note()}", file=sys.stderr)
 
     def group(self, sample: data.Sample) -> PromptGroup:
         """The sample's ``rollout.num_generations`` branches: its prompt as token ids (plain

@@ -571,7 +571,7 @@ def test_find_cycle_finds_one() -> None:
 # The package's layers, lowest first (its docstring's order): a module imports only earlier ones.
 PLAN_LAYERS = (
     "units", "model", "kernels", "activations", "flops", "pieces", "stages", "weights", "core",
-    "roofline", "timing", "calibration", "sources", "advice", "output", "cli", "__main__",
+    "chunking", "roofline", "timing", "calibration", "sources", "advice", "output", "cli", "__main__",
 )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 from launch import torchrun
+from recipe_runs import FAST, recipe_in_process
 from rich.console import Console
 from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 from wandb_records import wandb_history, wandb_records
@@ -21,6 +22,7 @@ from longstraw_core import metrics as names
 from longstraw_core import models
 from longstraw_core.checkpoint import save_checkpoint
 from longstraw_core.config import LoraSection, load_config
+from longstraw_core.plan import chunk_for_config
 from longstraw_core.run_curves import CURVES_PNG, METRICS_CSV
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tracking import RunLogger, log_with
@@ -159,3 +161,26 @@ def test_a_finished_run_leaves_its_metrics_as_csv_and_its_curves_as_png(tmp_path
     assert not list(run.glob(".*partial"))  # written whole, then renamed
     history = wandb_history(wandb_records(run_file))
     assert history[3]["curves/_type"] == "image-file" and history[3][names.REWARD] == 0.1 * 3
+
+
+def test_a_run_says_which_chunk_the_planner_chose_and_why(tmp_path, capfd):
+    """``train.chunk_size: null``: one line at start names the chunk and its reason, and the
+    run (its config: prefill, sweep, eval, checkpoints, W&B) uses that chunk; a chunk the
+    config sets is used as it is, without a word."""
+    overrides = ["train.steps=1", "tracking.wandb=false"]
+    run = recipe_in_process(
+        "grpo_qwen36.py", str(TINY), tmp_path / "auto", "train.chunk_size=null", *overrides
+    )
+    _, err = capfd.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("note: train.chunk_size:")]
+    assert len(notes) == 1, err
+    chunk = run.cfg.train.chunk_size
+    assert notes[0].startswith(f"note: train.chunk_size: {chunk} (auto: a chunk's graph ~")
+    assert notes[0].endswith("; set train.chunk_size to override)")
+    planned = load_config(TINY, [*FAST, "train.chunk_size=null"])  # the run's step, planned
+    assert chunk == chunk_for_config(planned).chunk
+    run = recipe_in_process(
+        "grpo_qwen36.py", str(TINY), tmp_path / "set", "train.chunk_size=384", *overrides
+    )
+    _, err = capfd.readouterr()
+    assert run.cfg.train.chunk_size == 384 and "train.chunk_size:" not in err
