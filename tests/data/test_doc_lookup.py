@@ -12,7 +12,7 @@ from real_model import smollm2_dir
 from test_tasks import check, parse_doc_note
 from transformers import AutoTokenizer
 
-from longstraw_core.config import load_config
+from longstraw_core.config import ConfigError, eval_data, load_config
 from longstraw_core.rewards import BUILTIN_REWARDS, answer_token_f1, exact_match
 from longstraw_core.tasks import (
     DOC_KINDS,
@@ -27,7 +27,7 @@ from longstraw_core.tasks import (
 )
 from longstraw_core.tokenizer import load_tokenizer, render_prompt
 
-ROOT = Path(__file__).resolve().parents[2]
+TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 HELDOUT = (
     "calendar", "cmd", "dis", "enum", "fnmatch", "ftplib", "getpass", "glob", "inspect",
     "pickletools", "pkgutil", "platform", "poplib", "pstats", "shlex", "shutil", "statistics",
@@ -203,18 +203,20 @@ def test_bad_arguments(builtin, kwargs, match):
 
 def test_a_config_takes_the_split_for_its_eval_data():
     cfg = load_config(
-        ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml",
+        TINY,
         [
             "data.task=doc_lookup",
             "data.prompt_tokens=2048",
-            "data.task_kwargs={kinds: [name, colour]}",
+            "data.task_kwargs={kinds: [quote], num_distractors: 2}",
             "eval.every=1",
             "eval.samples=2",
-            "eval.data={task_kwargs: {split: heldout}}",
+            "eval.data={task_kwargs: {kinds: [quote], num_distractors: 2, split: heldout}}",
         ],
     )
-    assert cfg.data.task_kwargs == {"kinds": ["name", "colour"]}
-    assert cfg.eval.data.task_kwargs == {"split": "heldout"}
+    assert cfg.data.task_kwargs == {"kinds": ["quote"], "num_distractors": 2}
+    assert eval_data(cfg).task_kwargs == {**cfg.data.task_kwargs, "split": "heldout"}
+    with pytest.raises(ConfigError, match="not an argument of task 'doc_lookup'"):
+        load_config(TINY, ["data.task=doc_lookup", "data.task_kwargs={splits: heldout}"])
 
 
 # --------------------------------------------------------------------------- rewards
