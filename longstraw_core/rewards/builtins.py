@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import string
+from collections import Counter
 from typing import Any
 
 from longstraw_core.rewards.inputs import Completion, RewardFn
@@ -13,6 +14,8 @@ from longstraw_core.rewards.inputs import Completion, RewardFn
 __all__ = [
     "BUILTIN_REWARDS",
     "answer_char_recall",
+    "answer_token_f1",
+    "answer_tokens",
     "completion_text",
     "contains",
     "exact_match",
@@ -130,6 +133,33 @@ def contains(
     return out
 
 
+_ARTICLES = frozenset(("a", "an", "the"))
+
+
+def answer_tokens(text: str) -> list[str]:
+    """SQuAD's normalised words: ``normalize``'s, without the articles a, an, the."""
+    return [w for w in normalize(text).split() if w not in _ARTICLES]
+
+
+def answer_token_f1(
+    completions: list[Completion], answer: list[str], **kwargs: Any
+) -> list[float | None]:
+    """SQuAD's token F1 between the extracted answer and the reference: partial credit for a
+    part of the answer ("Varga" for "Ilse Varga": 0.67) or the answer among other words,
+    1.0 for the answer itself (case, punctuation, articles ignored). None without a
+    reference."""
+    out: list[float | None] = []
+    for completion, reference in zip(completions, answer, strict=True):
+        ref = answer_tokens(str(reference))
+        if not ref:
+            out.append(None)
+            continue
+        got = answer_tokens(extract_answer(completion))
+        common = sum((Counter(got) & Counter(ref)).values())
+        out.append(0.0 if not common else 2 * common / (len(got) + len(ref)))
+    return out
+
+
 def answer_char_recall(
     completions: list[Completion], answer: list[str], **kwargs: Any
 ) -> list[float | None]:
@@ -198,4 +228,5 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "format_reward": format_reward,
     "format": format_reward,
     "answer_char_recall": answer_char_recall,
+    "answer_token_f1": answer_token_f1,
 }

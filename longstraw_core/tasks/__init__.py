@@ -17,12 +17,14 @@ per-word costs of its few hundred distinct word forms, then the whole prompt is 
 once per pass and the filler budget corrected; a few passes suffice.
 Import from here; the modules hold one job each:
 
-- ``haystack``: the filler text, the haystack with its needles, and ``fit_prompt`` (length
-  fitting); knows nothing of the tasks.
+- ``haystack``: the filler text (``Filler``; filler words by default), the haystack with its
+  needles, and ``fit_prompt`` (length fitting); knows nothing of the tasks.
+- ``documents``: real text for a haystack: the standard library's docstrings
+  (``DocumentFiller``), its modules split into training and held-out ones.
 - ``sample``: ``Sample`` and what every generator builds with (seeded keys, numbers,
   variable names, needle depths; ``task_generator``, which makes a generator of a task's
   ``Draft``: its needles, question and answer).
-- ``generators``: the task families, one draft each.
+- ``generators``: the task families, one draft each (``doc_lookup`` reads real documents).
 - ``agent``: the agent task (``agent_lookup``), its environment (``VaultEnvironment``, the
   ``lookup`` tool) and its reward (``final_answer_match``).
 - ``streams``: the registry ``TASKS`` and the deterministic streams (``sample_at``,
@@ -30,31 +32,49 @@ Import from here; the modules hold one job each:
 """
 
 from longstraw_core.tasks.agent import VaultEnvironment, agent_lookup, final_answer_match
+from longstraw_core.tasks.documents import (
+    STDLIB_MODULES,
+    DocumentFiller,
+    doc_modules,
+    module_split,
+    module_text,
+)
 from longstraw_core.tasks.generators import (
+    DOC_KINDS,
+    doc_lookup,
     kv_chain,
     multi_needle,
     passkey_retrieval,
     uuid_retrieval,
     variable_tracking,
 )
-from longstraw_core.tasks.haystack import FILLER_WORDS, MAX_FIT_PASSES
+from longstraw_core.tasks.haystack import FILLER_WORDS, MAX_FIT_PASSES, Filler, WordFiller
 from longstraw_core.tasks.sample import ANSWER_INSTRUCTION, KEY_WORDS, Depth, Sample, TaskFn
 from longstraw_core.tasks.streams import TASKS, make_task_stream, sample_at
 
 __all__ = [
     "ANSWER_INSTRUCTION",
+    "DOC_KINDS",
     "FILLER_WORDS",
     "KEY_WORDS",
     "MAX_FIT_PASSES",
+    "STDLIB_MODULES",
     "TASKS",
     "Depth",
+    "DocumentFiller",
+    "Filler",
     "Sample",
     "TaskFn",
     "VaultEnvironment",
+    "WordFiller",
     "agent_lookup",
+    "doc_lookup",
+    "doc_modules",
     "final_answer_match",
     "kv_chain",
     "make_task_stream",
+    "module_split",
+    "module_text",
     "multi_needle",
     "passkey_retrieval",
     "sample_at",

@@ -1,14 +1,17 @@
 """The task families, one draft each (RULER's passkey, multi-key UUID and multi-value
-needles, multi-hop key-value chains, variable tracking): each picks its needles, question and
-answer from its seed; ``sample.task_generator`` makes it a generator. A new family is one
-function here and one entry in ``streams.TASKS``."""
+needles, multi-hop key-value chains, variable tracking; a lookup in real documents): each
+picks its needles, question and answer from its seed; ``sample.task_generator`` makes it a
+generator. A new family is one function here and one entry in ``streams.TASKS``."""
 
 from __future__ import annotations
 
+import functools
 import random
 import uuid
+from collections.abc import Sequence
 from itertools import pairwise
 
+from longstraw_core.tasks.documents import SPLITS, DocumentFiller
 from longstraw_core.tasks.sample import (
     Depth,
     Draft,
@@ -191,4 +194,100 @@ def variable_tracking(
         needles=needles,
         items=names[: hops + 1],
         meta={"value": values[0]},
+    )
+
+
+# The notes ``doc_lookup`` hides in the documents, per kind of value: the question asking for
+# the value and the note's sentence, filled with a subject (the first of the kind's
+# ``_DOC_SUBJECTS`` drawn; others for distractors) and then the value.
+_DOC_NOTES = {
+    "name": (
+        "What is the name of the archivist who {} this reference?",
+        "The archivist who {} this reference is named {}.",
+    ),
+    "number": (
+        "What is the {} of this reference?",
+        "The {} of this reference is {}.",
+    ),
+    "colour": (
+        "What colour is the {} in the reading room?",
+        "The {} in the reading room is {}.",
+    ),
+}
+# The question kinds: a note's value, or (``quote``) a note's whole sentence.
+DOC_KINDS = (*_DOC_NOTES, "quote")
+_DOC_SUBJECTS = {
+    "name": ("catalogued", "indexed", "proofread", "translated", "restored", "bound"),
+    "number": (
+        "catalogue number", "shelf number", "accession number", "box number", "drawer number",
+    ),
+    "colour": ("umbrella", "kettle", "notebook", "scarf", "teapot", "armchair", "bicycle"),
+}  # fmt: skip
+_FIRST_NAMES = (
+    "Ilse", "Tomas", "Marta", "Oskar", "Ingrid", "Pavel", "Greta", "Anton", "Lena", "Milan",
+    "Sofia", "Viktor", "Nadia", "Emil", "Rosa", "Jonas",
+)  # fmt: skip
+_SURNAMES = (
+    "Varga", "Lindqvist", "Novak", "Brennan", "Okafor", "Castell", "Moreau", "Halloran",
+    "Petrov", "Sato", "Duarte", "Whitlock", "Kowalski", "Ferreira", "Nakamura", "Albescu",
+)  # fmt: skip
+_SHADES = ("pale", "deep", "bright", "dark", "light")
+_COLOURS = ("red", "green", "blue", "yellow", "orange", "purple", "grey", "pink")
+
+
+@task_generator
+def doc_lookup(
+    rng: random.Random,
+    depth: float = 0.5,
+    *,
+    split: str = "train",
+    kinds: Sequence[str] = DOC_KINDS,
+    num_distractors: int = 0,
+    digits: int = 5,
+) -> Draft:
+    """A note hidden in real text: the Python standard library's reference
+    (``documents``), with one note about the reference at ``depth``. The question asks for
+    its value: a person's name (two words), a number, or a colour (two words); or, kind
+    ``quote``, for the note's whole sentence (a note of any of the three). The kind is drawn
+    from ``kinds`` (a list, or one kind's name).
+
+    ``split``: ``"train"``, or ``"heldout"`` for documents from the modules no training
+    sample reads. ``num_distractors`` more notes of the same kind (other subjects, other
+    values) go at seeded random depths.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"doc_lookup: split must be one of {', '.join(SPLITS)}, got {split!r}")
+    chosen = sorted({kinds} if isinstance(kinds, str) else set(kinds))
+    if not chosen or not set(chosen) <= set(DOC_KINDS):
+        raise ValueError(f"doc_lookup: kinds must be some of {', '.join(DOC_KINDS)}, got {kinds!r}")
+    kind = rng.choice(chosen)
+    note = rng.choice(sorted(_DOC_NOTES)) if kind == "quote" else kind
+    n = 1 + num_distractors
+    if not 0 <= num_distractors < len(_DOC_SUBJECTS[note]):
+        raise ValueError(
+            f"doc_lookup: num_distractors must be in [0, {len(_DOC_SUBJECTS[note]) - 1}] for "
+            f"{note} notes, got {num_distractors}"
+        )
+    subjects = rng.sample(_DOC_SUBJECTS[note], n)
+    if note == "number":
+        values = numbers(rng, n, digits)
+    else:
+        first, second = (_FIRST_NAMES, _SURNAMES) if note == "name" else (_SHADES, _COLOURS)
+        values = rng.sample([f"{a} {b}" for a in first for b in second], n)
+    question, sentence = _DOC_NOTES[note]
+    sentences = [sentence.format(s, v) for s, v in zip(subjects, values, strict=True)]
+    if kind == "quote":
+        question += " Answer with the sentence of the text that says it, word for word."
+    depths = needle_depths(depth, 1, "doc_lookup") + [rng.random() for _ in subjects[1:]]
+    notes = "A note about the reference itself is" if n == 1 else "Notes about the reference are"
+    return Draft(
+        intro=(
+            "Below is an excerpt of the Python standard library's reference documentation. "
+            f"{notes} hidden in it. Read it carefully: I will ask you about it."
+        ),
+        question=question.format(subjects[0]),
+        needles=list(zip(depths, sentences, strict=True)),
+        answer=sentences[0] if kind == "quote" else values[0],
+        meta={"kind": kind, "note": note, "split": split, "subject": subjects[0]},
+        filler=functools.partial(DocumentFiller, split=split),
     )

@@ -1,14 +1,16 @@
-"""The haystack and its length fitting: seeded filler sentences from a fixed word list, needles
-placed at sentence boundaries at their depths, and ``fit_prompt``, which grows the filler
-until the rendered prompt has the requested number of tokens. Knows nothing of the tasks."""
+"""The haystack and its length fitting: a filler text (``Filler``: seeded sentences from a
+fixed word list, ``WordFiller``, by default; real text such as ``documents.DocumentFiller``),
+needles placed at its boundaries (sentences, paragraphs) at their depths, and ``fit_prompt``,
+which grows the filler until the rendered prompt has the requested number of tokens. Knows
+nothing of the tasks."""
 
 from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -40,88 +42,115 @@ _FILLER_TEXT = """
 FILLER_WORDS = tuple(_FILLER_TEXT.split())
 
 
-class _Filler:
-    """An endless, seeded stream of filler words grouped into sentences.
+class Filler(Protocol):
+    """An endless text cut into pieces, which the haystack takes a prefix of.
 
-    Words are stored as their final form (capitalised first word, period after the last),
-    so the text of words ``[i, j)`` is ``" ".join(words[i:j])``. ``boundaries`` holds the
-    word indices where a sentence starts (0 included): the only places needles go.
+    Each piece carries the whitespace before it (``" Word"``, ``"\n\nWord"``), so the text
+    of pieces ``[i, j)`` is ``"".join(pieces[i:j])``, and a piece's token cost can be
+    estimated alone. ``boundaries``: the piece indices where a needle may go (0 included,
+    increasing): a needle placed at ``b`` takes the whitespace of piece ``b`` before it (a
+    paragraph's blank line, a sentence's space); placed after the last piece, ``separator``.
+    ``ensure(n)`` grows the text to at least ``n`` pieces.
     """
+
+    pieces: list[str]
+    boundaries: list[int]
+    separator: str
+
+    def ensure(self, n_pieces: int) -> None: ...
+
+
+class WordFiller:
+    """An endless, seeded stream of filler words grouped into sentences (``FILLER_WORDS``).
+
+    Words are stored as their final form (capitalised first word, period after the last)
+    after a space; a sentence's first word is a boundary.
+    """
+
+    separator = " "
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(f"longstraw-filler:{seed}")
-        self.words: list[str] = []
+        self.pieces: list[str] = []
         self.boundaries: list[int] = [0]
 
-    def ensure(self, n_words: int) -> None:
-        rng, words = self._rng, self.words
-        while len(words) < n_words:
+    def ensure(self, n_pieces: int) -> None:
+        rng, pieces = self._rng, self.pieces
+        while len(pieces) < n_pieces:
             sentence = rng.choices(FILLER_WORDS, k=rng.randint(6, 14))
             sentence[0] = sentence[0].capitalize()
             sentence[-1] += "."
-            words.extend(sentence)
-            self.boundaries.append(len(words))
-
-
-def _word_costs(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
-    """Tokens of ``" " + form`` for every form a filler word can take (one batched call)."""
-    forms = [w for base in FILLER_WORDS for w in (base, base.capitalize())]
-    forms += [w + "." for w in forms]
-    ids = tokenizer([" " + f for f in forms], add_special_tokens=False)["input_ids"]
-    return {f: len(i) for f, i in zip(forms, ids, strict=True)}
+            pieces.extend(" " + w for w in sentence)
+            self.boundaries.append(len(pieces))
 
 
 class _Haystack:
-    """Filler words plus their cumulative estimated token cost, grown on demand."""
+    """A filler's pieces plus their cumulative estimated token cost, grown on demand.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, seed: int) -> None:
-        self.filler = _Filler(seed)
-        self._costs = _word_costs(tokenizer)
-        self.cum: list[int] = [0]  # cum[i]: estimated tokens of the first i words
+    A piece's cost is its own token count (one batched call per growth for the pieces not
+    seen before): the few hundred forms of the word filler, a few thousand words of text.
+    """
 
-    def words_for(self, budget: float) -> int:
-        """Word count whose estimated cost is closest to ``budget``."""
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, filler: Filler) -> None:
+        self.filler = filler
+        self._tokenizer = tokenizer
+        self._costs: dict[str, int] = {}
+        self.cum: list[int] = [0]  # cum[i]: estimated tokens of the first i pieces
+
+    def _grow(self) -> None:
+        start = len(self.filler.pieces)
+        self.filler.ensure(start + 4096)
+        new = self.filler.pieces[start:]
+        unseen = sorted(set(new) - self._costs.keys())
+        if unseen:
+            ids = self._tokenizer(unseen, add_special_tokens=False)["input_ids"]
+            self._costs.update((p, len(i)) for p, i in zip(unseen, ids, strict=True))
+        self.cum.extend(list(accumulate((self._costs[p] for p in new), initial=self.cum[-1]))[1:])
+
+    def pieces_for(self, budget: float) -> int:
+        """Piece count whose estimated cost is closest to ``budget``."""
         while self.cum[-1] <= budget:
-            start = len(self.filler.words)
-            self.filler.ensure(start + 4096)
-            new = (self._costs[w] for w in self.filler.words[start:])
-            self.cum.extend(list(accumulate(new, initial=self.cum[-1]))[1:])
+            self._grow()
         if budget <= 0:
             return 0
         n = bisect.bisect_right(self.cum, budget) - 1  # cum[n] <= budget < cum[n + 1]
         return n if budget - self.cum[n] <= self.cum[n + 1] - budget else n + 1
 
-    def boundary_near(self, n_words: int, depth: float) -> int:
-        """Sentence boundary (word index <= n_words) whose cost is closest to depth * total."""
-        goal = depth * self.cum[n_words]
+    def boundary_near(self, n_pieces: int, depth: float) -> int:
+        """Boundary (piece index <= n_pieces) whose cost is closest to depth * total."""
+        goal = depth * self.cum[n_pieces]
         b = self.filler.boundaries
-        hi = bisect.bisect_right(b, n_words)
-        candidates = [*b[:hi], n_words]
+        hi = bisect.bisect_right(b, n_pieces)
+        candidates = [*b[:hi], n_pieces]
         i = bisect.bisect_left(candidates, goal, key=lambda w: self.cum[w])
         near = candidates[max(0, i - 1) : i + 1]
         return min(near, key=lambda w: abs(self.cum[w] - goal))
 
-    def text(self, n_words: int, needles: Sequence[tuple[float, str]]) -> tuple[str, list[float]]:
-        """Haystack of ``n_words`` filler words with needles at their depths.
+    def text(self, n_pieces: int, needles: Sequence[tuple[float, str]]) -> tuple[str, list[float]]:
+        """Haystack of the first ``n_pieces`` pieces with needles at their depths.
 
         Returns the text and each needle's actual depth (fraction of filler cost before it).
         """
         placed = sorted(
-            ((self.boundary_near(n_words, d), k) for k, (d, _) in enumerate(needles)),
+            ((self.boundary_near(n_pieces, d), k) for k, (d, _) in enumerate(needles)),
         )
+        pieces = self.filler.pieces
         parts, pos = [], 0
         for at, k in placed:
-            if at > pos:
-                parts.append(" ".join(self.filler.words[pos:at]))
+            parts.extend(pieces[pos:at])
+            parts.append(_space_before(pieces[at]) if at < n_pieces else self.filler.separator)
             parts.append(needles[k][1])
             pos = at
-        if n_words > pos:
-            parts.append(" ".join(self.filler.words[pos:n_words]))
-        total = self.cum[n_words] or 1
+        parts.extend(pieces[pos:n_pieces])
+        total = self.cum[n_pieces] or 1
         actual = [0.0] * len(needles)
         for at, k in placed:
             actual[k] = self.cum[at] / total
-        return " ".join(parts), actual
+        return "".join(parts).lstrip(), actual
+
+
+def _space_before(piece: str) -> str:
+    return piece[: len(piece) - len(piece.lstrip())]
 
 
 def fit_prompt(
@@ -135,6 +164,7 @@ def fit_prompt(
     chat: bool,
     tolerance: float,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    filler: Callable[[int], Filler] = WordFiller,
 ) -> tuple[Prompt, int, list[float]]:
     """Grow the haystack until the rendered prompt has ``prompt_tokens`` tokens (+-tolerance).
 
@@ -143,13 +173,14 @@ def fit_prompt(
     exactly (merges across spaces, prefix-space quirks) still converges in a few passes.
     Returns the prompt, its token count and each needle's actual depth. The count is the
     recipe's: chat prompts rendered with ``chat_template_kwargs`` (``data.chat_template_kwargs``).
+    ``filler(seed)`` makes the text the needles go into: seeded filler words by default.
     """
     if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
         raise ValueError(f"prompt_tokens must be a positive int, got {prompt_tokens!r}")
-    hay = _Haystack(tokenizer, seed)
+    hay = _Haystack(tokenizer, filler(seed))
 
-    def build(n_words: int) -> tuple[Prompt, list[float]]:
-        body, depths = hay.text(n_words, needles)
+    def build(n_pieces: int) -> tuple[Prompt, list[float]]:
+        body, depths = hay.text(n_pieces, needles)
         content = f"{intro}\n\n{body}\n\n{question}"
         return ([{"role": "user", "content": content}] if chat else content), depths
 
@@ -164,18 +195,18 @@ def fit_prompt(
     best: tuple[int, Prompt, list[float]] | None = None
     tried: set[int] = set()
     for _ in range(MAX_FIT_PASSES):
-        n_words = hay.words_for(budget)
-        if n_words in tried:
+        n_pieces = hay.pieces_for(budget)
+        if n_pieces in tried:
             break  # the remaining error is below one filler word
-        tried.add(n_words)
-        prompt, depths = build(n_words)
+        tried.add(n_pieces)
+        prompt, depths = build(n_pieces)
         got = count_prompt_tokens(tokenizer, prompt, chat_template_kwargs)
         if best is None or abs(got - prompt_tokens) < abs(best[0] - prompt_tokens):
             best = (got, prompt, depths)
         if got == prompt_tokens:
             break
-        if hay.cum[n_words] > 0 and got > base:
-            rate = (got - base) / hay.cum[n_words]
+        if hay.cum[n_pieces] > 0 and got > base:
+            rate = (got - base) / hay.cum[n_pieces]
         budget += (prompt_tokens - got) / rate
     assert best is not None
     got, prompt, depths = best

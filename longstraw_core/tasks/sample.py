@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from longstraw_core.tasks.haystack import fit_prompt
+from longstraw_core.tasks.haystack import Filler, WordFiller, fit_prompt
 from longstraw_core.tokenizer import Prompt
 
 ANSWER_INSTRUCTION = "Give only the answer, inside <answer></answer> tags."
@@ -97,7 +97,9 @@ class Draft:
     """What a task decides from its seed: the prompt's ``intro``, its ``question`` (the
     answer instruction is appended), the ``needles`` as ``(depth, sentence)`` and the answer:
     ``answer``, or ``items`` (the values of the first needles), which the answer lists in
-    their order of appearance (``meta["answers"]``). ``meta``: the task's own facts."""
+    their order of appearance (``meta["answers"]``). ``meta``: the task's own facts.
+    ``filler(seed)``: the text the needles go into (``haystack.Filler``), filler words unless
+    the task reads real text."""
 
     intro: str
     question: str
@@ -105,6 +107,7 @@ class Draft:
     answer: str = ""
     items: Sequence[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    filler: Callable[[int], Filler] = WordFiller
 
 
 TaskFn = Callable[..., Sample]
@@ -167,7 +170,7 @@ def _fit(task: str, draft: Draft, given: dict[str, Any]) -> Sample:
     prompt, got, actual = fit_prompt(
         given["tokenizer"], task, draft.intro, f"{draft.question} {ANSWER_INSTRUCTION}",
         draft.needles, prompt_tokens, seed, given["chat"], given["tolerance"],
-        given["chat_template_kwargs"],
+        given["chat_template_kwargs"], draft.filler,
     )  # fmt: skip
     meta = {
         "task": task,

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from longstraw_core.tasks.agent import agent_lookup
 from longstraw_core.tasks.generators import (
+    doc_lookup,
     kv_chain,
     multi_needle,
     passkey_retrieval,
@@ -28,6 +29,7 @@ TASKS: dict[str, TaskFn] = {
     "kv_chain": kv_chain,
     "variable_tracking": variable_tracking,
     "agent_lookup": agent_lookup,
+    "doc_lookup": doc_lookup,
 }
 
 

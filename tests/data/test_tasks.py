@@ -131,8 +131,35 @@ def parse_agent_key(text: str) -> str:
     return key
 
 
+# doc_lookup: each kind's question (its subject) and note (the subject's value).
+DOC_NOTES = (
+    (
+        r"What is the name of the archivist who (\w+) this reference\?",
+        r"The archivist who {} this reference is named ([A-Z][a-z]+ [A-Z][a-z]+)\.",
+    ),
+    (r"What is the ([a-z]+ number) of this reference\?", r"The {} of this reference is (\d+)\."),
+    (
+        r"What colour is the (\w+) in the reading room\?",
+        r"The {} in the reading room is ([a-z]+ [a-z]+)\.",
+    ),
+)
+
+
+def parse_doc_note(text: str) -> str:
+    """The asked note's value, or its whole sentence when the question asks for a quote."""
+    (found,) = [
+        (re.escape(subject), note)
+        for question, note in DOC_NOTES
+        for subject in re.findall(question, text)
+    ]
+    (match,) = re.finditer(found[1].format(found[0]), text)
+    quote = "Answer with the sentence of the text that says it, word for word." in text
+    return match.group(0) if quote else match.group(1)
+
+
 PARSERS = {
     "agent_lookup": parse_agent_key,
+    "doc_lookup": parse_doc_note,
     "passkey_retrieval": parse_passkey,
     "uuid_retrieval": parse_uuid,
     "multi_needle": parse_multi,
