@@ -11,7 +11,8 @@ Each module belongs to one split (``module_split``: a stable hash of its name, o
 ``"heldout"``), so held-out samples read documents no training sample saw.
 ``DocumentFiller(seed, split)`` is the haystack's filler (``haystack.Filler``): the split's
 modules one after another in a seeded order (another order after the last), cut into
-words; needles go at paragraph and sentence starts.
+words; needles go at the starts of paragraphs and of sentences on unindented lines, never
+among the lines of a code example or other indented paragraph.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def _source(name: str) -> str | None:
         if spec is None:
             return None
         path = spec.submodule_search_locations
+    if spec is None or spec.loader is None:
+        return None
     try:
-        return spec.loader.get_source(name) if spec and spec.loader else None  # type: ignore[attr-defined]
+        return spec.loader.get_source(name)  # type: ignore[attr-defined]
     except (ImportError, OSError):
         return None
 
@@ -103,8 +106,8 @@ def _documented(tree: ast.Module, name: str) -> Iterator[tuple[str, str]]:
 
 @functools.cache
 def module_text(name: str) -> str:
-    """The documentation of stdlib module ``name`` (module docstring); ``""`` without its
-    source."""
+    """The reference text of stdlib module ``name``: its docstrings under their headings, as
+    the module docstring says; ``""`` when its source is not installed."""
     source = _source(name)
     if source is None:
         return ""
@@ -131,7 +134,7 @@ _PIECE = re.compile(r"\s{0,8}\S{1,8}|\s{1,8}")
 @functools.cache
 def _pieces(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The module's text, after a blank line, as pieces, and the indices of the pieces that
-    start where a note may go (never inside a code example's lines)."""
+    start where a note may go (never among an indented paragraph's lines)."""
     text = "\n\n" + module_text(name)
     spots = {m.start() for m in _PARAGRAPH.finditer(text)}
     spots |= {m.start() for m in _INDENTED.finditer(text)}
