@@ -96,10 +96,12 @@ LONGEST_FIRST = (
     "test_entry_points.py",  # 64 s
     "models/test_qlora.py",  # 63 s
     "plan/test_plan_stages.py",  # 60 s
+    "plan/test_plan_chunking.py",  # ~50 s
     "distributed/test_nccl_rules.py",  # 56 s
     "training/test_two_nodes.py",  # ~56 s
     "families/test_glm52_adapter.py",  # 54 s
     "distributed/test_fsdp_lora.py",  # ~48 s
+    "training/test_learn_real.py",  # ~40 s (the real model)
 )
 
 
