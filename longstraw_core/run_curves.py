@@ -21,9 +21,9 @@ from longstraw_core import metrics as names
 METRICS_CSV = "metrics.csv"
 CURVES_PNG = "curves.png"
 # What the curves show: the training reward (a moving mean over this many steps on top of
-# the raw points) and, on eval steps, the held-out accuracy and reward.
+# the raw points) beside the held-out greedy reward (the same scale: the weighted rewards),
+# and on a [0, 1] panel the held-out accuracy.
 REWARD_WINDOW = 10
-EVAL_CURVES = (names.EVAL_GREEDY_ACCURACY, names.EVAL_GREEDY_REWARD)
 
 History = Sequence[tuple[int, dict[str, float]]]
 
@@ -74,15 +74,16 @@ def plot_curves(history: History, path: Path, title: str = "") -> None:
     axes[0].plot(steps, rewards, ".", alpha=0.35, label="reward (each step)")
     if len(rewards) >= 2:
         axes[0].plot(steps, _moving_mean(rewards, REWARD_WINDOW), label=f"mean of {REWARD_WINDOW}")
-    axes[0].set(xlabel="step", ylabel="reward", title="training reward")
+    eval_steps, values = _series(history, names.EVAL_GREEDY_REWARD)
+    if values:
+        axes[0].plot(eval_steps, values, "o-", label="held-out greedy reward")
+    axes[0].set(xlabel="step", ylabel="weighted reward", title="reward")
     axes[0].legend(loc="best")
-    for key in EVAL_CURVES:
-        eval_steps, values = _series(history, key)
-        if values:
-            axes[1].plot(eval_steps, values, "o-", label=key.removeprefix(names.EVAL_PREFIX))
-    axes[1].set(xlabel="step", title="held-out (eval)", ylim=(-0.02, 1.02))
-    if axes[1].lines:
+    eval_steps, values = _series(history, names.EVAL_GREEDY_ACCURACY)
+    if values:
+        axes[1].plot(eval_steps, values, "o-", label="greedy accuracy")
         axes[1].legend(loc="best")
+    axes[1].set(xlabel="step", title="held-out accuracy", ylim=(-0.02, 1.02))
     if title:
         figure.suptitle(title)
     figure.tight_layout()
