@@ -15,6 +15,7 @@ from wandb_records import wandb_config, wandb_history, wandb_records
 from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
 from longstraw_core.progress import StepProgress
+from longstraw_core.run_curves import METRICS_CSV
 from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
@@ -79,7 +80,9 @@ def test_disabled_tracking_still_logs_to_the_console(
     assert "peak 1.00 GiB" in lines[0]
     table = capsys.readouterr().out
     assert "Run summary" in table and "loss" in table and "0.2" in table
-    assert not (tmp_path / "run").exists()  # nothing written: no W&B directory
+    # No W&B directory: only the run's own record of its metrics (run_curves), no PNG unless
+    # tracking.curves_png asks for it.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [METRICS_CSV]
     resumed = RunLogger.from_config(accelerator, cfg, write=lines.append)
     resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))  # via trainer_state.json
     assert resumed.history == logger.history
