@@ -28,6 +28,10 @@ mean over the steps after the first (a warm-up), or the one step there is.
     python benchmarks/trl_side_by_side.py CONFIG.yaml train.steps=50 --seeds 0
     python benchmarks/trl_side_by_side.py --timing-lengths 2048 8192 --timing-steps 2
 
+Each finished side and seed is kept under ``OUT/runs/`` and reused by a later command with the
+same config and overrides: run ``--seeds 0`` and ``--seeds 1`` side by side (one thread each),
+then ``--seeds 0 1`` combines them.
+
 Overrides go before the options. Output: ``benchmarks/results/trl_side_by_side.{json,csv,png}``
 (``--out``); the timing mode writes ``trl_side_by_side_timing.json``.
 """
@@ -235,6 +239,24 @@ def run_side(side: str, config: str, overrides: list[str], seed: int, ckpt: bool
         return json.loads(record.read_text()) | {"wall_s": time.perf_counter() - started}
 
 
+def kept_run(
+    out: Path, side: str, config: str, overrides: list[str], seed: int, ckpt: bool
+) -> dict:
+    """One side's run for one seed, kept under ``out/runs`` once finished: an interrupted race
+    resumes where it stopped, and seeds can run as separate commands (then one to combine)."""
+    key = json.dumps([config, overrides, ckpt])  # a changed setting is a different run
+    path = out / "runs" / f"{side}_seed{seed}.json"
+    if path.exists() and (kept := json.loads(path.read_text())).get("key") == key:
+        print(f"{side}, seed {seed}: kept from {path.relative_to(ROOT)}")
+        return kept["run"]
+    run = run_side(side, config, overrides, seed, ckpt) | {"seed": seed}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "run": run}))
+    tmp.replace(path)
+    return run
+
+
 def mean_step(run: dict) -> float:
     seconds = run["step_seconds"]
     return statistics.mean(seconds[1:] if len(seconds) > 1 else seconds)
@@ -303,11 +325,11 @@ def learning(args: argparse.Namespace, config: str, overrides: list[str], notes:
     ckpt, why = trl_checkpointing(read_config(config, overrides, 0), args.trl_checkpointing)
     notes += [why] if why else []
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for side in SIDES:
-            runs[side].append(run_side(side, config, overrides, seed, ckpt) | {"seed": seed})
+            runs[side].append(kept_run(args.out, side, config, overrides, seed, ckpt))
     summary = summarize(runs)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "trl_side_by_side"
     record = {"config": config, "overrides": overrides, "seeds": args.seeds, "notes": notes,
               "summary": summary, "runs": runs}  # fmt: skip
