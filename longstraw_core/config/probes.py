@@ -49,7 +49,8 @@ def check_exists(key: str, path: str | None, *, directory: bool) -> None:
         return
     target = Path(path).expanduser()
     if not target.exists():
-        raise ConfigError(key, f"{path!r} does not exist (edit the placeholder path?)")
+        where = target if target.is_absolute() else f"{target.resolve()}, from {Path.cwd()}"
+        raise ConfigError(key, f"{path!r} does not exist (looked for {where})")
     if directory and not target.is_dir():
         raise ConfigError(key, f"{path!r} is not a directory")
 

@@ -141,3 +141,17 @@ def _final_text(completion: Any) -> str:
         return ""
     content = messages[-1].get("content")
     return content if isinstance(content, str) else ""
+
+
+def vault_transcript(sample: Any, environment: VaultEnvironment) -> list[dict[str, Any]]:
+    """The ideal completion of an ``agent_lookup`` sample as chat messages (what a warm start
+    teaches, ``longstraw_core.warm_start``): call ``lookup`` with the queried record's key, read
+    the result (from ``environment``, reset with the sample's row), answer with it in tags."""
+    key = sample.meta["key"]
+    code = environment.lookup(key)
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "lookup", "content": code},
+        {"role": "assistant", "content": f"<answer>{code}</answer>"},
+    ]
