@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,19 @@ def non_finite_reason(loss: float, grad_norm: float) -> str | None:
     return None
 
 
+# What a run stopped by skipped steps changes, by the cause of its last skip.
+DIVERGED_FIX = (
+    "the weights or the data give non-finite values every step. Lower optim.lr (or "
+    "optim.max_grad_norm), check the reward functions and the data, then resume from a "
+    "checkpoint before the trouble (train.resume_from=<output_dir>/step-N)"
+)
+REWARDS_FIX = (
+    "the reward functions failed every step (their errors are logged above, one line per "
+    "function and step). Fix them (or the judge they call) and run again; "
+    "train.raise_reward_errors=true stops at the first failure with its error"
+)
+
+
 @dataclass
 class NonFiniteGuard:
     """Counts skipped steps and stops the run after ``max_skipped_steps`` in a row.
@@ -46,16 +59,27 @@ class NonFiniteGuard:
     max_skipped_steps: int
     skipped: int = 0
     in_a_row: int = 0
+    # The last skip's step, reason and fix: for this process's messages, not checkpointed.
+    last: tuple[int, str, str] | None = field(default=None, compare=False)
 
     def passed(self) -> None:
         """The step updated the weights."""
         self.in_a_row = 0
 
-    def skip(self, step: int, reason: str, write: Callable[[str], None] = print) -> None:
+    def skip(
+        self,
+        step: int,
+        reason: str,
+        write: Callable[[str], None] = print,
+        *,
+        fix: str = DIVERGED_FIX,
+    ) -> None:
         """Record that ``step`` changed nothing because of ``reason``; raise
-        ``TrainingDiverged`` once more than ``max_skipped_steps`` steps in a row were."""
+        ``TrainingDiverged`` (ending with ``fix``: what to change) once more than
+        ``max_skipped_steps`` steps in a row were."""
         self.skipped += 1
         self.in_a_row += 1
+        self.last = (step, reason, fix)
         write(
             f"step {step} skipped: {reason}; no update (skipped {self.in_a_row} in a row, "
             f"{self.skipped} in all; train.max_skipped_steps={self.max_skipped_steps})"
@@ -63,11 +87,18 @@ class NonFiniteGuard:
         if self.in_a_row > self.max_skipped_steps:
             raise TrainingDiverged(
                 f"{self.in_a_row} steps in a row skipped (last at step {step}: {reason}), more "
-                f"than train.max_skipped_steps={self.max_skipped_steps}: the weights or the "
-                "data give non-finite values every step. Lower optim.lr (or "
-                "optim.max_grad_norm), check the reward functions and the data, then resume "
-                "from a checkpoint before the trouble (train.resume_from=<output_dir>/step-N)"
+                f"than train.max_skipped_steps={self.max_skipped_steps}: {fix}"
             )
+
+    def nothing_trained(self, steps: int) -> None:
+        """Raise ``TrainingDiverged`` for a run whose ``steps`` steps were all skipped (fewer
+        than the limit in a row, so ``skip`` let it run to its end): it trained nothing, and
+        ends as a failure rather than as a finished run."""
+        step, reason, fix = self.last or (0, "no step ran", DIVERGED_FIX)
+        raise TrainingDiverged(
+            f"every step of this run was skipped ({steps}; the last, step {step}: {reason}), "
+            f"so it trained nothing and wrote no checkpoint: {fix}"
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"skipped": self.skipped, "in_a_row": self.in_a_row}

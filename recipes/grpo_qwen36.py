@@ -88,8 +88,9 @@ class Recipe(training.Session):
                     ids = [response.tolist() for response in out.responses]
                     scored = self.rewards(completions, [group.sample] * len(ids), completion_ids=ids,
                                           trainer_state=self.trainer_state, **group.reward_kwargs)  # fmt: skip
-                if training.any_rank(scored.all_failed):
-                    yield from self.skip_rollout("every reward function failed on every completion")
+                failed = self.rewards_failed(scored)  # a reduction: the same on every rank
+                if failed:
+                    yield from self.skip_rollout(failed, rewards=True)
                     return
                 rollouts.append(training.Rollout(group.sample, out, completions, scored,
                                                  training.state_bytes(state), group.tool_counts))  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from longstraw_core.config.schema import (
     ConfigError,
@@ -19,10 +20,10 @@ from longstraw_core.config.schema import (
 from longstraw_core.rewards import (
     TRL_ARGUMENTS,
     RewardNameError,
-    resolve_reward,
     sample_columns,
     signature_problem,
 )
+from longstraw_core.rewards.resolution import resolve_entry
 from longstraw_core.tokenizer import has_tokenizer_files, is_builtin, model_without_tokenizer
 
 
@@ -67,10 +68,16 @@ def check_train_paths(train: TrainSection) -> None:
         check_exists("train.resume_from", train.resume_from, directory=True)
 
 
-def check_reward_resolves(index: int, spec: RewardSpec, reward_dirs: Sequence[str | Path]) -> None:
-    """``rewards[index]`` resolves: its module imports, its factory takes its arguments."""
+def check_reward_resolves(
+    index: int,
+    spec: RewardSpec,
+    reward_dirs: Sequence[str | Path],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """``rewards[index]`` resolves: its module imports, its factory takes its arguments, a
+    reward model's config and tokenizer load (its weights load at setup)."""
     try:
-        resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs, search_dirs=reward_dirs)
+        resolve_entry(spec, search_dirs=reward_dirs, chat_template_kwargs=chat_template_kwargs)
     except RewardNameError as exc:
         raise ConfigError(f"rewards[{index}].{exc.field}", str(exc)) from None
 
@@ -89,7 +96,7 @@ def check_reward_columns(cfg: RunConfig, data: DataSection, key: str, check_path
     if columns is not None and cfg.rollout.environment is not None:
         columns = (*columns, "environments")  # TRL passes an agent run's environments
     for i, spec in enumerate(cfg.rewards):
-        name, fn = resolve_reward(spec.name, args=spec.args, kwargs=spec.kwargs)
+        name, fn = resolve_entry(spec, chat_template_kwargs=cfg.data.chat_template_kwargs)
         problem = signature_problem(fn, columns)
         if problem:
             attr = spec.name.replace(":", ".").rpartition(".")[2]

@@ -212,7 +212,10 @@ class RewardSpec:
     """One reward function. ``name``: a built-in, or ``module:function`` (imported from the
     import path, else the config file's directory, else the working directory). With
     ``args`` or ``kwargs`` the named object is a factory (TRL's
-    ``get_soft_overlong_punishment``, a class): ``name(*args, **kwargs)`` is the function."""
+    ``get_soft_overlong_punishment``, a class): ``name(*args, **kwargs)`` is the function.
+    Or a reward model, as TRL's ``reward_funcs`` strings: a sequence classifier's directory
+    or Hub id (``rewards.models``); its ``kwargs`` are ``from_pretrained``'s, and it runs on
+    ``device`` in batches of ``batch_size``."""
 
     name: str = MISSING
     weight: float = 1.0
@@ -221,6 +224,10 @@ class RewardSpec:
     timeout_seconds: float | None = 600.0  # rewards.DEFAULT_TIMEOUT_SECONDS
     args: list[Any] = field(default_factory=list)  # positional arguments of the factory
     kwargs: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
+    # A reward model only: where it runs (null: the run's device, a rank's GPU or the CPU)
+    # and how many texts per forward (null: a call's every completion at once, as TRL).
+    device: str | None = None
+    batch_size: int | None = None
 
 
 @dataclass

@@ -325,7 +325,11 @@ def _check_rewards(cfg: RunConfig, check_paths: bool, reward_dirs: Sequence[str 
     if not cfg.rewards and cfg.rollout.environment is None:
         raise ConfigError("rewards", "empty; list at least one {name, weight}")
     for i, spec in enumerate(cfg.rewards):
-        check_reward_resolves(i, spec, reward_dirs)
+        size = spec.batch_size
+        _check_range(
+            f"rewards[{i}].batch_size", size, size is None or size >= 1, "an int >= 1, or null"
+        )
+        check_reward_resolves(i, spec, reward_dirs, cfg.data.chat_template_kwargs)
         _check_range(f"rewards[{i}].weight", spec.weight, True, "a finite float")
         timeout = spec.timeout_seconds
         _check_range(

@@ -90,6 +90,7 @@ from longstraw_core.distributed.collectives import (
     any_rank,
     gather_rows,
     max_over_ranks,
+    ranks_where,
     reduce_metrics,
     sum_over_ranks,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "max_over_ranks",
     "mixed_precision_policy",
     "process_group_kwargs",
+    "ranks_where",
     "reduce_metrics",
     "require_sharding",
     "shard_model",

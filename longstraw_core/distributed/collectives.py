@@ -31,6 +31,18 @@ def any_rank(flag: bool, *, group: dist.ProcessGroup | None = None) -> bool:
     return max_over_ranks(int(flag), group=group) > 0
 
 
+def ranks_where(flag: bool, *, group: dist.ProcessGroup | None = None) -> list[int]:
+    """The ranks of ``group`` (its own numbering) on which ``flag`` holds, the same list on
+    every rank: one all-reduce of a one-hot vector, so a decision and the message that says
+    where it came from agree everywhere. Without a process group: ``[0]`` or ``[]``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0] if flag else []
+    votes = [0.0] * dist.get_world_size(group)
+    votes[dist.get_rank(group)] = float(flag)
+    summed, _ = sum_over_ranks(votes, group=group)
+    return [rank for rank, vote in enumerate(summed) if vote > 0]
+
+
 def gather_rows(rows: Sequence[Row]) -> list[Row]:
     """Every rank's ``rows`` (picklable) on every rank, in rank order: e.g. a completions
     table of every rank's group rather than rank 0's alone. Collective: every rank calls it.

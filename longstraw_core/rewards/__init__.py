@@ -44,10 +44,12 @@ advantage (TRL's ``nan_to_num(advantages, nan=0.0)``).
 
 Where LongStraw differs from TRL, on purpose:
 
-- A function that raises (or returns the wrong number of values, or a non-number) is logged
-  with the ids of the samples in that batch, and its column becomes NaN, so one bad custom
-  reward does not kill a long run (TRL raises); ``raise_errors=True`` re-raises instead.
-- An infinite value is treated as invalid (NaN), logged with the sample id: in TRL it makes
+- A function that raises (or returns the wrong number of values, or a non-number) has its
+  column become NaN, so one bad custom reward does not kill a long run (TRL raises);
+  ``raise_errors=True`` re-raises instead. Failures are tallied (``failures``) and logged
+  one line per function with the count and the distinct sample ids: after each call, or,
+  with ``report_each_call=False``, when the owner calls ``report_failures`` (once a step).
+- An infinite value is treated as invalid (NaN), tallied the same way: in TRL it makes
   its group's mean infinite and every advantage NaN, hence 0.
 - A finite value larger in magnitude than ``MAX_ABS_REWARD`` counts as a failure of that
   function: the group's mean and std of such values overflow, and every advantage would
@@ -75,6 +77,9 @@ Import from here; the modules hold:
 - ``resolution``: ``resolve_reward``, ``callable_name``, ``signature_problem``,
   ``is_async_callable``.
 - ``running``: timeouts, the errors, a call's outcome, the async functions' event loop.
+- ``failures``: ``FailureReport``, the failures tallied until reported.
+- ``models``: reward models (TRL's ``reward_funcs`` strings): ``RewardModel``, a sequence
+  classifier's directory or Hub id scored as TRL scores it.
 - ``result``: ``RewardResult``, ``reward_metrics``, ``batch_columns``.
 - ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``, ``trainer_state_at`` (what TRL's functions
   get as ``trainer_state``).

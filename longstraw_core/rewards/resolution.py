@@ -19,6 +19,7 @@ from longstraw_core.rewards.imports import (
     registered,
 )
 from longstraw_core.rewards.inputs import TRL_ARGUMENTS, RewardFn
+from longstraw_core.rewards.models import is_model_name, reward_model
 
 __all__ = [
     "RewardEntry",
@@ -43,11 +44,17 @@ def resolve_reward(
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     search_dirs: Sequence[str | Path] = (),
+    device: str | None = None,
+    batch_size: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, RewardFn]:
     """A reward function and its display name from a built-in name (the name as given), a
     dotted path (``package.module:function`` or ``package.module.function``, looked up on the
     import path, then in ``search_dirs`` and the working directory; TRL's name of the object,
-    ``callable_name``), a registered ``callable:<name>``, or a callable.
+    ``callable_name``), a registered ``callable:<name>``, a callable, or a reward model: a
+    directory or a Hub id (``models.is_model_name``) of a sequence classifier, its ``kwargs``
+    ``from_pretrained``'s, run on ``device`` in batches of ``batch_size`` with
+    ``chat_template_kwargs`` (``models.RewardModel``; TRL's name: the path's last part).
 
     With ``args``/``kwargs`` the named object is a factory and its product the function
     (``imports.build``). Raises ``RewardNameError`` (a ``ValueError``)."""
@@ -57,14 +64,34 @@ def resolve_reward(
                 "args/kwargs apply to a named factory; pass its product", "kwargs"
             )
         return callable_name(spec), spec
+    model = not spec.startswith(CALLABLE_PREFIX) and spec not in BUILTIN_REWARDS
+    model = model and is_model_name(spec)
+    for key, value in (("device", device), ("batch_size", batch_size)):
+        if value is not None and not model:
+            raise RewardNameError(
+                f"{key} applies to a reward model (a directory or Hub id), not to the reward "
+                f"function {spec!r}; remove it",
+                key,
+            )
+    if model:
+        if args:
+            raise RewardNameError(
+                f"reward model {spec!r} takes no args (kwargs are from_pretrained's)", "args"
+            )
+        fn = reward_model(
+            spec, device=device, batch_size=batch_size, init_kwargs=kwargs,
+            chat_template_kwargs=chat_template_kwargs,
+        )  # fmt: skip
+        return fn.__name__, fn
     if spec.startswith(CALLABLE_PREFIX):
         target, shown = registered(spec), spec.removeprefix(CALLABLE_PREFIX)
     elif spec in BUILTIN_REWARDS:
         target, shown = BUILTIN_REWARDS[spec], spec
     elif ":" not in spec and "." not in spec:
         raise RewardNameError(
-            f"unknown reward {spec!r}: not a built-in ({sorted(BUILTIN_REWARDS)}) nor a "
-            "dotted path like 'package.module:function'"
+            f"unknown reward {spec!r}: not a built-in ({sorted(BUILTIN_REWARDS)}), a dotted "
+            "path like 'package.module:function', nor a reward model's directory or Hub id "
+            "('org/name')"
         )
     else:
         target = import_object(spec, search_dirs)
@@ -143,9 +170,25 @@ class RewardEntry(Protocol):
     name: str
     args: Sequence[Any]
     kwargs: dict[str, Any]
+    device: str | None
+    batch_size: int | None
 
 
-def resolve_entry(entry: str | RewardFn | RewardEntry) -> tuple[str, RewardFn]:
+def resolve_entry(
+    entry: str | RewardFn | RewardEntry,
+    *,
+    search_dirs: Sequence[str | Path] = (),
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, RewardFn]:
+    """``resolve_reward`` of a name, a callable, or a run config's entry (with its reward
+    model settings; ``chat_template_kwargs``: the data's, which a reward model renders a
+    chat with)."""
     if isinstance(entry, str) or callable(entry):
-        return resolve_reward(entry)
-    return resolve_reward(entry.name, args=entry.args, kwargs=entry.kwargs)
+        return resolve_reward(
+            entry, search_dirs=search_dirs, chat_template_kwargs=chat_template_kwargs
+        )
+    return resolve_reward(
+        entry.name, args=entry.args, kwargs=entry.kwargs, search_dirs=search_dirs,
+        device=getattr(entry, "device", None), batch_size=getattr(entry, "batch_size", None),
+        chat_template_kwargs=chat_template_kwargs,
+    )  # fmt: skip

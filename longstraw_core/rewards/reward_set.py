@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from longstraw_core.rewards.failures import FailureReport
 from longstraw_core.rewards.inputs import (
     TRL_ARGUMENTS,
     Completion,
@@ -21,6 +22,7 @@ from longstraw_core.rewards.inputs import (
     is_conversational,
     sample_columns,
 )
+from longstraw_core.rewards.models import RewardModel
 from longstraw_core.rewards.resolution import (
     RewardEntry,
     is_async_callable,
@@ -74,8 +76,10 @@ class _Logs:
 class RewardSet:
     """Several reward functions with weights: TRL's ``reward_funcs`` / ``reward_weights``.
 
-    ``funcs``: built-in names, dotted paths, callables, or run-config entries (``name``,
-    ``args``, ``kwargs``: ``from_config``). ``weights``: one per function (default all 1.0). ``raise_errors``: re-raise a failing function instead of logging it
+    ``funcs``: built-in names, dotted paths, callables, reward models' directories or Hub
+    ids, or run-config entries (``name``, ``args``, ``kwargs``, a reward model's ``device``
+    and ``batch_size``: ``from_config``). ``chat_template_kwargs``: what a reward model
+    renders a chat prompt with (the data's). ``weights``: one per function (default all 1.0). ``raise_errors``: re-raise a failing function instead of logging it
     and using NaN. ``unscorable``: what an all-NaN row gets, ``"nan"`` (TRL: its reward stays
     NaN, a warning is logged) or ``"raise"``.
 
@@ -90,10 +94,12 @@ class RewardSet:
         raise_errors: bool = False,
         unscorable: Literal["nan", "raise"] = "nan",
         timeouts: float | Sequence[float | None] | None = DEFAULT_TIMEOUT_SECONDS,
+        report_each_call: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not funcs:
             raise ValueError("RewardSet needs at least one reward function")
-        resolved = [resolve_entry(f) for f in funcs]
+        resolved = [resolve_entry(f, chat_template_kwargs=chat_template_kwargs) for f in funcs]
         self.names = [name for name, _ in resolved]
         self.funcs = [fn for _, fn in resolved]
         if weights is None:
@@ -128,18 +134,28 @@ class RewardSet:
         self._loop = EventLoopThread() if any(self.is_async) else None
         self._checked: set[tuple[int, tuple[str, ...]]] = set()
         self._lingering: dict[int, threading.Thread] = {}  # timed-out calls still running
+        self.failures = FailureReport()
+        self.report_each_call = report_each_call
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, extra: Sequence[RewardFn] = ()) -> RewardSet:
+    def from_config(
+        cls, cfg: RunConfig, extra: Sequence[RewardFn] = (), *, report_each_call: bool = True
+    ) -> RewardSet:
         """The run's reward functions: ``cfg.rewards`` (names, weights, factory arguments,
         timeouts) and ``train.raise_reward_errors``; ``extra``: more sources of weight 1 and
-        the default timeout, after them (an environment's ``get_reward``, TRL's rule)."""
+        the default timeout, after them (an environment's ``get_reward``, TRL's rule).
+        ``report_each_call=False``: failures wait for ``report_failures`` (once per step)."""
         weights = [r.weight for r in cfg.rewards] + [1.0] * len(extra)
         timeouts = [r.timeout_seconds for r in cfg.rewards] + [DEFAULT_TIMEOUT_SECONDS] * len(extra)
-        return cls(
+        rewards = cls(
             [*cfg.rewards, *extra], weights, raise_errors=cfg.train.raise_reward_errors,
-            timeouts=timeouts,
+            timeouts=timeouts, report_each_call=report_each_call,
+            chat_template_kwargs=dict(cfg.data.chat_template_kwargs or {}),
         )  # fmt: skip
+        for fn in rewards.funcs:  # reward models' weights, before the first step needs them
+            if isinstance(fn, RewardModel):
+                fn.load()
+        return rewards
 
     def __call__(
         self,
@@ -180,11 +196,25 @@ class RewardSet:
             kwargs["environments"] = list(environments)
         columns, failed = self._columns(kwargs, samples)
         per_row = [list(row) for row in zip(*columns, strict=True)] if columns else []
-        rewards, unscorable = self._combine(per_row, samples)
+        self.failures.scored += count
+        rewards, unscorable = self._combine(
+            per_row, samples, all_failed=len(failed) == len(self.names)
+        )
+        if self.report_each_call:
+            self.report_failures()
         return RewardResult(
             self.names, rewards, per_row, unscorable, failed, prompts, completions,
             dict(logs.columns), dict(logs.metrics),
         )  # fmt: skip
+
+    def report_failures(self, label: str = "") -> list[str]:
+        """Log, one line per function, its failures (and infinite values) since the last
+        report: the count of completions, their distinct sample ids, the distinct errors;
+        ``label`` leads each line (``"step 3"``). Returns the lines."""
+        lines = self.failures.lines(label)
+        for line in lines:
+            logger.error("%s", line)
+        return lines
 
     def _columns(
         self, kwargs: dict[str, Any], samples: list[Sample]
@@ -288,22 +318,23 @@ class RewardSet:
         except Exception as exc:
             ids = [s.id for s in samples]
             if self.raise_errors:
+                distinct = list(dict.fromkeys(ids))
                 raise RewardError(
-                    f"reward function {name!r} failed on samples {ids}: {exc!r}"
+                    f"reward function {name!r} failed on samples {distinct} ({len(ids)} "
+                    f"completions): {exc!r}"
                 ) from exc
-            logger.error("reward function %r failed on samples %s: %r", name, ids, exc)
+            self.failures.failed(name, ids, repr(exc))
             return [math.nan] * len(samples), True
-        for value, sample in zip(column, samples, strict=True):
-            if math.isinf(value):
-                logger.warning(
-                    "reward function %r gave %s for sample %s; using NaN", name, value, sample.id
-                )
+        infinite = [s.id for v, s in zip(column, samples, strict=True) if math.isinf(v)]
+        if infinite:
+            self.failures.infinite(name, infinite)
         return [math.nan if math.isinf(v) else v for v in column], False
 
     def _combine(
-        self, per_row: list[list[float]], samples: list[Sample]
+        self, per_row: list[list[float]], samples: list[Sample], *, all_failed: bool
     ) -> tuple[list[float], list[int]]:
-        """Weighted nansum per row; an all-NaN row stays NaN (TRL) or raises."""
+        """Weighted nansum per row; an all-NaN row stays NaN (TRL) or raises. Not warned of
+        when every function failed: their failure lines say why."""
         rewards, unscorable = [], []
         for i, row in enumerate(per_row):
             terms = [w * v for w, v in zip(self.weights, row, strict=True) if not math.isnan(v)]
@@ -311,12 +342,14 @@ class RewardSet:
                 unscorable.append(i)
             rewards.append(float(sum(terms)) if terms else math.nan)
         if unscorable:
-            ids = [samples[i].id for i in unscorable]
+            ids = list(dict.fromkeys(samples[i].id for i in unscorable))
             message = (
                 f"all reward functions returned None/NaN for rows {unscorable} (samples {ids})"
             )
             if self.unscorable == "raise":
                 raise RewardError(message)
+            if all_failed:
+                return rewards, unscorable
             logger.warning(
                 "%s; they get zero advantage and stay out of the group's baseline", message
             )

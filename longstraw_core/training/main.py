@@ -26,7 +26,7 @@ from longstraw_core import (
     launch_settings,
     plan,
 )
-from longstraw_core.rewards import RewardError
+from longstraw_core.rewards import RewardError, RewardNameError
 from longstraw_core.stop import exit_after_stop
 from longstraw_core.tools import AgentError
 from longstraw_core.training.session import Session
@@ -69,6 +69,8 @@ def main(
         exits.fail(f"data error: {error}")
     except checkpoint.CheckpointError as error:
         exits.fail(f"checkpoint error: {error}")
+    except RewardNameError as error:  # a reward model's weights that do not load
+        exits.fail(f"config error: rewards: {error}")
     stopped, failure, together = None, None, False
     try:
         stopped = run.train()

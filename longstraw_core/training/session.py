@@ -138,13 +138,15 @@ class Session(StepBookkeeping):
         self.sampling = self._sampling_options()
         # names, weights, factories' arguments; an environment's get_reward (TRL's extra source)
         extra = self.agents.reward_functions() if self.agents else []
-        self.rewards = RewardSet.from_config(cfg, extra)
+        # Failures said once per function and step (``report_failures``), not per group.
+        self.rewards = RewardSet.from_config(cfg, extra, report_each_call=False)
         self.trainer_state = trainer_state_at(0, cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.guard = guard.NonFiniteGuard(cfg.train.max_skipped_steps)
         self.checkpoints = checkpoint.StepCheckpoints.from_config(cfg.train)  # + at a stop
         self.step, self.data_position, resumed = 0, 0, None
+        self.updates = 0  # steps of this run that changed the weights: none, no checkpoint
         if self.resume_path is not None:
             resumed = self._resume()
         self.logger = tracking.RunLogger.from_config(
@@ -256,6 +258,7 @@ class Session(StepBookkeeping):
         checkpoint and return the signal."""
         cfg = self.cfg
         per_step = cfg.train.prompts_per_step
+        first_step = self.step
         with GracefulStop(on_signal=self.checkpoints.write_kept) as stop:
             if self.step == 0 and cfg.eval.on_start:  # the untrained policy: the curve's start
                 self.logger.log(0, self._evaluate() | self.progress.take_timings())
@@ -281,20 +284,27 @@ class Session(StepBookkeeping):
                     self.save_checkpoint(write=bool(due))
                 if stopping:
                     return stopping
+        if self.updates == 0 and self.step > first_step:  # every step skipped: a failure
+            self.guard.nothing_trained(self.step - first_step)
         return None
 
     def _evaluate(self) -> dict[str, float]:
         """The ``eval/...`` metrics of the policy as it is after ``self.step`` steps."""
         with self.progress.phase("eval"), self.precision.step():
-            return self.evaluation.run(
+            metrics = self.evaluation.run(
                 self.adapter, self.rewards, self.step,
                 offload=self.offload, gather_parameters=self.rollout_once,
             )  # fmt: skip
+        self.rewards.report_failures(f"eval after step {self.step}")
+        return metrics
 
     def save_checkpoint(self, write: bool = True) -> None:
         """Every rank calls it after each rollout's steps (a sharded model is gathered): rank
         0 writes it when ``write``; with ``train.save_on_signal`` it is also kept in host
-        memory, for a stop signal to write at once (``checkpoint.kept``)."""
+        memory, for a stop signal to write at once (``checkpoint.kept``). Never written
+        before a step of this run changed the weights (``updates``, the same on every rank):
+        it would hold the weights the run started from, e.g. when every reward failed."""
+        write = write and self.updates > 0
         extra = {
             "logger": self.logger.state_dict(),
             "wandb_run_id": self.logger.run_id,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import longstraw_core as ls
 from longstraw_core import data, distributed, generation, guard, tracking
 from longstraw_core import metrics as names
-from longstraw_core.rewards import RewardResult
+from longstraw_core.rewards import RewardResult, RewardSet
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +68,11 @@ class StepBookkeeping:
     guard: guard.NonFiniteGuard
     logger: tracking.RunLogger
     progress: StepProgress
+    rewards: RewardSet
+    world_size: int
     step: int
     step_peak: int = 0
+    updates: int = 0  # optimizer steps of this process that changed the weights
 
     def start_step(self) -> None:
         """A new optimizer step: its peak memory counts from here (prefill to optimizer)."""
@@ -98,7 +101,21 @@ class StepBookkeeping:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.passed()
+        self.updates += 1
         return norm, None
+
+    def rewards_failed(self, scored: RewardResult) -> str | None:
+        """Why a group cannot be trained on: every reward function failed on every completion
+        of ``scored`` on some rank (None: on none). A reduction, so every rank decides the
+        same, and the reason names the ranks where it happened."""
+        ranks = distributed.ranks_where(scored.all_failed)
+        if not ranks:
+            return None
+        where = ""
+        if self.world_size > 1:
+            listed = ", ".join(map(str, ranks))
+            where = f" on rank{'s' if len(ranks) > 1 else ''} {listed} of {self.world_size}"
+        return f"every reward function failed on every completion{where}"
 
     def step_metrics(
         self,
@@ -112,6 +129,8 @@ class StepBookkeeping:
     ) -> dict[str, float]:
         """This rank's metrics of the optimizer step just taken (``first``: the rollouts'
         first update, which counts their tokens); logs the completions table when due."""
+        if first:  # the rollouts' reward failures, one line per function
+            self.rewards.report_failures(f"step {self.step + 1}")
         every = self.cfg.train.completions_every
         if every and (self.step + 1) % every == 0:
             rows = [
@@ -159,18 +178,22 @@ class StepBookkeeping:
             **(self._skip(skip_reason) if skip_reason else self._passed()),
         }
 
-    def skip_rollout(self, reason: str) -> Iterator[dict[str, float]]:
-        """A rollout that cannot be trained on: each of its optimizer steps is skipped."""
+    def skip_rollout(self, reason: str, *, rewards: bool = False) -> Iterator[dict[str, float]]:
+        """A rollout that cannot be trained on: each of its optimizer steps is skipped.
+        ``rewards``: because its rewards failed (``rewards_failed``), which the stop after
+        too many skips names instead of divergence."""
+        self.rewards.report_failures(f"step {self.step + 1}")
+        fix = guard.REWARDS_FIX if rewards else guard.DIVERGED_FIX
         for _ in range(self.grpo.num_iterations):
-            yield self._skip(reason)
+            yield self._skip(reason, fix=fix)
 
     def _passed(self) -> dict[str, float]:
         return {names.SKIPPED: 0.0, names.SKIPPED_STEPS: float(self.guard.skipped)}
 
-    def _skip(self, reason: str) -> dict[str, float]:
+    def _skip(self, reason: str, fix: str = guard.DIVERGED_FIX) -> dict[str, float]:
         """This step changes nothing (no update, no scheduler step): count it, say why."""
         self.precision.to_masters()
         self.optimizer.zero_grad(set_to_none=True)
         write = self.progress.write if self.accelerator.is_main_process else lambda line: None
-        self.guard.skip(self.step + 1, reason, write=write)  # raises past the limit
+        self.guard.skip(self.step + 1, reason, write=write, fix=fix)  # raises past the limit
         return {names.SKIPPED: 1.0, names.SKIPPED_STEPS: float(self.guard.skipped)}

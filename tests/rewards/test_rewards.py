@@ -330,6 +330,34 @@ def test_failing_function_raises_when_configured():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+def test_failures_are_one_line_per_function_and_step_with_the_count_and_distinct_ids(caplog):
+    """Two groups of one step (each a sample repeated 4 times): one line per failing
+    function when the step reports, its count over the step, each sample id once, its
+    distinct errors; an infinite value is tallied the same way. Nothing logged before."""
+    calls = iter([ZeroDivisionError("first"), ValueError("second")])
+
+    def flaky(completions, **kwargs):
+        raise next(calls)
+
+    functions = [flaky, boom, fixed("inf", [math.inf, 1.0, 1.0, 1.0]), fixed("ok", [1.0] * 4)]
+    rs = RewardSet(functions, report_each_call=False)
+    with caplog.at_level(logging.WARNING, logger="longstraw_core.rewards"):
+        for i in (1, 2):
+            rs(["x"] * 4, [S(i=i)] * 4, completion_ids=ids_for(4))
+        assert caplog.records == []
+        lines = rs.report_failures("step 3")
+    assert [r.getMessage() for r in caplog.records] == lines
+    assert lines == [
+        "step 3: reward function 'flaky' failed on 8 of 8 completions (samples 's1', 's2'): "
+        "ZeroDivisionError('first') (and 1 other error)",
+        "step 3: reward function 'boom' failed on 8 of 8 completions (samples 's1', 's2'): "
+        "ZeroDivisionError('bad reward')",
+        "step 3: reward function 'inf' gave an infinite value for 2 of 8 completions (samples "
+        "'s1', 's2'); used as NaN",
+    ]
+    assert rs.report_failures("step 4") == []  # the tally restarts
+
+
 class Hangs:
     """A sync reward that blocks until released (a hung judge); counts its calls."""
 

@@ -41,6 +41,22 @@ def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:
     raise ConnectionError("the reward server is down")
 
 
+def fails_in_step_two(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters``, except in step 2 (``global_step`` 1), where it raises: a step
+    whose every reward failed, between two that train."""
+    if kwargs["trainer_state"].global_step == 1:
+        raise ConnectionError("the reward server is down for step 2")
+    return even_characters(completions)
+
+
+def fails_on_some_ranks(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters``, but raising on the ranks ``LONGSTRAW_TEST_FAIL_RANKS`` lists
+    (e.g. "1"): a judge that one machine cannot reach."""
+    if os.environ.get("RANK", "0") in os.environ.get("LONGSTRAW_TEST_FAIL_RANKS", "").split(","):
+        raise ConnectionError(f"the reward server is unreachable from rank {os.environ['RANK']}")
+    return even_characters(completions)
+
+
 def sleeps(completions: list[Any], **kwargs: Any) -> list[float]:
     """``even_characters`` after sleeping ``LONGSTRAW_TEST_SLEEP`` seconds (default 0), once
     ``LONGSTRAW_TEST_SLEEP_AFTER`` steps are done (default 0): a slow step, or a hung judge.

@@ -238,6 +238,37 @@ def test_nan_gradient_skips_the_step_and_the_run_continues(tmp_path, capsys):
     )
 
 
+def test_a_step_whose_rewards_all_failed_is_not_trained_on(tmp_path, capsys, caplog):
+    """Every reward fails in step 2 (between two steps that train): one line per function
+    for the step (its count, its one sample id), the step skipped as the rewards', no
+    update (step 2's weights and optimizer state are step 1's), and step 3 trains on."""
+    spec = importlib.util.spec_from_file_location("grpo_qwen36_rewards_fail", RECIPE)
+    recipe_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe_module)
+    out = tmp_path / "run"
+    cfg = load_config(CONFIG, [*SMALL, f"train.steps={STEPS}", "train.save_every=1",
+                               "rewards=[{name: 'varied_reward:fails_in_step_two'}]",
+                               f"train.output_dir={out}"])  # fmt: skip
+    recipe = recipe_module.Recipe(cfg)
+    recipe.setup()
+    try:
+        assert recipe.train() is None
+    finally:
+        recipe.cleanup()
+    printed = capsys.readouterr()
+    log = printed.out + printed.err + caplog.text
+    (line,) = [ln for ln in log.splitlines() if "'fails_in_step_two' failed" in ln]
+    assert re.search(r"step 2: reward function 'fails_in_step_two' failed on 4 of 4 "
+                     r"completions \(sample '[^',]+'\): ConnectionError\(", line), line  # fmt: skip
+    assert "step 2 skipped: every reward function failed on every completion; no update" in log
+    assert recipe.guard.skipped == 1 and recipe.updates == 2
+    one, two, three = (weights(out / f"step-{s:06d}") for s in (1, 2, 3))
+    assert all(torch.equal(one[k], two[k]) for k in one), "the failed step changed weights"
+    assert any(not torch.equal(two[k], three[k]) for k in two), "step 3 did not train"
+    steps = [optimizer_state(out / f"step-{s:06d}")["state"][0]["step"] for s in (1, 2, 3)]
+    assert steps[0] == steps[1] < steps[2]
+
+
 def test_resume_applies_changed_optimizer_settings_and_wandb_records_them(tmp_path):
     out = tmp_path / "run"
     wandb_on = ["tracking.wandb=true", "tracking.mode=offline"]
@@ -274,11 +305,25 @@ def test_output_dir_that_is_a_file_is_refused_up_front(tmp_path):
 
 
 def test_reward_failing_on_every_call_stops_the_run_non_zero(tmp_path):
+    """Rewards that fail every step: each step skipped, the run stopped with one line naming
+    the rewards, and no checkpoint of its untrained weights (save_every=1); a run too short
+    to reach the limit fails too, rather than finishing."""
     failing = "rewards=[{name: 'varied_reward:always_fails'}]"
-    result = _run(tmp_path / "run", failing, "train.max_skipped_steps=1")
+    out = tmp_path / "run"
+    result = _run(out, failing, "train.max_skipped_steps=1", "train.save_every=1")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "every reward function failed on every completion" in result.stderr + result.stdout
-    assert "training stopped: 2 steps in a row skipped" in result.stderr
+    log = result.stderr + result.stdout
+    assert "every reward function failed on every completion" in log
+    failures = [ln for ln in log.splitlines() if "'always_fails' failed on 4 of 4" in ln]
+    assert [ln.split(":")[0] for ln in failures] == ["step 1", "step 2"], failures
+    (stopped,) = [ln for ln in result.stderr.splitlines() if ln.startswith("training stopped")]
+    assert stopped.startswith("training stopped: 2 steps in a row skipped"), stopped
+    assert "the reward functions failed every step" in stopped and "Traceback" not in log
+    assert not list(out.glob("step-*"))
+    short = _run(tmp_path / "short", failing, "train.steps=1", "train.save_every=1")
+    assert short.returncode == 1, short.stderr[-3000:]
+    assert "training stopped: every step of this run was skipped (1; " in short.stderr
+    assert not list((tmp_path / "short").glob("step-*"))
     raised = _run(tmp_path / "raise", failing, "train.raise_reward_errors=true")
     assert raised.returncode == 1 and "Traceback" not in raised.stderr
     assert "training stopped: reward function 'always_fails' failed" in raised.stderr

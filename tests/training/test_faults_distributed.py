@@ -224,3 +224,21 @@ def test_ranks_do_not_outlive_a_launcher_killed_outright(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         lines += process.stdout.readlines()
     assert (tmp_path / "run" / "step-000001").is_dir(), "".join(lines)[-4000:]
+
+
+def test_rewards_failing_on_rank_1_only_skip_the_step_on_both_naming_rank_1(tmp_path):
+    """Every reward fails on rank 1 alone: both ranks skip the step (one reduction), the
+    skip names rank 1 of 2, rank 1's failure line says its rank, and with
+    train.max_skipped_steps=0 both stop with one line and no checkpoint."""
+    out = tmp_path / "run"
+    code, log = launch.torchrun(
+        RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1",
+        "train.max_skipped_steps=0", "rewards=[{name: 'varied_reward:fails_on_some_ranks'}]",
+        env=run_env(LONGSTRAW_TEST_FAIL_RANKS="1"),
+    )  # fmt: skip
+    assert code != 0, log[-3000:]
+    assert "step 1 skipped: every reward function failed on every completion on rank 1 of 2" in log
+    failures = [ln for ln in log.splitlines() if "'fails_on_some_ranks' failed" in ln]
+    assert failures and all("step 1, rank 1 of 2: reward function" in ln for ln in failures)
+    assert "training stopped: 1 steps in a row skipped" in log  # torchrun adds its summary
+    assert not list(out.glob("step-*"))
