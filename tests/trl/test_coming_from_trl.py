@@ -417,7 +417,7 @@ SAME_SETTING = {
     "save_steps": "train.save_every",
     "save_total_limit": lambda c: c.train.keep_last or None,  # TRL's None: keep all
     "report_to": lambda c: "wandb" if c.tracking.wandb else "none",
-    "log_completions": lambda c: c.train.completions_every > 0,
+    "log_completions": "train.completions_every",  # 10: a table every 10 steps (TRL: false)
     "eval_strategy": lambda c: "steps" if c.eval.every else "no",
     "shuffle_dataset": "data.shuffle",
     "num_generations": "rollout.num_generations",
