@@ -8,6 +8,10 @@ into the error file torchelastic gives each process (``TORCHELASTIC_ERROR_FILE``
 launcher's failure summary then quotes that line as each rank's error (its "Root Cause")
 instead of a link to its documentation. The launcher still prints its own summary: that is
 its output, not the run's.
+
+A caller in Python (``longstraw_core.trainer.train``) wants an exception, not an exit with
+the line on stderr: inside ``raising()``, ``fail`` raises ``RunError`` with the same line
+(still recorded for the launcher) and prints nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +20,35 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NoReturn
 
 import torch.distributed as dist
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun's agent for each rank it starts
+_RAISING: ContextVar[bool] = ContextVar("longstraw_exits_raising", default=False)
+
+
+class RunError(RuntimeError):
+    """A run ended on an error a person must fix: the message is the one line the command
+    line prints (``config error: train.stepz: unknown key ...``), ``code`` the exit status
+    it ends with."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def raising() -> Iterator[None]:
+    """Within it, ``fail`` raises ``RunError`` instead of printing and exiting."""
+    token = _RAISING.set(True)
+    try:
+        yield
+    finally:
+        _RAISING.reset(token)
 
 
 def launch_rank() -> int:
@@ -35,8 +63,11 @@ def fail(message: str, code: int = 1, *, local: bool = False) -> NoReturn:
     """Print ``message`` on rank 0, record it for the launcher, exit with ``code``.
 
     ``local``: the error is this rank's alone (the others did not meet it), so this rank
-    prints it whatever its rank.
+    prints it whatever its rank. Inside ``raising()``: ``RunError(message, code)`` instead.
     """
+    if _RAISING.get():
+        record_for_launcher(message)
+        raise RunError(message, code) from None  # the line says it all; __context__ keeps more
     if local or launch_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     record_for_launcher(message)

@@ -17,6 +17,10 @@ quantities (``eval/reward``, ``eval/completions/mean_length``, ...: what W&B sho
 ``eval_reward``, ``eval_completions/mean_length``, as transformers' W&B callback turns the
 ``eval_`` prefix into ``eval/``) and LongStraw's own ``eval/greedy_accuracy``,
 ``eval/greedy_reward``, ``eval/pass@<k>`` and ``eval/pass@1`` (TRL has no accuracy metric).
+
+These are the names the console, ``metrics.csv`` and checkpoints use; W&B records them as a
+TRL run's W&B callback does, ``train/<name>`` for every training metric
+(``tracking.wandb_metrics``, ``tracking.trl_names``).
 """
 
 from __future__ import annotations

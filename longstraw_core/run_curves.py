@@ -36,7 +36,9 @@ def write_run_curves(
     if not history:
         return []
     output_dir.mkdir(parents=True, exist_ok=True)
-    written = [_replace(output_dir / METRICS_CSV, lambda path: write_metrics_csv(history, path))]
+    written = [
+        replace_atomically(output_dir / METRICS_CSV, lambda path: write_metrics_csv(history, path))
+    ]
     if not png:
         return written
     try:
@@ -44,7 +46,7 @@ def write_run_curves(
     except ImportError:
         return written  # the CSV holds the same numbers
     written.append(
-        _replace(output_dir / CURVES_PNG, lambda path: plot_curves(history, path, title))
+        replace_atomically(output_dir / CURVES_PNG, lambda path: plot_curves(history, path, title))
     )
     return written
 
@@ -108,7 +110,7 @@ def _cell(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else repr(float(value))
 
 
-def _replace(target: Path, write) -> Path:
+def replace_atomically(target: Path, write) -> Path:
     """Write through a temporary file in the same directory, then rename over ``target``:
     a kill leaves the old file or the new one, never half of one."""
     handle, temporary = tempfile.mkstemp(

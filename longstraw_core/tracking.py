@@ -3,8 +3,9 @@
 accelerate owns the tracker so that only the main process logs and a multi-node run needs
 no extra code; ``RunLogger`` adds what a GRPO run wants on top: nested metrics flattened to
 ``a/b`` keys, a table of sample completions every N steps, a readable line per step and a
-summary table at the end. With tracking off (``tracking.wandb=false`` or ``mode=disabled``)
-everything but the W&B calls still happens::
+summary table at the end (``run_summary``: the headline on the console, every metric in
+``summary.txt`` and W&B's ``run_summary``). With tracking off (``tracking.wandb=false`` or
+``mode=disabled``) everything but the W&B calls still happens::
 
     accelerator = Accelerator(log_with=log_with(cfg.tracking))
     logger = RunLogger.from_config(accelerator, cfg)
@@ -21,6 +22,12 @@ The recipes' metric names are listed in ``longstraw_core.metrics``: TRL's where 
 ``state_bytes/<layer type>`` (``PrefixState.summary``). ``metrics.RUNNING_TOTALS``
 (``num_tokens``) are logged as running sums of what each step reports. The per-step line
 shows ``metrics.STEP_LINE``.
+
+W&B records them under TRL's names (``tracking.trl_names``, ``wandb_metrics``): what
+transformers' W&B callback makes of a TRL run's logs, ``train/reward``, ``train/loss``, ...,
+``eval/reward`` for ``eval_reward``, with ``train/global_step`` as the x-axis, so a TRL
+run's panels show a LongStraw run. The console, ``metrics.csv``, checkpoints' history and
+``summary.txt`` keep the bare names.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from rich.text import Text
 from tqdm.auto import tqdm
 
 from longstraw_core import metrics as names
+from longstraw_core import run_summary
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
 from longstraw_core.run_curves import write_run_curves
 from longstraw_core.state import format_bytes
@@ -49,11 +57,35 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from longstraw_core.rewards import RewardResult
+    from longstraw_core.tasks import Sample
 
 # Shown in the per-step line when present, in this order: (key, label, format).
 SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = names.STEP_LINE
 MAX_CELL_CHARS = 4000  # a million-token prompt must not become a million-character W&B cell
 ABSENT = "-"  # how a NaN metric (nothing measured that step) is shown on the console
+TRAIN_PREFIX = "train/"  # transformers' W&B callback: a training metric's W&B name
+GLOBAL_STEP = "train/global_step"  # and the x-axis it defines for every metric
+# A dataset's reference-answer columns, shown in the completions table under their own names
+# (TRL's examples read ``solution``; verl-style data ``ground_truth``).
+ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target")
+
+
+def wandb_metrics(step: int, flat: Mapping[str, float], *, trl_names: bool) -> dict[str, float]:
+    """A step's metrics by the names W&B records them under (``tracking.trl_names``).
+
+    TRL's: what transformers' W&B callback makes of ``Trainer.log`` (``rewrite_logs``):
+    ``eval_<name>`` becomes ``eval/<name>`` (LongStraw's ``eval/`` names already are), every
+    other name gets ``train/`` (``train/reward``, ``train/rewards/<func>/mean``,
+    ``train/time/step``), and each row carries ``train/global_step``, the step (TRL's
+    x-axis). Otherwise the names as they are."""
+    if not trl_names:
+        return dict(flat)
+    out = {
+        name if name.startswith(names.EVAL_PREFIX) else f"{TRAIN_PREFIX}{name}": value
+        for name, value in flat.items()
+    }
+    out[GLOBAL_STEP] = float(step)
+    return out
 
 
 def log_with(tracking: TrackingSection) -> list[str] | None:
@@ -90,6 +122,7 @@ class RunLogger:
         run_id: str | None = None,
         write: Callable[[str], None] | None = None,
         curves_png: bool = False,
+        trl_names: bool = True,
     ) -> None:
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -97,6 +130,7 @@ class RunLogger:
         self.mode = mode
         self.run_name = run_name
         self.curves_png = curves_png
+        self.trl_names = trl_names
         self.total_steps = total_steps
         self.log_every = log_every
         self.completions_every = completions_every
@@ -122,6 +156,7 @@ class RunLogger:
             "log_every": cfg.train.log_every,
             "completions_every": cfg.train.completions_every,
             "curves_png": t.curves_png,
+            "trl_names": t.trl_names,
         }
         return cls(accelerator, **(settings | kwargs))
 
@@ -147,6 +182,10 @@ class RunLogger:
         if run_id is not None:
             init |= {"id": run_id, "resume": "allow"}
         self.accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
+        run = self.wandb_run
+        if self.trl_names and run is not None:  # TRL's x-axis, as transformers' WandbCallback
+            run.define_metric(GLOBAL_STEP)
+            run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
 
     # ----------------------------------------------------------------------- W&B run
 
@@ -200,7 +239,7 @@ class RunLogger:
                 flat[key] = self.totals[key] = self.totals.get(key, 0.0) + flat[key]
         self.history.append((step, flat))
         if self.wandb:
-            self.accelerator.log(flat, step=step)
+            self.accelerator.log(wandb_metrics(step, flat, trl_names=self.trl_names), step=step)
         if self.is_main and self.log_every and step % self.log_every == 0:
             self._write(render(self.summary_line(step, flat)))
         return flat
@@ -226,13 +265,15 @@ class RunLogger:
         return True
 
     def finish(self, print_summary: bool = True) -> None:
-        """End the W&B run and print the summary table.
+        """Write the run's files, end the W&B run and print the summary table.
 
         The process group stays up (``accelerator.end_training()`` ends it, after this), so
         ranks can still wait for rank 0 to finish writing the run.
         """
+        summary = None
         if self.is_main:
             self._write_curves()
+            summary = self._write_summary()
         if self.wandb:
             offline_dir = self.run_dir if self.mode == "offline" else None
             for tracker in self.accelerator.trackers:
@@ -241,7 +282,9 @@ class RunLogger:
             if offline_dir is not None:
                 print(f"wandb: to upload this offline run: wandb sync {offline_dir}")
         if print_summary and self.is_main and self.history:
-            Console().print(self.summary_table())
+            Console().print(self.summary_table(headline_only=True))
+            if summary is not None:
+                print(f"full summary (every metric): {summary}")
 
     def _write_curves(self) -> None:
         """``metrics.csv`` and ``curves.png`` beside the run (``run_curves``); the PNG also
@@ -254,6 +297,20 @@ class RunLogger:
             import wandb
 
             self.accelerator.log({"curves": wandb.Image(str(png[0]))}, step=self.history[-1][0])
+
+    def _write_summary(self) -> Path | None:
+        """The whole summary table as ``summary.txt`` beside the run and, with W&B, as the
+        table ``run_summary`` (``run_summary``); the file's path (None: nothing logged)."""
+        if not self.history:
+            return None
+        rows = run_summary.summary_rows(self.history)
+        path = run_summary.write_summary(rows, self._summary_title(), self.output_dir)
+        if self.wandb:
+            columns, data = run_summary.wandb_rows(rows)
+            self.accelerator.get_tracker("wandb").log_table(
+                "run_summary", columns=columns, data=data, step=self.history[-1][0]
+            )
+        return path
 
     # ----------------------------------------------------------------------- rendering
 
@@ -268,24 +325,16 @@ class RunLogger:
                 line.append(shown, style="cyan")
         return line
 
-    def summary_table(self) -> Table:
-        """First, last, min, max and mean of every metric over the logged steps."""
+    def summary_table(self, *, headline_only: bool = False) -> Table:
+        """First, last, min, max and mean of every metric over the logged steps, TRL's
+        headline metrics first (``run_summary``); ``headline_only``: those alone, what the
+        console shows (every name whole at 80 columns)."""
+        rows = run_summary.summary_rows(self.history)
+        return run_summary.summary_table(rows, self._summary_title(), headline_only=headline_only)
+
+    def _summary_title(self) -> str:
         steps = [s for s, _ in self.history]
-        table = Table(title=f"Run summary: steps {steps[0]}..{steps[-1]} ({len(steps)} logged)")
-        # A narrow terminal folds a long name onto a second line rather than cutting it to
-        # a prefix that looks like its neighbours' (completions/mean_length, .../min_length).
-        table.add_column("metric", justify="left", overflow="fold")
-        for column in ("first", "last", "min", "max", "mean"):
-            table.add_column(column, justify="right", no_wrap=True)
-        keys: list[str] = []
-        for _, flat in self.history:
-            keys += [k for k in flat if k not in keys]
-        for key in keys:
-            values = [flat[key] for _, flat in self.history if key in flat]
-            finite = [v for v in values if math.isfinite(v)] or [math.nan]
-            stats = (values[0], values[-1], min(finite), max(finite), sum(finite) / len(finite))
-            table.add_row(key, *(_number(v) for v in stats))
-        return table
+        return f"Run summary: steps {steps[0]}..{steps[-1]} ({len(steps)} logged)"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -313,6 +362,20 @@ def completion_rows(
         row["advantage"] = advantages[i]
         rows.append(row)
     return rows
+
+
+def answer_columns(sample: Sample) -> dict[str, Any]:
+    """The sample's reference answer for the completions table, under the dataset's own
+    column names (``ANSWER_COLUMNS`` it has: ``solution``, ``ground_truth``, ...), else
+    ``answer`` (a task's, or a ``messages`` row's last assistant turn); none without one."""
+    found = {
+        name: sample.columns[name]
+        for name in ANSWER_COLUMNS
+        if sample.columns.get(name) not in (None, "")
+    }
+    if not found and sample.answer:
+        found["answer"] = sample.answer
+    return found
 
 
 def _matching(key: str, flat: Mapping[str, float]) -> list[tuple[str, str]]:
@@ -423,13 +486,3 @@ def decimals_or_significant(value: float, decimals: int = 3) -> str:
     if value == 0 or not math.isfinite(value) or abs(value) >= 10.0 ** (1 - decimals):
         return f"{value:.{decimals}f}"
     return f"{value:.2g}"
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return ABSENT
-    if not math.isfinite(value):
-        return str(value)
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-        return f"{value:.3e}"
-    return f"{value:.4f}".rstrip("0").rstrip(".")

@@ -28,8 +28,12 @@ from the reference. It only turns objects into what a run config can name:
   resume through the API with the same dataset finds the same directory. A string is a
   path as in a config.
 
-Errors end the process as the recipe's do (``SystemExit`` with the one-line message), and
-under ``torchrun`` / ``accelerate launch`` every rank calls ``train`` and ends with it.
+Errors a person must fix (config, data, memory plan, checkpoint, a diverged run, a failing
+reward function) raise ``RunError`` (``longstraw_core.exits``), whose message is the one
+line the command line prints and exits 1 with; arguments ``train`` itself cannot use raise
+``ValueError`` / ``TypeError``. A stop signal still ends the process as the command line
+does (saved, exit status 128 + the signal), and under ``torchrun`` / ``accelerate launch``
+every rank calls ``train``; a distributed run that finished ends every rank with it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from longstraw_core.exits import RunError, raising
 from longstraw_core.rewards import callable_name, register_callable
 
 if TYPE_CHECKING:
@@ -52,6 +57,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "grpo_qwen36.py"  # the recipes' code is the same for every model
 
 RewardFunc = str | Callable[..., Any] | Mapping[str, Any]
+
+__all__ = ["RunError", "dataset_directory", "load_recipe", "reward_entries", "train"]
 
 
 def train(
@@ -72,7 +79,8 @@ def train(
     function (TRL's ``reward_weights``; default 1.0 each). ``overrides``: ``key=value``
     strings or a ``{key: value}`` mapping. ``eval_dataset`` is evaluated every ``eval.every``
     steps (set it in the config or the overrides). ``recipe``: the recipe file to run (your
-    copy of ``recipes/grpo_qwen36.py``; default: this checkout's)."""
+    copy of ``recipes/grpo_qwen36.py``; default: this checkout's). Raises ``RunError`` with
+    the command line's one-line message where the command line would exit 1."""
     module = load_recipe(recipe)
     argv = ["--config", str(config)] if config is not None else []
     argv += _as_overrides(overrides)
@@ -91,7 +99,8 @@ def train(
         argv += ["eval.data.task=null", f"eval.data.path={json.dumps(str(path))}"]
         if not isinstance(eval_dataset, str | os.PathLike):
             argv.append("eval.data.split=train")
-    return module.main(argv)
+    with raising():
+        return module.main(argv)
 
 
 def load_recipe(recipe: str | os.PathLike[str] | None = None) -> ModuleType:

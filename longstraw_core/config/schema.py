@@ -284,6 +284,11 @@ class TrackingSection:
     # learning curves as curves.png (training reward, eval accuracy), logged to W&B as an
     # image. Needs matplotlib; costs a few seconds at the end of the run.
     curves_png: bool = False
+    # W&B names as a TRL run has them (transformers' WandbCallback): train/<name> for a
+    # training metric, eval/<name> for an evaluation one, with train/global_step, so a TRL
+    # run's W&B panels show a LongStraw run. false: the bare names (reward, loss, eval/...),
+    # as the console and metrics.csv show them.
+    trl_names: bool = True
 
 
 @dataclass

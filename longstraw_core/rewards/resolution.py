@@ -4,6 +4,7 @@ that TRL's keyword call can bind a function's signature (``signature_problem``).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from collections.abc import Callable, Collection, Sequence
@@ -88,10 +89,12 @@ def resolve_reward(
     elif spec in BUILTIN_REWARDS:
         target, shown = BUILTIN_REWARDS[spec], spec
     elif ":" not in spec and "." not in spec:
+        close = difflib.get_close_matches(spec, sorted(BUILTIN_REWARDS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise RewardNameError(
-            f"unknown reward {spec!r}: not a built-in ({sorted(BUILTIN_REWARDS)}), a dotted "
-            "path like 'package.module:function', nor a reward model's directory or Hub id "
-            "('org/name')"
+            f"unknown reward {spec!r}: {hint}not a built-in ({sorted(BUILTIN_REWARDS)}), a "
+            "dotted path like 'package.module:function', nor a reward model's directory or Hub "
+            "id ('org/name')"
         )
     else:
         target = import_object(spec, search_dirs)

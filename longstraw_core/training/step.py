@@ -137,7 +137,10 @@ class StepBookkeeping:
                 row
                 for k, ro in enumerate(rollouts)
                 for row in tracking.completion_rows(
-                    ro.scored, batch.advantages(k), sample=ro.sample.id, answer=ro.sample.answer
+                    ro.scored,
+                    batch.advantages(k),
+                    sample=ro.sample.id,
+                    **tracking.answer_columns(ro.sample),
                 )
             ]
             rows = distributed.gather_rows(self.topology.rows_to_log(rows))  # one per replica

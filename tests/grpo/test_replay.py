@@ -262,6 +262,10 @@ def test_step_result_is_typed_and_logs_flat_scalars(models):
     result = ls.grpo_step(adapter, prompt, responses, REWARDS)
     policy.zero_grad(set_to_none=True)
     assert isinstance(result, ls.GRPOStepResult) and result.prefilled
+    # Detached: a float, and log-probs without a graph (the backward already ran; holding
+    # a graph here would keep every branch's activations alive).
+    assert type(result.loss) is float
+    assert not any(logps.requires_grad for logps in result.logps)
     assert result.advantages == pytest.approx(hand_advantages(REWARDS).tolist())
     flat = result.metrics()
     assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat.values())

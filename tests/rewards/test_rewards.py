@@ -621,6 +621,16 @@ def test_resolve_reward_errors(spec, match):
         resolve_reward(spec)
 
 
+def test_a_mistyped_builtin_reward_name_gets_a_did_you_mean():
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'exact_macth': did you mean 'exact_match'\?"
+    ):
+        resolve_reward("exact_macth")
+    with pytest.raises(ValueError, match="unknown reward") as far_off:
+        resolve_reward("nodots")
+    assert "did you mean" not in str(far_off.value)  # no guess where nothing is close
+
+
 @pytest.mark.parametrize(
     ("completion", "answer", "expected"),
     [("12345", "54321", 1.0), ("1 and 3", "123", 2 / 3), ("", "42", 0.0), ("abc", "", None),

@@ -142,7 +142,7 @@ def test_recipe_trains_an_agent_with_trls_tool_metrics(one_process):
     assert metrics["eval/tools/call_frequency"] == pytest.approx(6 / 4)  # and sampled
     assert metrics["eval/tools/failure_frequency"] == pytest.approx(2 / 6)
     (run_file,) = out.glob("**/run-*.wandb")
-    assert wandb_history(wandb_records(run_file))[1]["tools/call_frequency"] == 1.5
+    assert wandb_history(wandb_records(run_file))[1]["train/tools/call_frequency"] == 1.5
     (table,) = out.glob("**/files/media/table/completions_*.table.json")
     cells = json.loads(table.read_text())
     completions = [row[cells["columns"].index("completion")] for row in cells["data"]]

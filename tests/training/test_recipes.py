@@ -20,6 +20,7 @@ from recipe_runs import (
     train_in_process,
     weights,
 )
+from wandb_records import wandb_history, wandb_records
 
 from longstraw_core.config import load_config
 
@@ -49,12 +50,24 @@ def test_recipe_runs_logs_and_checkpoints(tmp_path, recipe, config, extra):
     result = run_recipe(recipe, config, out, "train.steps=2", "train.save_every=2", *extra)
     assert "step 2/2" in result.stdout + result.stderr
     assert "gemm_4bit_forward" not in result.stdout + result.stderr  # bitsandbytes' notice
+    # transformers' "falling back to its reference PyTorch implementation ... much slower":
+    # the adapters call the pure-torch functions themselves where fla / causal-conv1d do not
+    # run (CPU), so nothing falls back.
+    assert "much slower" not in result.stdout + result.stderr
     # The step line shows what the recipe emits: completion length, tokens/s, peak memory.
     assert re.search(r"step 2/2 .* len \d+ +tok/s [\d,]+ +peak [\d.]+ \w+", result.stdout)
     assert (out / "latest").read_text().strip() == "step-000002"
     state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data_position"] == 2
-    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    # TRL's W&B names: a TRL dashboard's panels (train/reward, train/loss) show this run.
+    logged = wandb_history(wandb_records(run_file))
+    assert {"train/reward", "train/loss", "train/global_step"} <= logged[2].keys()
+    assert "reward" not in logged[2] and logged[2]["train/global_step"] == 2
+    # The summary: TRL's headline on the console, reward first; every metric beside the run.
+    assert re.search(r"\nreward +[-\d.e+]+ .*\nreward_std .*\nloss ", result.stdout)
+    assert "\ngrad_norm " not in result.stdout
+    assert "\ngrad_norm " in "\n" + (out / "summary.txt").read_text()
     # The completions table: TRL's columns (prompt, completion, each reward, advantage).
     table = next((out / "wandb").glob("offline-run-*/files/media/table/completions_*.json"))
     assert json.loads(table.read_text())["columns"] == [
@@ -154,12 +167,20 @@ def test_trl_standard_jsonl_trains_unchanged(tmp_path):
     out = train_in_process(
         "grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", tmp_path / "run", *TRL_DATA,
         f"data.path={path}", "train.steps=2", "train.save_every=2", "rollout.stop=['.']",
-        "rollout.min_p=0.05", "rollout.repetition_penalty=1.2",
+        "rollout.min_p=0.05", "rollout.repetition_penalty=1.2", "tracking.wandb=true",
     )  # fmt: skip
     state = json.loads((out / "step-000002" / "trainer_state.json").read_text())
     assert state["data_position"] == 2
     history = state["extra"]["logger"]["history"]
     assert all(m["rewards/solution_char_recall/std"] > 0 for _, m in history)  # the column scored
+    # The completions table shows the dataset's own answer column, not an empty `answer`.
+    table = json.loads(
+        next(out.glob("wandb/offline-run-*/files/media/table/completions_1_*")).read_text()
+    )
+    assert table["columns"][:3] == ["sample", "solution", "prompt"]
+    assert "answer" not in table["columns"]
+    solutions = {row[1] for row in table["data"]}
+    assert solutions and solutions <= {s for _, s in SOLVED}
 
 
 def test_trl_conversational_dataset_dict_resumes_like_an_uninterrupted_run(tmp_path):

@@ -24,6 +24,7 @@ from longstraw_core.checkpoint import save_checkpoint
 from longstraw_core.config import LoraSection, load_config
 from longstraw_core.plan import chunk_for_config
 from longstraw_core.run_curves import CURVES_PNG, METRICS_CSV
+from longstraw_core.run_summary import SUMMARY_TXT
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tracking import RunLogger, log_with
 
@@ -51,34 +52,59 @@ def test_a_step_with_nothing_replayed_shows_entropy_as_absent_and_a_small_std_in
     assert lines[1] == "step 2/4  reward 0.00052 ±0.0005  entropy 5.250"
     wide = Console(file=io.StringIO(), width=200)
     wide.print(logger.summary_table())
-    (row,) = [line for line in wide.file.getvalue().splitlines() if " entropy " in line]
-    assert "nan" not in row and row.split("│")[2].strip() == "-"  # first: absent, not nan
+    (row,) = [line for line in wide.file.getvalue().splitlines() if line.startswith("entropy ")]
+    assert "nan" not in row and row.split()[1] == "-"  # first: absent, not nan
 
 
-def test_the_summary_table_names_every_metric_in_full_at_80_columns(tmp_path):
-    lines: list[str] = []
-    logger = _logger(tmp_path, "tracking.wandb=false", lines=lines)
-    alike = [
-        names.COMPLETIONS_MEAN_LENGTH, names.COMPLETIONS_MIN_LENGTH,
-        names.COMPLETIONS_MEAN_TERMINATED_LENGTH, names.COMPLETIONS_MIN_TERMINATED_LENGTH,
-        names.STEP_PEAK_MEMORY_BYTES, names.ROLLOUT_TOKENS_PER_SECOND, "state_bytes/full_attention",
-    ]  # fmt: skip
-    for step in (1, 2):
-        logger.log(step, {name: 4.194e6 * step for name in alike})
+# A step's metrics as the recipes log them (a run logs ~55), the headline's among them in
+# another order, with values as wide as they come (negative, tiny, huge, sizes).
+EVERY_METRIC = [
+    names.LOSS, names.GROUP_REWARD_MEAN, names.GROUP_REWARD_STD, names.ENTROPY,
+    names.PROMPT_TOKENS, names.COMPLETION_TOKENS, names.COMPLETIONS_MEAN_LENGTH,
+    names.BRANCHES_REPLAYED, names.STATE_BYTES, names.PEAK_MEMORY_BYTES, "sweep_seconds",
+    "clip_ratio/low_mean", "rewards/answer_char_recall/mean", names.REWARD, names.REWARD_STD,
+    names.FRAC_REWARD_ZERO_STD, "state_bytes/full_attention", names.ADVANTAGE_ABS_MEAN,
+    names.GRAD_NORM, names.LEARNING_RATE, names.ROLLOUT_TOKENS_PER_SECOND,
+    names.COMPLETIONS_MIN_LENGTH, names.COMPLETIONS_MAX_LENGTH,
+    names.COMPLETIONS_MEAN_TERMINATED_LENGTH, names.NUM_TOKENS, names.STEP_PEAK_MEMORY_BYTES,
+    "time/prefill", names.STEP_SECONDS, names.KL, names.EVAL_GREEDY_ACCURACY, "eval/pass@16",
+    "eval/reward",
+]  # fmt: skip
+HEADLINE_SHOWN = [
+    names.REWARD, names.REWARD_STD, names.LOSS, names.KL, names.ENTROPY,
+    names.COMPLETIONS_MEAN_LENGTH, names.COMPLETIONS_MIN_LENGTH, names.COMPLETIONS_MAX_LENGTH,
+    names.STEP_SECONDS, names.STEP_PEAK_MEMORY_BYTES, names.EVAL_GREEDY_ACCURACY,
+    "eval/pass@16", "eval/reward",
+]  # fmt: skip
+
+
+def test_the_summary_shows_trls_headline_first_every_name_whole_at_80_columns(tmp_path, capsys):
+    """What a person reads at the end of a run: TRL's headline metrics (reward first), each
+    name whole on one line at 80 columns, however wide the numbers; every metric, the
+    headline first, in ``summary.txt`` beside the run."""
+    logger = _logger(tmp_path, "tracking.wandb=false")
+    wide_values = [-2.776e-17, 1023.9 * 2**30, -0.0012345, 99999.7, 123456789.0]
+    for step, value in enumerate(wide_values, start=1):
+        logger.log(step, {name: value * (1 + i / 7) for i, name in enumerate(EVERY_METRIC)})
     narrow = Console(file=io.StringIO(), width=80)
-    narrow.print(logger.summary_table())
-    rendered = narrow.file.getvalue()
-    assert "…" not in rendered and max(map(len, rendered.splitlines())) <= 80
-    shown: list[str] = []  # the metric column, a name folded over lines joined again
-    for line in rendered.splitlines():
-        cells = line.split("│")
-        if len(cells) != 8:
-            continue
-        if cells[2].strip():  # a row's first line has its numbers
-            shown.append(cells[1].strip())
-        else:
-            shown[-1] += cells[1].strip()
-    assert shown == alike
+    narrow.print(logger.summary_table(headline_only=True))
+    rendered = narrow.file.getvalue().splitlines()
+    assert "…" not in "".join(rendered) and max(map(len, rendered)) <= 80
+    rows = [line.split() for line in rendered if line and line.split()[0] in EVERY_METRIC]
+    assert [row[0] for row in rows] == HEADLINE_SHOWN  # whole names, in the headline's order
+    cells = [
+        len(row) - 1 - sum(cell in ("B", "KiB", "MiB", "GiB", "TiB") for cell in row)
+        for row in rows
+    ]
+    assert cells == [5] * len(rows), "a name or number folded onto another line"
+    logger.finish()
+    printed = capsys.readouterr().out
+    assert printed.index("\nreward ") < printed.index("\nloss ") and "grad_norm" not in printed
+    summary = tmp_path / "run" / SUMMARY_TXT
+    assert f"full summary (every metric): {summary}" in printed
+    names_in_file = [line.split()[0] for line in summary.read_text().splitlines()[3:]]
+    assert names_in_file[: len(HEADLINE_SHOWN)] == HEADLINE_SHOWN
+    assert sorted(names_in_file) == sorted(EVERY_METRIC)
 
 
 def test_wandb_leaves_the_summary_to_ours(tmp_path, capfd):
@@ -160,7 +186,7 @@ def test_a_finished_run_leaves_its_metrics_as_csv_and_its_curves_as_png(tmp_path
     assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(run.glob(".*partial"))  # written whole, then renamed
     history = wandb_history(wandb_records(run_file))
-    assert history[3]["curves/_type"] == "image-file" and history[3][names.REWARD] == 0.1 * 3
+    assert history[3]["curves/_type"] == "image-file" and history[3]["train/reward"] == 0.1 * 3
 
 
 def test_a_run_says_which_chunk_the_planner_chose_and_why(tmp_path, capfd):

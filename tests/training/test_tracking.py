@@ -16,7 +16,8 @@ from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
 from longstraw_core.progress import StepProgress
 from longstraw_core.run_curves import METRICS_CSV
-from longstraw_core.tracking import RunLogger, flatten_metrics, log_with
+from longstraw_core.run_summary import SUMMARY_TXT
+from longstraw_core.tracking import RunLogger, flatten_metrics, log_with, wandb_metrics
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 
@@ -42,6 +43,8 @@ def test_offline_wandb_run_records_metrics_config_and_completions(
             "time": {"prefill": 2.0, "step": 3.0},
             "state_bytes": {"linear_attention": 1024, "full_attention": 4096},
         }
+        if step == 3:
+            metrics |= {"eval/reward": 0.75, "eval/greedy_accuracy": 0.5}
         logger.log(step, metrics)
         rows = [{"prompt": "x" * 10_000, "completion": f"<answer>{step}</answer>", "reward": 1.0}]
         logged = logger.log_completions(step, rows * 2)
@@ -51,9 +54,21 @@ def test_offline_wandb_run_records_metrics_config_and_completions(
     assert len(lines) == 3 and lines[0].startswith("step 1/3") and "reward 0.250" in lines[0]
     records = wandb_records(next(run_dir.glob("run-*.wandb")))
     steps = wandb_history(records)
-    assert steps[3]["loss"] == pytest.approx(1 / 3) and steps[1]["reward"] == 0.25
-    assert steps[2]["time/prefill"] == 2.0 and steps[2]["state_bytes/full_attention"] == 4096
-    assert steps[2]["completions/_type"] == "table-file"
+    # TRL's W&B names (tracking.trl_names, the default): what transformers' WandbCallback
+    # records for a TRL run, so its dashboards' panels (train/reward, ...) show this run.
+    assert steps[3]["train/loss"] == pytest.approx(1 / 3) and steps[1]["train/reward"] == 0.25
+    assert steps[2]["train/time/prefill"] == 2.0
+    assert steps[2]["train/state_bytes/full_attention"] == 4096
+    assert [steps[s]["train/global_step"] for s in (1, 2, 3)] == [1, 2, 3]
+    assert steps[3]["eval/reward"] == 0.75 and steps[3]["eval/greedy_accuracy"] == 0.5
+    logged = {key for row in steps.values() for key in row if not key.startswith("_")}
+    assert not logged & {"reward", "loss", "train/eval/reward"}, "bare or doubled names"
+    assert steps[2]["completions/_type"] == "table-file"  # TRL's table name, as TRL logs it
+    assert steps[3]["run_summary/_type"] == "table-file"  # the whole summary table
+    (summary,) = run_dir.glob("files/media/table/run_summary_3_*.table.json")
+    cells = json.loads(summary.read_text())
+    assert cells["columns"] == ["metric", "first", "last", "min", "max", "mean"]
+    assert [row[0] for row in cells["data"]][:3] == ["reward", "reward_std", "loss"]
     config = wandb_config(records)
     assert config["rollout"]["num_generations"] == cfg.rollout.num_generations
     assert config["model"] == to_dict(cfg)["model"]
@@ -82,7 +97,7 @@ def test_disabled_tracking_still_logs_to_the_console(
     assert "Run summary" in table and "loss" in table and "0.2" in table
     # No W&B directory: only the run's own record of its metrics (run_curves), no PNG unless
     # tracking.curves_png asks for it.
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [METRICS_CSV]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [METRICS_CSV, SUMMARY_TXT]
     resumed = RunLogger.from_config(accelerator, cfg, write=lines.append)
     resumed.load_state_dict(json.loads(json.dumps(logger.state_dict())))  # via trainer_state.json
     assert resumed.history == logger.history
@@ -141,6 +156,24 @@ def test_num_tokens_is_the_running_total_and_resumes(tmp_path: Path) -> None:
 def test_wandb_on_without_the_tracker_in_accelerate_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="log_with"):
         RunLogger(Accelerator(cpu=True), output_dir=tmp_path, wandb=True, mode="offline")
+
+
+def test_wandb_names_are_what_transformers_wandb_callback_makes_of_trls_logs() -> None:
+    """TRL logs ``reward``, ``eval_reward`` through ``Trainer.log``; transformers' W&B callback
+    rewrites them (``rewrite_logs``) and adds ``train/global_step``. LongStraw's names, so
+    rewritten, are the same keys; ``tracking.trl_names=false`` keeps the bare ones."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    flat = {
+        names.REWARD: 0.5, names.LOSS: 0.1, "rewards/exact_match/mean": 0.5,
+        names.COMPLETIONS_MEAN_LENGTH: 12.0, names.STEP_SECONDS: 3.0, "eval/reward": 0.25,
+        "eval/completions/mean_length": 9.0, names.EVAL_GREEDY_ACCURACY: 1.0,
+    }  # fmt: skip
+    trl_logs = {f"eval_{k[5:]}" if k.startswith("eval/") else k: v for k, v in flat.items()}
+    expected = rewrite_logs(trl_logs) | {"train/global_step": 7.0}
+    assert wandb_metrics(7, flat, trl_names=True) == expected
+    assert expected["train/reward"] == 0.5 and expected["eval/reward"] == 0.25
+    assert wandb_metrics(7, flat, trl_names=False) == flat
 
 
 def test_flatten_metrics_names_what_it_cannot_log() -> None:

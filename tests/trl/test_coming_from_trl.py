@@ -31,7 +31,7 @@ from longstraw_core.rewards import RewardSet, completion_text
 from longstraw_core.tasks import Sample
 from longstraw_core.tiny_models import tiny_model
 from longstraw_core.tokenizer import builtin_tokenizer, encode_prompt, load_tokenizer
-from longstraw_core.trainer import dataset_directory, reward_entries, train
+from longstraw_core.trainer import RunError, dataset_directory, reward_entries, train
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/qwen36/tiny_grpo_cpu.yaml"
@@ -349,6 +349,21 @@ def test_the_python_api_trains_as_the_recipe_does_on_the_same_data(
     assert Path(histories[1]["config"]["data"]["path"]).parent == tmp_path / "ds-cache/longstraw"
 
 
+def test_the_python_api_raises_the_command_lines_one_line_error(tmp_path, capfd):
+    """Where the command line prints one line and exits 1, ``train`` raises ``RunError``
+    with that line, and prints nothing: the caller decides (catch it, show it, retry)."""
+    out = tmp_path / "run"
+    with pytest.raises(RunError) as raised:
+        train(TINY, overrides=["train.stepz=3", f"train.output_dir={out}"])
+    assert str(raised.value).startswith("config error: train.stepz: unknown key")
+    assert raised.value.code == 1 and "\n" not in str(raised.value)
+    with pytest.raises(RunError, match=r"^config error: rewards\[0\]\.name: unknown reward"):
+        train(TINY, reward_funcs=["exact_macth"], overrides=[f"train.output_dir={out}"])
+    out_text, err_text = capfd.readouterr()
+    assert "config error" not in out_text + err_text
+    assert not out.exists(), "refused before anything was written"
+
+
 def test_reward_entries_name_callables_uniquely_and_check_the_weights():
     def judge(completions, **kwargs):
         return [1.0] * len(completions)
@@ -402,7 +417,7 @@ SAME_SETTING = {
     "save_steps": "train.save_every",
     "save_total_limit": lambda c: c.train.keep_last or None,  # TRL's None: keep all
     "report_to": lambda c: "wandb" if c.tracking.wandb else "none",
-    "log_completions": lambda c: c.train.completions_every > 0,
+    "log_completions": "train.completions_every",  # 10: a table every 10 steps (TRL: false)
     "eval_strategy": lambda c: "steps" if c.eval.every else "no",
     "shuffle_dataset": "data.shuffle",
     "num_generations": "rollout.num_generations",
