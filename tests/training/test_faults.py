@@ -91,7 +91,10 @@ def test_kill_at_any_stage_of_a_save_then_resume_equals_uninterrupted(straight, 
     assert checkpoint.resolve_checkpoint("latest", out) == out / f"step-{STEPS:06d}"
 
 
-def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
+# SIGHUP: a closed terminal or a dropped ssh session, whose default action ends the process
+# at once with nothing written.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_stop_signal_mid_step_saves_exits_and_resumes_equal(straight, tmp_path, sig):
     out = tmp_path / "run"
     process = subprocess.Popen(
         _command(out, "train.save_every=0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -101,14 +104,14 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     for line in process.stdout:  # the first step's line: the second step is under way
         lines.append(line)
         if line.startswith("step 1/"):
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(sig)
             break
     lines += process.stdout.readlines()
-    assert process.wait(timeout=600) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
+    assert process.wait(timeout=600) == 128 + sig, "".join(lines)[-3000:]
     text = "".join(lines)
-    assert "SIGTERM: finishing this step" in text and "Traceback" not in text
+    assert f"{sig.name}: finishing this step" in text and "Traceback" not in text
     # Step 2 as a rule; step 1 if the signal came before the first step's stop check.
-    (step,) = map(int, re.findall(r"stopped by SIGTERM after step (\d)/3", text))
+    (step,) = map(int, re.findall(rf"stopped by {sig.name} after step (\d)/3", text))
     assert "train.resume_from=latest" in text
     assert "Run summary" in text  # the logger (and W&B, when on) was finished
     # Although train.save_every=0: the last finished step's at the signal, then this step's.
