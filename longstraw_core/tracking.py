@@ -41,6 +41,7 @@ from rich.text import Text
 from tqdm.auto import tqdm
 
 from longstraw_core import metrics as names
+from longstraw_core.checkpoint import ownership
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
 from longstraw_core.run_curves import write_run_curves
 from longstraw_core.state import format_bytes
@@ -231,7 +232,7 @@ class RunLogger:
         The process group stays up (``accelerator.end_training()`` ends it, after this), so
         ranks can still wait for rank 0 to finish writing the run.
         """
-        if self.is_main:
+        if self.is_main and ownership.replaced(self.output_dir) is None:  # not another run's
             self._write_curves()
         if self.wandb:
             offline_dir = self.run_dir if self.mode == "offline" else None
