@@ -25,6 +25,12 @@ from longstraw_core.rewards import (
 )
 from longstraw_core.tokenizer import has_tokenizer_files, is_builtin, model_without_tokenizer
 
+# Where a relative path is taken from (config.relative_paths), said where one is not found.
+RELATIVE_RULE = (
+    "a relative path written in a config file is taken from the file's directory, one on the "
+    "command line from the working directory"
+)
+
 
 def check_source_paths(cfg: RunConfig) -> None:
     """``model.path``, the tokenizer (``tokenizer.path``, or the model's own) and
@@ -49,9 +55,11 @@ def check_exists(key: str, path: str | None, *, directory: bool) -> None:
         return
     target = Path(path).expanduser()
     if not target.exists():
-        raise ConfigError(key, f"{path!r} does not exist (edit the placeholder path?)")
+        raise ConfigError(
+            key, f"{path!r} does not exist (looked for {target.absolute()}; {RELATIVE_RULE})"
+        )
     if directory and not target.is_dir():
-        raise ConfigError(key, f"{path!r} is not a directory")
+        raise ConfigError(key, f"{path!r} is not a directory ({target.absolute()})")
 
 
 def check_train_paths(train: TrainSection) -> None:

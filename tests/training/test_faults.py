@@ -366,3 +366,29 @@ def test_resume_from_an_older_checkpoint_moves_later_ones_aside(straight, tmp_pa
     (aside,) = out.glob("superseded-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-000002", "step-000003"]
     assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+
+
+def test_a_config_with_its_data_beside_it_runs_from_any_working_directory(tmp_path):
+    """One rule for relative paths: a config file's are beside it (data, like its reward
+    modules), the command line's and the outputs are the working directory's."""
+    exp, elsewhere = tmp_path / "exp", tmp_path / "elsewhere"
+    exp.mkdir()
+    elsewhere.mkdir()
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    (exp / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (exp / "beside.py").write_text("def length(completions, **kwargs):\n"
+                                   "    return [float(len(c)) for c in completions]\n")  # fmt: skip
+    (exp / "run.yaml").write_text(
+        f"defaults: {CONFIG}\ndata:\n  task: null\n  path: prompts.jsonl\n  prompt_tokens: 64\n"
+        "eval:\n  every: 0\nrewards:\n  - {name: 'beside:length'}\n"
+    )
+    command = [
+        sys.executable, str(RECIPE), "--config", str(exp / "run.yaml"),
+        *[o for o in SMALL if not o.startswith(("rewards=", "data."))],
+        "train.steps=1", "train.save_every=1", "train.output_dir=out",
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=elsewhere, env=run_env(), timeout=600
+    )
+    _ok(result)
+    assert (elsewhere / "out" / "step-000001").is_dir()  # the outputs: where it was started
