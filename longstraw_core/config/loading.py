@@ -102,6 +102,10 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[Path, dict[str
     if not resolved.is_file():
         where = f" (a default of {seen[-1]})" if seen else ""
         raise ConfigError("defaults" if seen else "config", f"no such file {str(path)!r}{where}")
+    if seen and resolved.suffix not in (".yaml", ".yml"):  # never parse (and echo) /etc/passwd
+        raise ConfigError(
+            "defaults", f"{str(path)!r} (a default of {seen[-1]}) is not a .yaml or .yml file"
+        )
     try:
         body = OmegaConf.to_container(OmegaConf.load(resolved), resolve=False)
     except Exception as exc:  # yaml.YAMLError and OmegaConf errors: all mean "bad file"

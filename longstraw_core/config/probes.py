@@ -60,6 +60,8 @@ def check_exists(key: str, path: str | None, *, directory: bool) -> None:
         )
     if directory and not target.is_dir():
         raise ConfigError(key, f"{path!r} is not a directory ({target.absolute()})")
+    if not (target.is_dir() or target.is_file()):  # a FIFO or a device: reading would block
+        raise ConfigError(key, f"{path!r} is not a regular file or a directory; name a data file")
 
 
 def check_train_paths(train: TrainSection) -> None:

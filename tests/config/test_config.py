@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,15 @@ def test_a_missing_relative_path_names_the_absolute_path_tried(tmp_path, monkeyp
     assert "taken from the file's directory" in str(error)
     error = _error(config, "data.path=missing.jsonl")
     assert f"'missing.jsonl' does not exist (looked for {tmp_path / 'missing.jsonl'}" in str(error)
+
+
+def test_a_default_that_is_no_yaml_file_and_a_fifo_as_data_are_one_line(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("defaults: /etc/passwd\n")
+    error = _error(config)
+    assert error.key == "defaults" and "root:" not in str(error)  # the file is not printed
+    assert "'/etc/passwd' (a default of" in str(error) and "not a .yaml or .yml file" in str(error)
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    error = _error(TINY, "data.task=null", f"data.path={fifo}")  # not a read that never ends
+    assert error.key == "data.path" and "is not a regular file or a directory" in str(error)
