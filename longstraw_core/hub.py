@@ -52,9 +52,13 @@ def is_hub_id(path: str) -> bool:
     """Whether ``path`` names a Hub repository rather than a local path: nothing exists
     there, and it is ``namespace/name`` (a relative two-part path that does not exist locally
     is taken as an id; the error then says both)."""
-    if Path(path).expanduser().exists() or path.startswith(("/", ".", "~")):
-        return False
-    if path.count("/") != 1:
+    return not Path(path).expanduser().exists() and looks_like_hub_id(path)
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether ``path`` has a Hub id's shape (``namespace/name``, not ``./...``), wherever
+    it is read from (``config.relative_paths``)."""
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
         return False
     try:
         validate_repo_id(path)

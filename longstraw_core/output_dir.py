@@ -11,7 +11,9 @@ others wait and get the same answer), as a one-line ``ConfigError`` naming the f
 - a lock: ``fcntl.flock`` on ``<output_dir>/.longstraw.lock``, held until the process ends.
   The kernel releases it when the process dies, SIGKILL included, so a crashed run never
   leaves it stuck; a second live run into the directory is refused, naming the holder. The
-  file stays (removing a lock file races with the next run taking it);
+  file stays (removing a lock file races with the next run taking it). The lock is on the
+  file, not the path: a directory deleted and made again under the run is noticed before
+  each save (``checkpoint.ownership``), which then stops the run instead of writing there;
 - a new run (``train.resume_from`` unset) into a directory holding ``step-*`` checkpoints
   is refused: its saves would mix with the earlier run's, and ``train.keep_last`` would
   delete them. The fixes: ``train.resume_from=latest`` continues that run; another
@@ -33,17 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from longstraw_core.checkpoint import ownership
 from longstraw_core.checkpoint.errors import listed
 from longstraw_core.checkpoint.ranks import on_rank0, this_rank
 from longstraw_core.checkpoint.resolution import resolve_checkpoint, step_entries
 from longstraw_core.config import ConfigError, TrainSection
 from longstraw_core.resume import saved_step
 
-LOCK_FILE = ".longstraw.lock"
+LOCK_FILE = ownership.LOCK_FILE
 KEY = "train.output_dir"
-# Output directories this process holds the lock of: the open file keeps the lock, so it
-# stays open until the process ends (a later run in this process reuses it).
-_HELD: dict[Path, int] = {}
 
 Problem = tuple[str, str]  # (config key, message)
 
@@ -106,9 +106,10 @@ def _reason(error: OSError) -> str:
 
 def _lock(root: Path) -> Problem | None:
     """Hold ``root``'s lock for the rest of this process, or name the run holding it."""
-    resolved = _key(root)
-    if resolved in _HELD:
-        return None
+    if ownership.held(root) is not None:  # an earlier run in this process: reused
+        if ownership.replaced(root) is None:
+            return None
+        release(root)  # that directory is gone: lock the one there now
     path = root / LOCK_FILE
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -131,16 +132,8 @@ def _lock(root: Path) -> Problem | None:
     }
     os.ftruncate(descriptor, 0)
     os.pwrite(descriptor, json.dumps(holder).encode(), 0)
-    _HELD[resolved] = descriptor
+    ownership.hold(root, descriptor)  # saves check that the directory is still this one
     return None
-
-
-def _key(root: Path) -> Path:
-    """``root`` with its symlinks resolved where it has none that loop."""
-    try:
-        return root.resolve()
-    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
-        return Path(os.path.abspath(root))
 
 
 def _holder(path: Path) -> str:
@@ -153,7 +146,7 @@ def _holder(path: Path) -> str:
 
 def release(output_dir: str | os.PathLike) -> None:
     """Give up this process's lock on ``output_dir`` (a run ending inside a longer process)."""
-    descriptor = _HELD.pop(_key(Path(output_dir).expanduser()), None)
+    descriptor = ownership.release(output_dir)
     if descriptor is not None:
         os.close(descriptor)
 

@@ -1,7 +1,7 @@
 """Stopping on a scheduler's signal without losing work.
 
-Schedulers and preemption send SIGTERM (a person at the terminal, SIGINT) and kill the job a
-while later; ``torchrun`` and ``accelerate launch`` pass the signal on to the ranks and kill
+Schedulers and preemption send SIGTERM (a person at the terminal, SIGINT; a closed terminal or
+a dropped ssh session, SIGHUP, which ``torchrun`` passes on too) and kill the job a while later; ``torchrun`` and ``accelerate launch`` pass the signal on to the ranks and kill
 them after their own grace period (torchrun's ``--shutdown-timeout``, 30 s by default;
 accelerate's single-process launch, 5 s), far shorter than a long-prompt step. So at the first
 such signal ``GracefulStop`` has rank 0 write the last finished step's checkpoint at once
@@ -22,6 +22,7 @@ which then write the last finished step and exit instead of outliving it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -35,7 +36,9 @@ from types import FrameType, TracebackType
 
 from longstraw_core.distributed import max_over_ranks
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP's default action ends the process at once, without a word or a checkpoint: a closed
+# terminal must cost no more than a preemption.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Set in the processes torchrun (and accelerate launch through it) or accelerate's
 # single-process launch start: the launcher is this process's parent.
 LAUNCHER_VARIABLES = ("TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU")
@@ -206,8 +209,24 @@ def _follow_launcher() -> int | None:
 
 def _say(text: str) -> None:
     """One message on stderr, unbuffered: safe from the watcher thread, whatever the main
-    thread is printing."""
-    os.write(2, text.encode())
+    thread is printing. A terminal that hung up (SIGHUP) fails every write with EIO: the
+    run's output then goes to /dev/null, so that no later print ends the run or the save."""
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        _silence_output()
+
+
+def _silence_output() -> None:
+    """Point stdout and stderr at /dev/null (their terminal is gone)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def exit_after_stop(sig: signal.Signals, message: str) -> None:

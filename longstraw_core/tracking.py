@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from longstraw_core import metrics as names
 from longstraw_core import run_summary
+from longstraw_core.checkpoint import ownership
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
 from longstraw_core.run_curves import write_run_curves
 from longstraw_core.state import format_bytes
@@ -271,7 +272,7 @@ class RunLogger:
         ranks can still wait for rank 0 to finish writing the run.
         """
         summary = None
-        if self.is_main:
+        if self.is_main and ownership.replaced(self.output_dir) is None:  # not another run's
             self._write_curves()
             summary = self._write_summary()
         if self.wandb:

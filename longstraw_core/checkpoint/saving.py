@@ -24,6 +24,7 @@ from longstraw_core.checkpoint.files import (
     write_text,
 )
 from longstraw_core.checkpoint.model_state import save_state
+from longstraw_core.checkpoint.ownership import require_ours
 from longstraw_core.checkpoint.ranks import gather, on_rank0
 from longstraw_core.checkpoint.resolution import (
     complete_checkpoints,
@@ -106,6 +107,7 @@ def _write_checkpoint(
     earlier (no collective here)."""
     # failpoint(...): where the fault-injection tests kill the process (a no-op otherwise).
     failpoint("checkpoint.start", step)
+    require_ours(root)  # not a directory made again under the run (another run's, maybe)
     root.mkdir(parents=True, exist_ok=True)
     set_aside_incomplete(root)  # includes an incomplete ``final`` and a stale ``.tmp-*``
     earlier = complete_checkpoints(root)

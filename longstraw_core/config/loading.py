@@ -2,7 +2,7 @@
 and OmegaConf's errors as ``ConfigError``; ``to_dict`` / ``to_yaml`` write a config back out.
 
 A YAML file may start with ``defaults: base.yaml`` (or a list of files), paths relative to the
-file itself: the bases merge first, in order, then the file's own keys, so a derived config
+file itself (as are the data and model paths it writes: ``relative_paths``): the bases merge first, in order, then the file's own keys, so a derived config
 is a small diff. Lists are replaced whole, never merged item by item (OmegaConf's rule).
 
 Overrides are ``key=value`` with the value parsed as YAML (``train.steps=3``,
@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from longstraw_core import hub, packaged_models
+from longstraw_core.config.relative_paths import anchor
 from longstraw_core.config.schema import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 from longstraw_core.config.validation import validate
 
@@ -101,6 +102,10 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[Path, dict[str
     if not resolved.is_file():
         where = f" (a default of {seen[-1]})" if seen else ""
         raise ConfigError("defaults" if seen else "config", f"no such file {str(path)!r}{where}")
+    if seen and resolved.suffix not in (".yaml", ".yml"):  # never parse (and echo) /etc/passwd
+        raise ConfigError(
+            "defaults", f"{str(path)!r} (a default of {seen[-1]}) is not a .yaml or .yml file"
+        )
     try:
         body = OmegaConf.to_container(OmegaConf.load(resolved), resolve=False)
     except Exception as exc:  # yaml.YAMLError and OmegaConf errors: all mean "bad file"
@@ -110,6 +115,7 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[Path, dict[str
     if not isinstance(body, dict):
         raise ConfigError("config", f"{str(path)!r} must hold a mapping of sections")
     bases = body.pop("defaults", None) or []
+    anchor(body, resolved.parent)  # its relative data/model paths: beside this file
     if isinstance(bases, str):
         bases = [bases]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):

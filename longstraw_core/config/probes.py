@@ -26,6 +26,12 @@ from longstraw_core.rewards import (
 from longstraw_core.rewards.resolution import resolve_entry
 from longstraw_core.tokenizer import has_tokenizer_files, is_builtin, model_without_tokenizer
 
+# Where a relative path is taken from (config.relative_paths), said where one is not found.
+RELATIVE_RULE = (
+    "a relative path written in a config file is taken from the file's directory, one on the "
+    "command line from the working directory"
+)
+
 
 def check_source_paths(cfg: RunConfig) -> None:
     """``model.path``, the tokenizer (``tokenizer.path``, or the model's own) and
@@ -50,10 +56,13 @@ def check_exists(key: str, path: str | None, *, directory: bool) -> None:
         return
     target = Path(path).expanduser()
     if not target.exists():
-        where = target if target.is_absolute() else f"{target.resolve()}, from {Path.cwd()}"
-        raise ConfigError(key, f"{path!r} does not exist (looked for {where})")
+        raise ConfigError(
+            key, f"{path!r} does not exist (looked for {target.absolute()}; {RELATIVE_RULE})"
+        )
     if directory and not target.is_dir():
-        raise ConfigError(key, f"{path!r} is not a directory")
+        raise ConfigError(key, f"{path!r} is not a directory ({target.absolute()})")
+    if not (target.is_dir() or target.is_file()):  # a FIFO or a device: reading would block
+        raise ConfigError(key, f"{path!r} is not a regular file or a directory; name a data file")
 
 
 def check_train_paths(train: TrainSection) -> None:

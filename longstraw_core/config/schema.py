@@ -179,6 +179,9 @@ class RolloutSection:
     max_tool_calling_iterations: int | None = None
     tool_timeout_seconds: float | None = 60.0  # tools.DEFAULT_TIMEOUT_SECONDS
     tool_threads: int | None = None
+    # How long building a group's environments, and their reset(**row), may each take before
+    # the run stops with one line (a reset that hangs would stall it forever); null: no limit.
+    environment_timeout_seconds: float | None = 600.0  # tools.DEFAULT_ENVIRONMENT_TIMEOUT_SECONDS
 
 
 def _grpo_section() -> type:

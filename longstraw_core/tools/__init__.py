@@ -5,6 +5,8 @@ branch's turns. One job per module:
   ``apply_chat_template`` keywords of a run with tools (``template_kwargs``), and
   ``TOOL_CHATML_TEMPLATE``, the built-in tokenizer's ChatML with Hermes tool calls.
 - ``environments``: environment classes (``reset``, tool methods, ``get_reward``).
+- ``callbacks``: an environment built and reset within ``rollout.environment_timeout_seconds``,
+  a failure as one ``AgentError`` line.
 - ``loading``: ``ToolSet``, the tools a config names, loaded once.
 - ``parsing``: a turn's tokens -> an assistant message with its ``tool_calls``
   (``parse_turn``: the tokenizer's own parser, else the documented Hermes fallback).
@@ -24,6 +26,7 @@ branch's turns. One job per module:
 from longstraw_core.metrics import tool_metrics
 from longstraw_core.tools.agents import AgentError, AgentGroup, Agents, ToolOutcome
 from longstraw_core.tools.branch import ToolBranch
+from longstraw_core.tools.callbacks import DEFAULT_ENVIRONMENT_TIMEOUT_SECONDS, call_environment
 from longstraw_core.tools.checks import check_config
 from longstraw_core.tools.environments import (
     bound_tools,
@@ -46,6 +49,7 @@ from longstraw_core.tools.schemas import (
 from longstraw_core.tools.turns import ToolTurns
 
 __all__ = [
+    "DEFAULT_ENVIRONMENT_TIMEOUT_SECONDS",
     "DEFAULT_TIMEOUT_SECONDS",
     "TOOL_CHATML_TEMPLATE",
     "AgentError",
@@ -61,6 +65,7 @@ __all__ = [
     "ToolSuffix",
     "ToolTurns",
     "bound_tools",
+    "call_environment",
     "check_config",
     "has_response_parser",
     "method_names",

@@ -36,6 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from longstraw_core.rewards.inputs import sample_columns
 from longstraw_core.tasks import Sample
 from longstraw_core.tools.branch import ToolBranch
+from longstraw_core.tools.callbacks import AgentError, call_environment
 from longstraw_core.tools.environments import reset_group, reward_function, with_observation
 from longstraw_core.tools.loading import ToolSet
 from longstraw_core.tools.running import ToolRunner
@@ -48,10 +49,6 @@ if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.config.schema import RunConfig
     from longstraw_core.pipeline.transport import StageLink
-
-
-class AgentError(RuntimeError):
-    """A tool run that cannot go on (e.g. environments that cannot travel between stages)."""
 
 
 @dataclass
@@ -113,11 +110,19 @@ class Agents:
     def group(self, sample: Sample, size: int) -> AgentGroup:
         """A prompt's ``size`` branches: their environments reset with the sample's row, the
         sample with the observation in its prompt."""
-        environments = [self.toolset.new_environment() for _ in range(size)]
-        if self.toolset.environment is not None:
-            row = {"prompt": sample.prompt, **sample_columns(sample)}
-            observation = reset_group(environments, row)
-            sample = dataclasses.replace(sample, prompt=_observed(sample.prompt, observation))
+        toolset = self.toolset
+        if toolset.environment is None:
+            return AgentGroup(self, sample, [None] * size)
+        # Each call within rollout.environment_timeout_seconds; a failure stops the run.
+        name, limit = toolset.environment.__name__, toolset.environment_timeout
+        environments = call_environment(
+            lambda: [toolset.new_environment() for _ in range(size)], f"{name}()", limit
+        )
+        row = {"prompt": sample.prompt, **sample_columns(sample)}
+        observation = call_environment(
+            lambda: reset_group(environments, row), f"{name}.reset", limit
+        )
+        sample = dataclasses.replace(sample, prompt=_observed(sample.prompt, observation))
         return AgentGroup(self, sample, environments)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The config check of the tool keys (``rollout.tools``, ``rollout.environment``,
-``rollout.max_tool_calling_iterations``, ``rollout.tool_timeout_seconds``), run by
+``rollout.max_tool_calling_iterations``, ``rollout.tool_timeout_seconds``,
+``rollout.environment_timeout_seconds``), run by
 ``config.validation.validate`` at load, before any weight or data is touched."""
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def check_config(
         "rollout.max_tool_calling_iterations", r.max_tool_calling_iterations, 0,
         "tool rounds per branch", "for no limit",
     )  # fmt: skip
-    timeout = r.tool_timeout_seconds
-    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
-        raise ConfigError(
-            "rollout.tool_timeout_seconds",
-            f"{timeout!r} is invalid; allowed: seconds > 0, or null for no limit",
-        )
+    for key in ("tool_timeout_seconds", "environment_timeout_seconds"):
+        timeout = getattr(r, key)
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ConfigError(
+                f"rollout.{key}",
+                f"{timeout!r} is invalid; allowed: seconds > 0, or null for no limit",
+            )
     _check_count(
         "rollout.tool_threads", r.tool_threads, 1,
         "branches whose tools may run at once; 1: one after another", "for every branch's",

@@ -47,9 +47,9 @@ def reset_group(environments: Sequence[Any], row: Mapping[str, Any]) -> Any:
     first = observations[0] if observations else None
     if any(o != first for o in observations[1:]):
         raise ValueError(
-            f"{type(environments[0]).__name__}.reset returned different observations for the "
-            "branches of one group; they share one prompt, so reset must return the same "
-            "observation for the same row (keep per-branch randomness in the tools)"
+            "it returned different observations for the branches of one group; they share "
+            "one prompt, so reset must return the same observation for the same row (keep "
+            "per-branch randomness in the tools)"
         )
     return first
 

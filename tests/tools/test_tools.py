@@ -21,10 +21,12 @@ from trl.chat_template_utils import add_response_schema, parse_response, qwen2_5
 
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.config.schema import RolloutSection
-from longstraw_core.tasks import VaultEnvironment
+from longstraw_core.tasks import Sample, VaultEnvironment
 from longstraw_core.tokenizer import CHATML_TEMPLATE, builtin_tokenizer
 from longstraw_core.tools import (
     TOOL_CHATML_TEMPLATE,
+    AgentError,
+    Agents,
     ToolBranch,
     ToolRunner,
     ToolSet,
@@ -145,7 +147,7 @@ def _call(name: str, **arguments) -> dict:
 def _toolset(functions=(), environment=None, **kw) -> ToolSet:
     schemas = [tool_schema(f) for f in functions]
     if environment is not None:
-        schemas += [tool_schema(m) for m in (environment().add, environment().peek)]
+        schemas += [tool_schema(m) for m in (Counter().add, Counter().peek)]  # its tools
     return ToolSet(list(functions), environment, schemas, **kw)
 
 
@@ -314,7 +316,7 @@ def test_a_hanging_tool_is_a_failure_after_its_timeout() -> None:
 # --------------------------------------------------------------------------- environments
 
 
-def test_environment_reset_tools_and_reward() -> None:
+def test_environment_reset_tools_and_reward(byte_tok) -> None:
     envs = [Counter(), Counter()]
     observation = reset_group(envs, {"start": 5, "answer": "x"})
     assert observation == " (the counter starts at 5)"
@@ -338,6 +340,70 @@ def test_environment_reset_tools_and_reward() -> None:
 
     with pytest.raises(ValueError, match="same observation"):
         reset_group([Moody(), Moody()], {})
+    agents = Agents(_toolset(environment=Moody), byte_tok, max_new_tokens=4)
+    with pytest.raises(AgentError, match=r"^rollout.environment: Moody.reset raised ValueError: "):
+        agents.group(Sample(id="0", prompt="Count.", answer=""), 2)
+
+
+class Hangs(Counter):
+    def reset(self, seconds: float = 0, **kwargs) -> str:
+        time.sleep(seconds)
+        return ""
+
+
+class Raises(Counter):
+    def reset(self, **kwargs) -> str:
+        raise KeyError("no such sandbox")
+
+
+class Exits(Counter):
+    def reset(self, **kwargs) -> str:
+        raise SystemExit(3)
+
+
+class BreaksAtBirth(Counter):
+    def __init__(self) -> None:
+        raise OSError("the sandbox image is gone")
+
+
+@pytest.mark.parametrize(
+    ("environment", "line"),
+    [
+        (Hangs, "rollout.environment: Hangs.reset took longer than "
+                "rollout.environment_timeout_seconds=0.3 s (it runs on in its thread); make it "
+                "return sooner, or raise rollout.environment_timeout_seconds (null: no limit)"),
+        (Raises, "rollout.environment: Raises.reset raised KeyError: 'no such sandbox'"),
+        (Exits, "rollout.environment: Exits.reset raised SystemExit: 3"),  # this callback's failure
+        (BreaksAtBirth, "rollout.environment: BreaksAtBirth() raised OSError: "
+                        "the sandbox image is gone"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_hangs_or_fails_stops_the_run_with_one_line(
+    byte_tok, environment, line
+) -> None:
+    """``reset`` had no timeout: a hung sandbox stalled the run forever (tools and rewards
+    time out). Now each environment callback fails within ``rollout.environment_timeout_seconds``
+    with one line naming it, whatever it raised."""
+    toolset = _toolset(environment=environment, environment_timeout=0.3)
+    agents = Agents(toolset, byte_tok, max_new_tokens=4)
+    sample = Sample(id="0", prompt="Count.", answer="", columns={"seconds": 30})
+    started = time.monotonic()
+    with pytest.raises(AgentError) as raised:
+        agents.group(sample, 2)
+    assert time.monotonic() - started < 5  # not the 30 s reset sleeps
+    assert str(raised.value) == line
+    sample = Sample(id="0", prompt="Count.", answer="", columns={"seconds": 0})
+    if environment is Hangs:  # within the limit, or with none (null): it works
+        assert agents.group(sample, 2).sample.prompt == "Count."
+        untimed = Agents(_toolset(environment=Hangs, environment_timeout=None), byte_tok,
+                         max_new_tokens=4)  # fmt: skip
+        assert len(untimed.group(sample, 3).environments) == 3
+
+
+def test_environment_timeout_seconds_is_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.environment_timeout_seconds: 0.0 is invalid"):
+        load_config(AGENT, ["rollout.environment_timeout_seconds=0"])
+    assert load_config(AGENT, ["rollout.environment_timeout_seconds=null"])
 
 
 # --------------------------------------------------------------------------- rendering

@@ -91,7 +91,10 @@ def test_kill_at_any_stage_of_a_save_then_resume_equals_uninterrupted(straight, 
     assert checkpoint.resolve_checkpoint("latest", out) == out / f"step-{STEPS:06d}"
 
 
-def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
+# SIGHUP: a closed terminal or a dropped ssh session, whose default action ends the process
+# at once with nothing written.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_stop_signal_mid_step_saves_exits_and_resumes_equal(straight, tmp_path, sig):
     out = tmp_path / "run"
     process = subprocess.Popen(
         _command(out, "train.save_every=0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -101,14 +104,14 @@ def test_sigterm_mid_step_saves_exits_and_resumes_equal(straight, tmp_path):
     for line in process.stdout:  # the first step's line: the second step is under way
         lines.append(line)
         if line.startswith("step 1/"):
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(sig)
             break
     lines += process.stdout.readlines()
-    assert process.wait(timeout=600) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
+    assert process.wait(timeout=600) == 128 + sig, "".join(lines)[-3000:]
     text = "".join(lines)
-    assert "SIGTERM: finishing this step" in text and "Traceback" not in text
+    assert f"{sig.name}: finishing this step" in text and "Traceback" not in text
     # Step 2 as a rule; step 1 if the signal came before the first step's stop check.
-    (step,) = map(int, re.findall(r"stopped by SIGTERM after step (\d)/3", text))
+    (step,) = map(int, re.findall(rf"stopped by {sig.name} after step (\d)/3", text))
     assert "train.resume_from=latest" in text
     assert "Run summary" in text  # the logger (and W&B, when on) was finished
     # Although train.save_every=0: the last finished step's at the signal, then this step's.
@@ -408,3 +411,29 @@ def test_resume_from_an_older_checkpoint_moves_later_ones_aside(straight, tmp_pa
     (aside,) = out.glob("superseded-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-000002", "step-000003"]
     assert_same_state(straight / f"step-{STEPS:06d}", out / f"step-{STEPS:06d}")
+
+
+def test_a_config_with_its_data_beside_it_runs_from_any_working_directory(tmp_path):
+    """One rule for relative paths: a config file's are beside it (data, like its reward
+    modules), the command line's and the outputs are the working directory's."""
+    exp, elsewhere = tmp_path / "exp", tmp_path / "elsewhere"
+    exp.mkdir()
+    elsewhere.mkdir()
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    (exp / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (exp / "beside.py").write_text("def length(completions, **kwargs):\n"
+                                   "    return [float(len(c)) for c in completions]\n")  # fmt: skip
+    (exp / "run.yaml").write_text(
+        f"defaults: {CONFIG}\ndata:\n  task: null\n  path: prompts.jsonl\n  prompt_tokens: 64\n"
+        "eval:\n  every: 0\nrewards:\n  - {name: 'beside:length'}\n"
+    )
+    command = [
+        sys.executable, str(RECIPE), "--config", str(exp / "run.yaml"),
+        *[o for o in SMALL if not o.startswith(("rewards=", "data."))],
+        "train.steps=1", "train.save_every=1", "train.output_dir=out",
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=elsewhere, env=run_env(), timeout=600
+    )
+    _ok(result)
+    assert (elsewhere / "out" / "step-000001").is_dir()  # the outputs: where it was started

@@ -147,10 +147,13 @@ def _gone(pids: list[int], seconds: float) -> bool:
     return False
 
 
-def test_sigterm_to_torchrun_during_a_long_step_leaves_the_last_finished_step(straight, tmp_path):
-    """torchrun SIGKILLs the ranks its grace period (here 5 s) after passing SIGTERM on; step
-    2 sleeps an hour. Rank 0 writes step 1 from host memory at the signal; the sharded resume
-    ends where an uninterrupted run ends."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_stop_signal_to_torchrun_during_a_long_step_leaves_the_last_finished_step(
+    straight, tmp_path, sig
+):
+    """torchrun SIGKILLs the ranks its grace period (here 5 s) after passing the signal on
+    (SIGHUP too: a closed terminal); step 2 sleeps an hour. Rank 0 writes step 1 from host
+    memory at the signal; the sharded resume ends where an uninterrupted run ends."""
     out = tmp_path / "run"
     env = slow_step_env(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
     command = launch.torchrun_command(
@@ -159,14 +162,14 @@ def test_sigterm_to_torchrun_during_a_long_step_leaves_the_last_finished_step(st
     process, lines = _start(command, env), []
     try:
         _read_until(process, "reward sleeps on rank 0", lines)  # step 2, for an hour
-        process.send_signal(signal.SIGTERM)  # to torchrun
+        process.send_signal(sig)  # to torchrun
         lines += process.stdout.readlines()
         process.wait(timeout=120)
     finally:
         _kill_all(process)
     log = launch.with_report_last("".join(lines))
     assert process.returncode != 0
-    assert f"SIGTERM: saved {out / 'step-000001'} (the last finished step)" in log, log[-4000:]
+    assert f"{sig.name}: saved {out / 'step-000001'} (the last finished step)" in log, log[-4000:]
     assert sorted(p.name for p in out.glob("step-*")) == ["step-000001"], log[-4000:]
     launch.torchrun_ok(
         RECIPE, *ARGS, f"train.output_dir={out}", "train.save_every=1", "train.resume_from=latest",
