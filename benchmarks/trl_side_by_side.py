@@ -226,15 +226,22 @@ def trl_checkpointing(cfg: lsc.RunConfig, mode: str) -> tuple[bool, str | None]:
                   f"{have / 2**30:.0f} GiB here")  # fmt: skip
 
 
-def run_side(side: str, config: str, overrides: list[str], seed: int, ckpt: bool) -> dict:
-    """One side in a fresh process: its JSON record (the child's output goes to ours)."""
+def run_side(
+    side: str, config: str, overrides: list[str], seed: int, ckpt: bool, *, may_fail: bool = False
+) -> dict:
+    """One side in a fresh process: its JSON record (the child's output goes to ours).
+    ``may_fail``: a side that dies (killed out of memory) gives ``{"failed": why}``."""
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "side.json"
         command = [sys.executable, __file__, config, *overrides, f"train.output_dir={tmp}/run",
                    "--side", side, "--seed", str(seed), "--side-json", str(record),
                    "--trl-checkpointing", "on" if ckpt else "off"]  # fmt: skip
         started = time.perf_counter()
-        if subprocess.run(command, cwd=ROOT).returncode:
+        code = subprocess.run(command, cwd=ROOT).returncode
+        if code and may_fail:
+            killed = " (SIGKILL: out of memory?)" if code == -9 else ""
+            return {"failed": f"exit code {code}{killed}", "wall_s": time.perf_counter() - started}
+        if code:
             raise SystemExit(f"the {side} side failed (seed {seed}): see its output above")
         return json.loads(record.read_text()) | {"wall_s": time.perf_counter() - started}
 
@@ -264,6 +271,10 @@ def mean_step(run: dict) -> float:
 
 def gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def seconds(n: float | None) -> str:
+    return "failed" if n is None else f"{n:.2f}"
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -385,26 +396,31 @@ def timing(args: argparse.Namespace, config: str, overrides: list[str], notes: l
         notes += [why] if why else []
         row: dict[str, Any] = {"prompt_tokens": tokens, "trl_checkpointing": ckpt}
         for side in SIDES:
-            run = run_side(side, config, [*overrides, *extra], args.seeds[0], ckpt)
-            row[f"{side}_s_per_step"] = mean_step(run)
+            run = run_side(side, config, [*overrides, *extra], args.seeds[0], ckpt, may_fail=True)
+            row[f"{side}_failed"] = run.get("failed")
+            row[f"{side}_s_per_step"] = None if run.get("failed") else mean_step(run)
             row |= {
                 f"{side}_{k}": run.get(k)
                 for k in ("peak_rss_bytes", "peak_device_bytes", "step_peak")
             }
         rows.append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "trl_side_by_side_timing.json"
-    record = {"config": config, "overrides": overrides, "notes": notes, "rows": rows}
-    path.write_text(json.dumps(record, indent=1))
+        args.out.mkdir(parents=True, exist_ok=True)  # written after each length: kept if cut
+        path = args.out / "trl_side_by_side_timing.json"
+        record = {"config": config, "overrides": overrides, "notes": notes, "rows": rows}
+        path.write_text(json.dumps(record, indent=1))
     print(f"\n{'tokens':>7} {'TRL s/step':>11} {'LS s/step':>10} {'LS/TRL':>7} {'TRL peak':>11} "
           f"{'LS peak':>11} {'LS/TRL':>7}  (peak: RSS, or the device's on CUDA)")  # fmt: skip
     for row in rows:
-        key = "peak_device_bytes" if row["trl_peak_device_bytes"] else "peak_rss_bytes"
+        on_device = row["trl_peak_device_bytes"] or row["longstraw_peak_device_bytes"]
+        key = "peak_device_bytes" if on_device else "peak_rss_bytes"
         trl, ls = row[f"trl_{key}"], row[f"longstraw_{key}"]
         speed = ratio(row["longstraw_s_per_step"], row["trl_s_per_step"])
-        print(f"{row['prompt_tokens']:7} {row['trl_s_per_step']:11.2f} "
-              f"{row['longstraw_s_per_step']:10.2f} {speed:>7} {gib(trl):>11} {gib(ls):>11} "
-              f"{ratio(ls, trl):>7}")  # fmt: skip
+        print(f"{row['prompt_tokens']:7} {seconds(row['trl_s_per_step']):>11} "
+              f"{seconds(row['longstraw_s_per_step']):>10} {speed:>7} {gib(trl):>11} "
+              f"{gib(ls):>11} {ratio(ls, trl):>7}")  # fmt: skip
+        for side in SIDES:
+            if row[f"{side}_failed"]:
+                print(f"        {side} at {row['prompt_tokens']} tokens: {row[f'{side}_failed']}")
     print("\n".join(f"note: {n}" for n in notes) + f"\nwrote {path}")
 
 
