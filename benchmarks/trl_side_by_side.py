@@ -182,6 +182,8 @@ def run_trl(cfg: lsc.RunConfig, checkpointing: bool) -> dict[str, Any]:
 
         def on_step_end(self, args, state, control, model=None, **kwargs) -> None:
             out["step_seconds"].append(time.perf_counter() - self.mark)
+            print(f"trl step {state.global_step}/{cfg.train.steps}  "
+                  f"{out['step_seconds'][-1]:.1f}s", flush=True)  # fmt: skip
             step, every = state.global_step, cfg.eval.every
             if every and (step % every == 0 or step == cfg.train.steps):
                 out["eval"].append([step, accuracy(model, step)])

@@ -13,13 +13,13 @@ logs ``tools/call_frequency`` > 0 and shows the calls in the completions table.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from real_model import smollm2_dir
+from wandb_records import wandb_history, wandb_records
 
 from longstraw_core import config as lsc
 from longstraw_core import warm_start as ws
@@ -137,13 +137,20 @@ def test_grpo_on_the_warm_started_model_logs_its_tool_calls(warm_started, tmp_pa
         sys.executable, str(ROOT / "recipes/grpo_qwen36.py"), "--config", str(AGENT),
         f"model.path={out}", "data.prompt_tokens=512", "rollout.num_generations=4",
         "train.steps=1", "train.completions_every=1", "train.save_every=0",
-        "tracking.wandb=false", f"train.output_dir={run}",
+        "tracking.mode=offline", "tracking.curves_png=false", f"train.output_dir={run}",
     ]  # fmt: skip
-    env = {**os.environ, "COLUMNS": "200"}  # the completions table unfolded
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list((run / "metrics.csv").read_text().splitlines())
     header, values = rows[0].split(","), rows[1].split(",")
     frequency = float(values[header.index("tools/call_frequency")])
     assert frequency > 0
-    assert "-> lookup(" in result.stdout
+    (run_file,) = run.glob("**/run-*.wandb")
+    assert wandb_history(wandb_records(run_file))[1]["train/tools/call_frequency"] == frequency
+    (table,) = run.glob("**/files/media/table/completions_*.table.json")
+    cells = json.loads(table.read_text())
+    completions = [row[cells["columns"].index("completion")] for row in cells["data"]]
+    calls = sum(c.count('  -> lookup({"key": ') for c in completions)  # the table's calls
+    assert calls == round(frequency * len(completions))  # every call the metric counts
+    results = sum(c.count("tool (lookup): ") for c in completions)  # a result past the
+    assert 0 < results <= calls  # budget is dropped, its call still counted (TRL's rule)
