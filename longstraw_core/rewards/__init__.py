@@ -63,9 +63,10 @@ Where LongStraw differs from TRL, on purpose:
   An async function is cancelled (``asyncio.wait_for``); one that blocks its event loop is
   left with that loop, and the later async calls get a new one. ``timeouts`` None: the call
   runs in the calling thread with no limit, as in TRL.
-- ``SystemExit`` or ``KeyboardInterrupt`` raised by a reward function is not a failure of a
-  call but a request to stop: ``RewardError`` naming the function, which the recipes turn into
-  a one-line exit (TRL would end the run without a word).
+- ``SystemExit`` raised by a reward function is a failure of that call, the rule tools and
+  environments follow (a client library calling ``sys.exit`` on an error must not end a long
+  run). ``KeyboardInterrupt`` reaching a reward's thread is a request to stop: ``RewardError``
+  naming the function, which the recipes turn into a one-line exit.
 
 Import from here; the modules hold:
 

@@ -315,7 +315,7 @@ class RewardSet:
                     f"returned {huge[0]:g}, beyond |reward| <= {MAX_ABS_REWARD:g}: such values "
                     "overflow the group's statistics; scale the reward down"
                 )
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: the function's failure too
             ids = [s.id for s in samples]
             if self.raise_errors:
                 distinct = list(dict.fromkeys(ids))

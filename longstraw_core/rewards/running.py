@@ -20,8 +20,8 @@ DEFAULT_TIMEOUT_SECONDS = 600.0
 
 
 class RewardError(RuntimeError):
-    """A reward function failed and ``raise_errors=True``, cannot be called at all, or asked
-    to end the run (``SystemExit``, ``KeyboardInterrupt``)."""
+    """A reward function failed and ``raise_errors=True``, cannot be called at all, or was
+    interrupted (``KeyboardInterrupt``: a person's Ctrl-C reaching its thread)."""
 
 
 class RewardTimeout(TimeoutError):
@@ -29,16 +29,15 @@ class RewardTimeout(TimeoutError):
 
 
 class Stop:
-    """A reward function raised ``SystemExit``/``KeyboardInterrupt``: carried back to the
-    calling thread, which raises ``RewardError``."""
+    """A reward function raised ``KeyboardInterrupt``: carried back to the calling thread,
+    which raises ``RewardError``."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
 def stop_error(name: str, error: BaseException) -> RewardError:
-    """The one-line ``RewardError`` for a reward function that raised ``SystemExit`` or
-    ``KeyboardInterrupt``."""
+    """The one-line ``RewardError`` for a reward function that raised ``KeyboardInterrupt``."""
     return RewardError(
         f"reward function {name!r} raised {error!r}, which ends the run; a reward function "
         "returns None for a completion it cannot score, or raises an Exception to count as a "
@@ -100,13 +99,15 @@ def call_in_daemon(
 
 
 def call_outcome(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
-    """The function's values, or the exception it raised (judged by ``RewardSet._column``); a
-    ``SystemExit``/``KeyboardInterrupt`` wrapped in ``Stop``, to end the run."""
+    """The function's values, or the exception it raised (judged by ``RewardSet._column``). A
+    ``SystemExit`` is the function's failure, as a tool's is (a judge's client library calling
+    ``sys.exit`` on an error must not end the run); a ``KeyboardInterrupt`` is wrapped in
+    ``Stop``, to end the run."""
     try:
         return fn(**kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         return exc
-    except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
+    except BaseException as exc:  # KeyboardInterrupt: stop the run
         return Stop(exc)
 
 
@@ -125,9 +126,9 @@ async def _guarded(fn: RewardFn, kwargs: dict[str, Any]) -> Any:
     reaches the event loop (a ``SystemExit`` escaping a task stops the loop's thread)."""
     try:
         return await fn(**kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a failure (``call_outcome``)
         return exc
     except asyncio.CancelledError:
         raise  # the timeout's cancellation
-    except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
+    except BaseException as exc:  # KeyboardInterrupt: stop the run
         return Stop(exc)

@@ -351,12 +351,20 @@ def test_a_reward_past_its_timeout_fails_those_calls_and_the_run_goes_on(tmp_pat
     assert (tmp_path / "run" / f"step-{STEPS:06d}").is_dir()
 
 
-def test_a_reward_raising_system_exit_stops_the_run_with_one_line_naming_it(tmp_path):
-    result = _run(tmp_path / "run", "rewards=[{name: 'varied_reward:exits_the_run'}]")
+def test_a_reward_raising_system_exit_fails_like_a_tool_not_the_run(tmp_path):
+    """``sys.exit()`` in a reward is that function's failure (the tools' rule): the steps are
+    skipped as for any failing reward, and the run stops by the skip rule, with one line."""
+    result = _run(
+        tmp_path / "run", "rewards=[{name: 'varied_reward:exits_the_run'}]",
+        "train.max_skipped_steps=1",
+    )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "exits_the_run" in line]
-    assert line.startswith("training stopped: reward function 'exits_the_run' raised SystemExit")
+    log = result.stderr + result.stdout
+    assert "Traceback" not in log
+    failures = [ln for ln in log.splitlines() if "'exits_the_run' failed on 4 of 4" in ln]
+    assert len(failures) == 2 and all("SystemExit" in ln for ln in failures), failures
+    (stopped,) = [ln for ln in result.stderr.splitlines() if ln.startswith("training stopped")]
+    assert "the reward functions failed every step" in stopped, stopped
 
 
 def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
