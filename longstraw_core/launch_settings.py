@@ -251,9 +251,9 @@ def one_process_of_many(
     if any(name in environ for name in STARTED_MANY):
         return None
     argv = _parent_argv() if launcher_argv is None else list(launcher_argv)
-    asked = _processes_asked(argv)
+    asked, where = _processes_asked(argv) or (None, "")
     n = str(asked) if asked else "N"
-    flag = f" (--num_processes {asked})" if asked else ""
+    flag = f" ({where})" if asked else ""
     return (
         f"accelerate launch was asked for {asked or 'several'} processes{flag} and started "
         "one: without --multi_gpu, or a config file whose distributed_type starts several, "
@@ -274,16 +274,29 @@ def _parent_argv() -> list[str]:
         return []
 
 
-def _processes_asked(argv: Sequence[str]) -> int | None:
-    """``--num_processes`` of an ``accelerate launch`` command line, as accelerate parses it
-    (None: not given there, e.g. in a config file, or not such a command line)."""
-    if "launch" not in argv:
+def _processes_asked(argv: Sequence[str]) -> tuple[int, str] | None:
+    """The processes an ``accelerate launch`` command line asks for, as accelerate reads
+    them, and where: ``--num_processes``, else its config file's ``num_processes`` (None:
+    neither, or not such a command line)."""
+    starts = [i for i, arg in enumerate(argv) if arg in ("launch", "accelerate.commands.launch")]
+    if not starts:
         return None
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
-    rest = list(argv)[list(argv).index("launch") + 1 :]
     try:
-        args, _ = launch_command_parser().parse_known_args(rest)
+        args, _ = launch_command_parser().parse_known_args(list(argv[starts[0] + 1 :]))
     except SystemExit:  # argparse refuses it: not a command line accelerate would run
         return None
-    return args.num_processes
+    if args.num_processes:
+        return args.num_processes, f"--num_processes {args.num_processes}"
+    path = args.config_file or (
+        default_config_file if os.path.isfile(default_config_file) else None
+    )
+    if path is None:
+        return None
+    try:
+        asked = load_config_from_file(path).num_processes
+    except (OSError, ValueError, TypeError):  # unreadable now: say "several"
+        return None
+    return (asked, f"num_processes: {asked} in {path}") if asked else None
