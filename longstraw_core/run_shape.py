@@ -11,11 +11,11 @@ the launcher started fewer processes than asked (``launch_settings.one_process_o
 
     run shape:
       processes  2 (torchrun), 2 on this node; pipeline stages x replicas 1 x 2; FSDP on
-      device     cpu; weights float32, compute float32
+      device     cpu:0; weights float32, compute float32
       threads    1 per process (OMP_NUM_THREADS=1)
-      model      tiny qwen3_5_text: 4 layers (3 deltanet, 1 gated_attention), 184.92K params
+      model      tiny qwen3_5_text: 4 layers (3 deltanet, 1 gated_attention), 184.92K params; ...
       step       prompts up to 512 tokens, G=8 x up to 16 new tokens, gradient exact, ...
-      planner    peak 43.01 MiB per rank (sweep phase); time per step: no model for CPUs
+      planner    peak 7.57 MiB per rank (sweep phase; no budget set); time per step: ...
 
 Everything is read from the config, the launch environment and the planner (the model on
 ``meta``): no weight, no collective, before anything loads.
