@@ -57,7 +57,9 @@ def counter(
     ``progress``: False hides it (ranks other than the one that reports); True draws a live
     bar; None draws one on a terminal, and elsewhere prints plain lines every
     ``every_seconds`` of the open ``StepProgress`` (none open, as in a library call outside
-    a run: nothing)."""
+    a run: nothing). Nothing to do (``total`` 0, e.g. no branch to replay): nothing shown."""
+    if total == 0:
+        progress = False
     if progress is None and _open and _open[-1].every_seconds is not None and not _on_terminal():
         return _open[-1].plain_counter(total, desc, unit, unit_scale)
     return tqdm(

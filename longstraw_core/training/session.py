@@ -13,7 +13,10 @@ one rollout, yielding each optimizer step's metrics.
   the checkpoints. ``distributed.pipeline_stages=S``: a replica is S ranks, each holding
   its stage's layers.
 - ``train.chunk_size: null`` (the default) becomes the planner's chunk at setup, printed
-  with its reason (``longstraw_core.plan.chunking``).
+  with its reason (``longstraw_core.plan.chunking``); then, before anything loads, the run's
+  shape (``run_shape``), with the threads per process it set (``threads``).
+- Inside a step the passes report their progress on rank 0 (``self.bars``): bars on a
+  terminal, plain lines every ``train.progress_every_seconds`` elsewhere (``progress``).
 - Evaluation (``eval.every`` > 0) runs after the optimizer step, before a checkpoint, and
   leaves the training untouched (``longstraw_core.evaluation``).
 - Faults lose nothing: SIGTERM/SIGINT/SIGHUP saves the last finished step at once
