@@ -167,7 +167,7 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
     log = run_on_ranks(
         recipe, config_path, staged, "train.steps=2", *STAGED, *extra, *EVAL, ranks=2
     )
-    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    assert log.count("step 2/2  ") == 1, "only rank 0 prints the per-step line"
     run_on_ranks(
         recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, *EVAL, ranks=1
     )
@@ -250,7 +250,7 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path, monkeypatc
     log = run_on_ranks(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
               *EVAL, ranks=4)  # fmt: skip
     monkeypatch.delenv(launch.RANK_THREADS)
-    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    assert log.count("step 2/2  ") == 1, "only rank 0 prints the per-step line"
     run_on_ranks(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
     assert_same_eval(
         eval_metrics(sharded / "step-000002")[1], eval_metrics(averaged / "step-000002")[1]
