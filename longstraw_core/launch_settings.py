@@ -19,7 +19,10 @@ before any weight loads, naming the accelerate setting, why, and the LongStraw k
   ``MEGATRON_LM``, ``parallelism_config``, a dynamo backend: refused, each with the run
   config keys that do the same in LongStraw;
 - what the launcher itself does (processes, machines, GPU ids, ports, ``use_cpu``,
-  ``num_cpu_threads_per_process``, ``debug``, CPU affinity) needs nothing from the recipe.
+  ``num_cpu_threads_per_process``, ``debug``, CPU affinity) needs nothing from the recipe,
+  except one trap ``one_process_of_many`` names: ``accelerate launch --num_processes N``
+  without ``--multi_gpu`` or a config that starts several (any CPU run without one) starts
+  the script once, as one process, and says nothing.
 
 Values are parsed with accelerate's own helpers, as ``Accelerator()`` parses them.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from accelerate.utils import parse_choice_from_env, parse_flag_from_env
@@ -221,3 +225,78 @@ def _dynamo(result: Resolution) -> None:
         "is not compiled (its passes read and write the prefix state in place, per chunk and "
         "branch lengths); set dynamo_backend: 'no'"
     )
+
+
+# What accelerate's simple launcher (one process, ``prepare_simple_launcher_cmd_env``) always
+# exports, and what it exports only when told of more than one process or machine.
+SIMPLE_LAUNCHER = "ACCELERATE_USE_CPU"
+MANY_ASKED = "MASTER_ADDR"
+# Set by the launchers that do start several processes (torchrun, mpirun): not the trap.
+STARTED_MANY = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def one_process_of_many(
+    environ: Mapping[str, str] | None = None, launcher_argv: Sequence[str] | None = None
+) -> str | None:
+    """Why this single process is not the N that ``accelerate launch`` was asked for, and
+    how to get N (None: no such launch).
+
+    accelerate's simple launcher runs the script once; it exports ``MASTER_ADDR`` only when
+    told of several processes or machines, and no launcher of several processes left its
+    world size. ``launcher_argv``: the ``accelerate`` command line (default: this
+    process's parent's), read with accelerate's own parser for the N asked for."""
+    environ = os.environ if environ is None else environ
+    if SIMPLE_LAUNCHER not in environ or MANY_ASKED not in environ:
+        return None
+    if any(name in environ for name in STARTED_MANY):
+        return None
+    argv = _parent_argv() if launcher_argv is None else list(launcher_argv)
+    asked, where = _processes_asked(argv) or (None, "")
+    n = str(asked) if asked else "N"
+    flag = f" ({where})" if asked else ""
+    return (
+        f"accelerate launch was asked for {asked or 'several'} processes{flag} and started "
+        "one: without --multi_gpu, or a config file whose distributed_type starts several, "
+        f"it runs the script once. For {n} processes: accelerate launch --config_file "
+        f"configs/accelerate/cpu_2proc.yaml --num_processes {n} (CPU), accelerate launch "
+        f"--multi_gpu --num_processes {n} (GPUs), or torchrun --nproc_per_node {n}"
+    )
+
+
+def _parent_argv() -> list[str]:
+    """The command line of the process that started this one ([] where unreadable)."""
+    import psutil  # accelerate's own dependency
+
+    try:
+        parent = psutil.Process().parent()
+        return parent.cmdline() if parent is not None else []
+    except psutil.Error:
+        return []
+
+
+def _processes_asked(argv: Sequence[str]) -> tuple[int, str] | None:
+    """The processes an ``accelerate launch`` command line asks for, as accelerate reads
+    them, and where: ``--num_processes``, else its config file's ``num_processes`` (None:
+    neither, or not such a command line)."""
+    starts = [i for i, arg in enumerate(argv) if arg in ("launch", "accelerate.commands.launch")]
+    if not starts:
+        return None
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        args, _ = launch_command_parser().parse_known_args(list(argv[starts[0] + 1 :]))
+    except SystemExit:  # argparse refuses it: not a command line accelerate would run
+        return None
+    if args.num_processes:
+        return args.num_processes, f"--num_processes {args.num_processes}"
+    path = args.config_file or (
+        default_config_file if os.path.isfile(default_config_file) else None
+    )
+    if path is None:
+        return None
+    try:
+        asked = load_config_from_file(path).num_processes
+    except (OSError, ValueError, TypeError):  # unreadable now: say "several"
+        return None
+    return (asked, f"num_processes: {asked} in {path}") if asked else None

@@ -14,13 +14,26 @@ become the ``time/<phase>`` metrics::
         metrics |= progress.step_done()           # {"time/prefill": 12.1, ..., "time/step": 30.2}
     progress.close()
 
-It is a tqdm bar because the adapters' prefill and the rollout draw tqdm bars of their own
-(``leave=False``), and tqdm stacks nested bars under this one; text goes through ``write``
-so lines print above the bars instead of through them.
+It is a tqdm bar because the passes count their own work on bars of their own (``counter``:
+prefill and sweep tokens, decode steps, branches replayed), and tqdm stacks nested bars under
+this one; text goes through ``write`` so lines print above the bars instead of through them.
+
+Where stderr is not a terminal (a log file, CI, a scheduler's output), live bars would only
+write carriage returns, so tqdm hides them; a million-token step would then be silent for an
+hour. While a ``StepProgress`` with ``every_seconds`` is open (a run's, from
+``train.progress_every_seconds``), each pass's ``counter`` prints a plain line instead, at
+most every ``every_seconds`` and once when the pass ends (only a pass that printed before)::
+
+    step 3/100 prefill: 38% 24.6k/65.5k tok [00:14<00:23, 1.75ktok/s]
+    step 3/100 replay: sweep: 100% 65.5k/65.5k tok [00:41<00:00, 1.59ktok/s]
+
+The counts are those the passes keep anyway (a chunk done, a decode step, a branch
+replayed), read on the host where the pass already is: no device sync, no collective.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +41,55 @@ from contextlib import contextmanager
 from tqdm.auto import tqdm
 
 PHASES = ("prefill", "rollout", "reward", "replay", "sweep", "optimizer", "eval", "checkpoint")
+# A pass's plain line (no bar: a log has no width to fill).
+PLAIN_FORMAT = (
+    "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]"
+)
+
+_open: list[StepProgress] = []  # the run's StepProgress while it is open (plain lines' source)
+
+
+def counter(
+    total: int, desc: str, unit: str, progress: bool | None, *, unit_scale: bool = False
+) -> tqdm:
+    """A pass's count of its work (``update(n)`` as each piece is done).
+
+    ``progress``: False hides it (ranks other than the one that reports); True draws a live
+    bar; None draws one on a terminal, and elsewhere prints plain lines every
+    ``every_seconds`` of the open ``StepProgress`` (none open, as in a library call outside
+    a run: nothing). Nothing to do (``total`` 0, e.g. no branch to replay): nothing shown."""
+    if total == 0:
+        progress = False
+    if progress is None and _open and _open[-1].every_seconds is not None and not _on_terminal():
+        return _open[-1].plain_counter(total, desc, unit, unit_scale)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit_scale,
+        disable=(not progress) if progress is not None else None,
+        leave=False,
+    )
+
+
+def _on_terminal() -> bool:
+    """Whether tqdm's stream (stderr) is a terminal, where live bars redraw in place."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class _Lines:
+    """A file for tqdm that turns its in-place redraws (``\\r`` + text) into whole lines on
+    stderr, each written at once (lines of several processes do not interleave)."""
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    def flush(self) -> None:
+        pass
 
 
 class StepProgress:
@@ -35,10 +97,19 @@ class StepProgress:
 
     ``initial``: steps already done (a resumed run), so the bar and ETA count what is left.
     ``enabled``: None shows the bar only on a terminal (as tqdm decides); pass False on
-    processes other than the main one.
+    processes other than the main one. ``every_seconds``: while it is open, the passes'
+    ``counter``s print a plain line at most this often where stderr is not a terminal
+    (None: they stay silent there).
     """
 
-    def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool | None = None) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        initial: int = 0,
+        enabled: bool | None = None,
+        every_seconds: float | None = None,
+    ) -> None:
         self.bar = tqdm(
             total=total_steps,
             initial=initial,
@@ -47,10 +118,33 @@ class StepProgress:
             dynamic_ncols=True,
             disable=(not enabled) if enabled is not None else None,
         )
+        self.total_steps = total_steps
         self.current: str | None = None
         self.steps_done = initial
+        self.every_seconds = None if enabled is False else every_seconds
         self._seconds: dict[str, float] = {}
         self._step_started = time.perf_counter()
+        _open.append(self)
+
+    def plain_counter(self, total: int, desc: str, unit: str, unit_scale: bool) -> tqdm:
+        """``counter``'s plain lines, named by the step and phase they belong to: the first
+        after ``every_seconds``, then at most that often, and a last one when the pass ends."""
+        label = desc if self.current in (None, desc) else f"{self.current}: {desc}"
+        every = self.every_seconds or 0.0
+        return tqdm(
+            total=total,
+            desc=f"step {self.steps_done + 1}/{self.total_steps} {label}",
+            unit=unit,
+            unit_scale=unit_scale,
+            file=_Lines(),
+            bar_format=PLAIN_FORMAT,
+            mininterval=every,
+            delay=every,
+            miniters=1,  # a time check at every update: lines as often as asked, no more
+            position=0,  # one line each, never moved up to a nested bar's row
+            leave=True,  # the pass's last line, if it printed any
+            dynamic_ncols=False,
+        )
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -88,6 +182,8 @@ class StepProgress:
 
     def close(self) -> None:
         self.bar.close()
+        if self in _open:
+            _open.remove(self)
 
     def __enter__(self) -> StepProgress:
         return self

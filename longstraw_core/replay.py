@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from longstraw_core.losses import (
     reduce_branch_stats,
 )
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.progress import counter
 from longstraw_core.replay_totals import totals_from_last
 from longstraw_core.state import PrefixState
 
@@ -178,6 +179,7 @@ def grpo_step(
     loss_scale: float = 1.0,
     reward_std: float | None = None,
     offload: OffloadPolicy | str | dict | None = None,
+    progress: bool | None = None,
 ) -> GRPOStepResult:
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return what it did
     (``GRPOStepResult``: typed fields, ``.metrics()`` to log, and dict-style indexing).
@@ -225,6 +227,9 @@ def grpo_step(
     (``distributed.step_reward_std``); None uses this group's, right for one group per step.
     On a sharded model every rank must call ``grpo_step`` the same number of times; the
     replay and the sweep are padded with idle passes so that their collectives pair up.
+    ``progress``: counts of the branches replayed, and of a prefill's and the sweep's prompt
+    tokens (``progress.counter``: None, a live bar on a terminal and plain lines in a run's
+    log; False: none).
     """
     config = config or GRPOConfig()
     if isinstance(loss_scale, bool) or not (
@@ -286,8 +291,9 @@ def grpo_step(
     if state is None:
         started = time.perf_counter()
         state = adapter.prefill(
-            prompt_ids, chunk_size=chunk_size, offload=offload, **config.prefill_options()
-        )
+            prompt_ids, chunk_size=chunk_size, offload=offload, progress=progress,
+            **config.prefill_options(),
+        )  # fmt: skip
         timings["prefill_seconds"] = time.perf_counter() - started
 
     state_grad = new_state_grad(state) if config.gradient == "exact" else None
@@ -300,10 +306,11 @@ def grpo_step(
         if counts[index]
         and not _contributes_nothing(weights[index], advantage_values[index], config)
     ]
+    bar = counter(len(contributing), "replay", "branch", progress)
     if adapter.stage is not None:  # pipeline stages: the branches as 1F1B microbatches
         total_loss, entropy_sum, branch_stats, idle = _replay_on_stages(
             adapter, state, responses, contributing, old_logps, ref_logps, advantages,
-            weights, config, loss_scale, state_grad, policy_logps, masks,
+            weights, config, loss_scale, state_grad, policy_logps, masks, bar.update,
         )  # fmt: skip
         replayed, contributing = len(contributing), []
     for index in adapter.in_step(contributing):
@@ -325,10 +332,12 @@ def grpo_step(
         entropy_sum += known_float(_masked_sum(entropy, masks[index]))
         branch_stats.append(stats)
         replayed += 1
+        bar.update(1)
+    bar.close()
     timings["replay_seconds"] = time.perf_counter() - started
     if state_grad is not None and (replayed or idle):  # sharded: all ranks sweep, or none
         started = time.perf_counter()
-        adapter.backprop_prompt(state, state_grad)
+        adapter.backprop_prompt(state, state_grad, progress=progress)
         timings["sweep_seconds"] = time.perf_counter() - started
     if not (replayed or idle):  # no backward freed what the no-grad passes gathered
         adapter.release_parameters()
@@ -370,13 +379,15 @@ def _replay_on_stages(
     state_grad: StateGrad | None,
     policy_logps: list[torch.Tensor | None],
     masks: list[torch.Tensor | None],
+    on_branch: Callable[[int], object],
 ) -> tuple[float, float, list[dict[str, Any]], int]:
     """The replay loop on pipeline stages: every contributing branch is replayed in pieces
     through the stages' schedule (``ModelAdapter.replay_branches``), its loss computed and
     backpropagated on the last stage; replicas sharded together pad with idle branches
     (``in_step``). Returns the group's loss, the entropy sum and the branches' stats, which
     the last stage sends to every stage, and the number of idle branches; the last stage
-    also fills ``policy_logps``. The loss masks apply there, on the last stage, as in
+    also fills ``policy_logps``. ``on_branch(1)``: a branch is done on this stage (its last
+    backward; idle ones not counted). The loss masks apply there, on the last stage, as in
     ``grpo_step``'s own loop. The values stay on the device until the replay ends: reading
     one back per branch would stall the last stage's queue between branches; they are then
     read once, as one tensor every stage receives (``replay_totals``)."""
@@ -397,7 +408,9 @@ def _replay_on_stages(
 
     branches = [None if index is None else responses[index] for index in items]
     pieces = adapter.stage.pieces_for(len(branches))
-    adapter.replay_branches(state, branches, loss_of, state_grad, config.temperature, pieces)
+    adapter.replay_branches(
+        state, branches, loss_of, state_grad, config.temperature, pieces, on_branch=on_branch
+    )
     link = adapter.stage.link  # one tensor broadcast, one host read (replay_totals)
     loss, entropy, stats = totals_from_last(
         link, len(contributing), losses, entropies, stats, config

@@ -90,6 +90,7 @@ from longstraw_core.fake import is_fake, known_bool, known_list
 from longstraw_core.pipeline.runner import run_program
 from longstraw_core.pipeline.schedule import Compute, Key, Message, Ring, micro_groups, ring_steps
 from longstraw_core.pipeline.transport import MessageSpec, Payload, StageLink
+from longstraw_core.progress import counter
 from longstraw_core.rollout_turns import decode_with_turns, decode_with_turns_on_stages
 from longstraw_core.sampled_group import SampledGroup, TurnHandler
 from longstraw_core.sampling import check_arguments, check_options, processors
@@ -162,7 +163,8 @@ def rollout(
             ``tokenizer``, whose vocabulary ``StopStringCriteria`` reads).
         tokenizer: the tokenizer, for ``stop_strings``.
         seed: seeds the sampling generator (``None``: a random seed).
-        progress: a progress bar over decode steps (``None``: only on a terminal).
+        progress: a count of decode steps (``progress.counter``: ``None``, a live bar on a
+            terminal and, inside a run, plain lines in its log; ``False``: none).
         gather_parameters: on a sharded (FSDP) model, gather each layer once for the whole
             rollout and keep it (``ModelAdapter.parameters_gathered``: the unsharded model's
             memory while decoding) instead of once per decode step (config
@@ -212,13 +214,7 @@ def rollout(
         repetition_penalty != 1.0,
         turns,
     )
-    bar = tqdm(
-        total=max_new_tokens,
-        desc="rollout",
-        unit="step",
-        disable=(not progress) if progress is not None else None,
-        leave=False,
-    )
+    bar = counter(max_new_tokens, "rollout", "step", progress)  # decode steps
     started = time.perf_counter()
     gathered = adapter.parameters_gathered() if gather_parameters else nullcontext()
     with torch.no_grad(), bar, gathered:

@@ -129,6 +129,7 @@ class Recipe(training.Session):
                 self.adapter, group.prompt_ids, group.responses, group.rewards,
                 config=self.grpo, ref_adapter=self.reference, state=state,
                 chunk_size=self.cfg.train.chunk_size, offload=self.offload,
+                progress=self.bars,  # branches replayed, sweep tokens
                 **batch.replay_kwargs(k),  # loss_scale, reward_std, old/ref log-probs
             )  # fmt: skip
         batch.record(k, result)

@@ -9,8 +9,11 @@ import torch
 import torch.distributed as dist
 
 # Tiny models spend more time synchronising threads than computing; one thread is faster
-# and keeps timings steady when the 2-core CI machine is busy.
+# and keeps timings steady when the 2-core CI machine is busy. OMP_NUM_THREADS too: a run
+# takes it over its own choice (longstraw_core.threads), in this process (recipes run
+# in-process) and in every process the tests start; a test of that choice unsets it.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The helpers in tests/support are importable by name in this process (pyproject's
 # ``pythonpath``) and in every process the tests start: the ranks torchrun runs (the worker

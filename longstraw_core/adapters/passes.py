@@ -27,19 +27,14 @@ from longstraw_core.adapters.validation import (
 from longstraw_core.exact import StateGrad, exact_state
 from longstraw_core.kinds.base import Produced
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.progress import counter
 from longstraw_core.state import BranchCache, PrefixState
 
 
 def token_progress(total: int, desc: str, progress: bool | None) -> tqdm:
-    """A transient bar over prompt tokens; ``progress=None`` shows it only on a terminal."""
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="tok",
-        unit_scale=True,
-        disable=(not progress) if progress is not None else None,
-        leave=False,
-    )
+    """A count of prompt tokens done (``progress.counter``: a live bar on a terminal, plain
+    lines in a run's log, nothing with ``progress=False``)."""
+    return counter(total, desc, "tok", progress, unit_scale=True)
 
 
 class PublicPasses:
@@ -223,7 +218,7 @@ class PublicPasses:
         self.check_state(state)
         chunk_size = int(state.meta["chunk_size"])
         starts = list(range(0, state.length, chunk_size))
-        bar = token_progress(state.length, "prompt backward", progress)
+        bar = token_progress(state.length, "sweep", progress)
         if self.stage is not None:
             with bar:
                 self._staged_sweep(state, state_grad, starts[::-1], chunk_size, bar.update)

@@ -294,6 +294,7 @@ class StagedPasses:
         state_grad: StateGrad | None = None,
         temperature: float = 1.0,
         pieces: int = 1,
+        on_branch: Callable[[int], object] | None = None,
     ) -> None:
         """Replay ``responses`` with autograd through the stages, each cut into ``pieces``
         pieces (see the module docstring), and backpropagate ``loss_of(index, logps,
@@ -302,7 +303,8 @@ class StagedPasses:
         ``.grad`` (and, exact mode, this stage's ``dS`` in ``state_grad``). A ``None``
         response is an idle branch (what ``in_step`` pads with): one-token pieces of weight
         zero, ``loss_of`` not called. A response shorter than ``pieces`` has one-token
-        pieces and idle ones after them."""
+        pieces and idle ones after them. ``on_branch(1)``: a response's last backward on this
+        stage is done (a progress count; idle branches are not counted)."""
 
         if pieces < 1:
             raise ValueError(f"pieces must be at least 1, got {pieces}")
@@ -385,6 +387,8 @@ class StagedPasses:
                 torch.autograd.backward(outputs, grads)
             if piece.index == 0:
                 branches.pop(piece.branch, None)  # its last backward on this stage
+                if on_branch is not None and responses[piece.branch] is not None:
+                    on_branch(1)
             return self._input_gradient(leaf)
 
         counts = [pieces] * len(responses)

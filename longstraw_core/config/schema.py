@@ -262,6 +262,10 @@ class TrainSection:
     )
     seed: int = 0
     log_every: int = 1  # print a summary line every N steps (metrics go to W&B every step)
+    # Progress inside a step (prefill and sweep tokens, decode steps, branches replayed) when
+    # stderr is not a terminal (a log, CI): a plain line at most every N seconds; a terminal
+    # shows live bars instead. null: no lines (the step lines only).
+    progress_every_seconds: float | None = 30.0
     completions_every: int = 10  # log a table of sample completions every N steps; 0: never
     save_every: int = 0  # checkpoint every N steps and at the last step; 0: never
     output_dir: str = "outputs/longstraw"

@@ -459,6 +459,10 @@ def _check_train(train: TrainSection, check_paths: bool) -> None:
         "train.chunk_size", chunk, chunk is None or chunk >= 1, "null (auto) or an int >= 1"
     )
     _check_range("train.log_every", train.log_every, train.log_every >= 1, "an int >= 1")
+    every = train.progress_every_seconds
+    _check_range(
+        "train.progress_every_seconds", every, every is None or every >= 0, "null or a number >= 0"
+    )
     for name in ("completions_every", "save_every"):
         value = getattr(train, name)
         _check_range(f"train.{name}", value, value >= 0, "an int >= 0 (0: never)")

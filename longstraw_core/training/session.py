@@ -13,7 +13,10 @@ one rollout, yielding each optimizer step's metrics.
   the checkpoints. ``distributed.pipeline_stages=S``: a replica is S ranks, each holding
   its stage's layers.
 - ``train.chunk_size: null`` (the default) becomes the planner's chunk at setup, printed
-  with its reason (``longstraw_core.plan.chunking``).
+  with its reason (``longstraw_core.plan.chunking``); then, before anything loads, the run's
+  shape (``run_shape``), with the threads per process it set (``threads``).
+- Inside a step the passes report their progress on rank 0 (``self.bars``): bars on a
+  terminal, plain lines every ``train.progress_every_seconds`` elsewhere (``progress``).
 - Evaluation (``eval.every`` > 0) runs after the optimizer step, before a checkpoint, and
   leaves the training untouched (``longstraw_core.evaluation``).
 - Faults lose nothing: SIGTERM/SIGINT/SIGHUP saves the last finished step at once
@@ -46,7 +49,9 @@ from longstraw_core import (
     output_dir,
     plan,
     resume,
+    run_shape,
     same_run,
+    threads,
     tokenizer,
     tracking,
 )
@@ -82,6 +87,10 @@ class Session(StepBookkeeping):
 
     def setup(self) -> None:
         cfg = self.cfg
+        # Threads per process before any work: OMP_NUM_THREADS, else this node's cores
+        # shared by its processes (threads.py); restored at cleanup.
+        self._threads_before = torch.get_num_threads()
+        self.threads = threads.apply()
         # The process group's timeout also bounds the other ranks' wait while rank 0
         # writes a checkpoint (distributed.timeout_minutes; NCCL's default is 10 minutes).
         self.accelerator = Accelerator(
@@ -100,6 +109,9 @@ class Session(StepBookkeeping):
         self.topology = RunTopology.from_config(
             cfg.distributed, self.world_size, self.rank, gradient=cfg.grpo.gradient
         )
+        if self.accelerator.is_main_process:  # before anything loads: what runs where
+            print(run_shape.block(cfg, self.topology, self.accelerator.device, self.threads),
+                  file=sys.stderr, flush=True)  # fmt: skip
         self.bars = None if self.accelerator.is_main_process else False  # progress bars
         set_seed(cfg.train.seed)  # the same on every rank: the same initial weights
         self.tokenizer = tokenizer.load_tokenizer(cfg.tokenizer.path, model_path=cfg.model.path)
@@ -157,7 +169,14 @@ class Session(StepBookkeeping):
         )
         if resumed:
             self.logger.load_state_dict(resumed.extra.get("logger", {}))
-        self.progress = StepProgress(cfg.train.steps, initial=self.step, enabled=self.bars)
+        # Inside a step: each pass's counts, live bars on a terminal, else plain lines
+        # every train.progress_every_seconds (rank 0 only: self.bars).
+        self.progress = StepProgress(
+            cfg.train.steps,
+            initial=self.step,
+            enabled=self.bars,
+            every_seconds=cfg.train.progress_every_seconds,
+        )
 
     def _choose_chunk(self) -> None:
         """``train.chunk_size: null``: the planner's chunk for this model and prompt
@@ -330,3 +349,4 @@ class Session(StepBookkeeping):
         if together:
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()  # also destroys the process group
+        torch.set_num_threads(self._threads_before)  # an in-process run leaves them as found

@@ -182,6 +182,40 @@ def test_bf16_that_the_run_config_cannot_take_is_refused_naming_the_key(launched
     assert "distributed.mixed_precision" in message and "model.dtype=bfloat16" in message
 
 
+# --- accelerate asked for N processes that starts one -----------------------------------------
+
+
+def simple_launch(tmp_path: Path, *flags: str) -> tuple[dict[str, str], list[str]]:
+    """The environment accelerate's launcher gives the one process it starts for
+    ``accelerate launch --config_file <BASE> FLAGS recipe.py`` (its own parser, validation and
+    env preparation), and that command line as the process's parent has it."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    argv = ["--config_file", str(path), *flags, "recipe.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    assert not (args.multi_gpu or args.use_fsdp or args.use_deepspeed)  # the simple launcher
+    _, env = prepare_simple_launcher_cmd_env(args)
+    return env, ["/usr/bin/python", "/usr/bin/accelerate", "launch", *argv]
+
+
+def test_accelerate_asked_for_two_processes_that_starts_one_is_named_with_the_way_to_two(
+    tmp_path,
+):
+    env, argv = simple_launch(tmp_path, "--num_processes", "2")
+    message = launch_settings.one_process_of_many(env, argv)
+    assert message.startswith("accelerate launch was asked for 2 processes (--num_processes 2)")
+    assert "configs/accelerate/cpu_2proc.yaml --num_processes 2 (CPU)" in message
+    assert "--multi_gpu --num_processes 2 (GPUs)" in message
+    assert "torchrun --nproc_per_node 2" in message
+    # Without the command line (unreadable): still named, without the count.
+    assert "asked for several processes" in launch_settings.one_process_of_many(env, [])
+    # One process asked for; or the processes a launcher of several started (torchrun's).
+    env_one, argv_one = simple_launch(tmp_path, "--num_processes", "1")
+    assert launch_settings.one_process_of_many(env_one, argv_one) is None
+    assert launch_settings.one_process_of_many(env | {"WORLD_SIZE": "2"}, argv) is None
+    assert launch_settings.one_process_of_many({}, argv) is None  # python, not accelerate
+
+
 # --- through accelerate launch, for real ----------------------------------------------------------
 
 
@@ -218,11 +252,17 @@ def test_accelerate_launch_with_bf16_trains_on_float32_masters(tmp_path):
     out = tmp_path / "run"
     fast = ["data.prompt_tokens=512", "rollout.num_generations=4", "rollout.max_new_tokens=4"]
     fast += ["train.chunk_size=256", "train.steps=1", "train.save_every=1"]
+    # num_processes: 2 with distributed_type NO: accelerate starts one process all the same,
+    # which the run's shape names (the count read from the launcher's config file).
     result = _accelerate_launch(
-        tmp_path, {"mixed_precision": "bf16"}, *fast, f"train.output_dir={out}"
+        tmp_path, {"mixed_precision": "bf16", "num_processes": 2}, *fast, f"train.output_dir={out}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed.mixed_precision=bf16 (bf16 working weights" in result.stderr
+    assert "  processes  1 (accelerate launch), 1 on this node;" in result.stderr
+    config_file = tmp_path / "accelerate.yaml"
+    asked = f"2 processes (num_processes: 2 in {config_file}) and started one"
+    assert f"\nwarning: accelerate launch was asked for {asked}" in result.stderr
     checkpoint = out / "step-000001"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["extra"]["config"]["distributed"]["mixed_precision"] == "bf16"

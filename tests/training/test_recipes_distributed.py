@@ -70,7 +70,12 @@ def test_ranks_train_on_their_own_groups_and_only_rank_0_logs(tmp_path, recipe, 
         "grpo.beta=0.04", "eval.every=2", "eval.data.seed=1", "eval.samples=3",
         "eval.num_generations=2", "eval.max_new_tokens=4",
     )  # fmt: skip
-    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    assert log.count("step 2/2  ") == 1, "only rank 0 prints the per-step line"
+    # The run's shape, once: two torchrun ranks of one stage, sharded; the tests' threads.
+    assert log.count("run shape:") == 1
+    assert "  processes  2 (torchrun), 2 on this node; pipeline stages x replicas 1 x 2; " in log
+    assert "  threads    1 per process (OMP_NUM_THREADS=1)\n" in log
+    assert "\nwarning: accelerate launch" not in log
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, f"one W&B run (rank 0's), got {runs}"
     # Sharded ranks evaluate together (three prompts on two ranks: one runs an extra it drops).

@@ -13,6 +13,7 @@ resumed run keeps its schedule.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -166,7 +167,7 @@ def test_staged_run_trains_like_one_process_and_resumes_at_any_stage_count(tmp_p
     log = run_on_ranks(
         recipe, config_path, staged, "train.steps=2", *STAGED, *extra, *EVAL, ranks=2
     )
-    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    assert log.count("step 2/2  ") == 1, "only rank 0 prints the per-step line"
     run_on_ranks(
         recipe, config_path, one, "train.steps=2", "train.save_every=1", *extra, *EVAL, ranks=1
     )
@@ -219,8 +220,16 @@ def test_more_stages_than_branches_train_like_one_process(tmp_path):
     for stages in (3, 4):  # the tiny Qwen3.6 has four layers
         staged = tmp_path / f"S{stages}"
         log = run_on_ranks("grpo_qwen36.py", QWEN, staged, *overrides, ONE_PIECE,
-            f"distributed.pipeline_stages={stages}", ranks=stages)  # fmt: skip
-        assert log.count("step 1/1") == 1, "only rank 0 prints the per-step line"
+            f"distributed.pipeline_stages={stages}", "train.progress_every_seconds=0",
+            ranks=stages)  # fmt: skip
+        assert log.count("step 1/1  ") == 1, "only rank 0 prints the per-step line"
+        assert f"pipeline stages x replicas {stages} x 1; FSDP off" in log
+        # Progress inside the step from rank 0 (stage 0) alone: each pass starts once, and
+        # the replay counts both branches (its line at the second, and its last line).
+        for name in ("prefill", "rollout", "replay", "replay: sweep"):
+            starts = re.findall(rf"^step 1/1 {name}: +0% 0(?:\.00)?/", log, re.M)
+            assert len(starts) == 1, log[-5000:]
+        assert log.count("step 1/1 replay: 100% 2/2 branch ") == 2, log[-5000:]
         assert_same_eval(
             eval_metrics(staged / "step-000001")[1], eval_metrics(one / "step-000001")[1]
         )
@@ -241,7 +250,7 @@ def test_fsdp_across_replicas_trains_like_averaged_replicas(tmp_path, monkeypatc
     log = run_on_ranks(recipe, QWEN, sharded, "train.steps=2", "distributed.fsdp=true", *overrides,
               *EVAL, ranks=4)  # fmt: skip
     monkeypatch.delenv(launch.RANK_THREADS)
-    assert log.count("step 2/2") == 1, "only rank 0 prints the per-step line"
+    assert log.count("step 2/2  ") == 1, "only rank 0 prints the per-step line"
     run_on_ranks(recipe, QWEN, averaged, "train.steps=2", *overrides, *EVAL, ranks=4)
     assert_same_eval(
         eval_metrics(sharded / "step-000002")[1], eval_metrics(averaged / "step-000002")[1]

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -210,3 +213,60 @@ def test_a_run_says_which_chunk_the_planner_chose_and_why(tmp_path, capfd):
     )
     _, err = capfd.readouterr()
     assert run.cfg.train.chunk_size == 384 and "train.chunk_size:" not in err
+
+
+def _on_one_core() -> None:
+    """A child process's affinity: one core (as ``taskset -c N`` gives it)."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def test_a_run_states_its_shape_and_reports_progress_inside_each_step(tmp_path):
+    """A log (stderr not a terminal) with ``train.progress_every_seconds=0``: the run's shape
+    once at start, then every pass of a step prints plain lines (prefill and sweep tokens,
+    decode steps, branches replayed) as it goes, each ending at 100%. Without
+    OMP_NUM_THREADS, the threads are this process's cores (here one, by affinity) over its
+    node's processes, and the shape says so."""
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "recipes" / "grpo_qwen36.py"), "--config", str(TINY)]
+    command += [*FAST, "train.steps=2", "grpo.gradient=exact", "tracking.wandb=false"]
+    command += ["train.progress_every_seconds=0", f"train.output_dir={out}"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env=env, preexec_fn=_on_one_core,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    err = done.stderr
+    assert err.count("run shape:") == 1
+    shape = err[err.index("run shape:") :].splitlines()[1:7]
+    assert (
+        shape[0]
+        == "  processes  1 (python), 1 on this node; pipeline stages x replicas 1 x 1; FSDP off"
+    )
+    assert shape[1] == "  device     cpu; weights float32, compute float32"
+    assert shape[2] == (
+        "  threads    1 per process (1 core available / 1 process on this node; "
+        "OMP_NUM_THREADS overrides)"
+    )
+    assert shape[3].startswith(
+        "  model      tiny qwen3_5_text: 4 layers (3 deltanet, 1 gated_attention)"
+    )
+    assert shape[4].startswith(
+        "  step       prompts up to 1,024 tokens, G=4 x up to 6 new tokens, gradient exact, "
+        "chunk 256, 1 prompt per replica and step"
+    )
+    assert re.match(
+        r"  planner    peak [\d.]+ \wiB per rank \(\w+ phase; no budget set\)", shape[5]
+    )
+    # Step 2's passes, in the order they run (step 1's rewards did not vary: nothing replayed).
+    lines = [line for line in err.splitlines() if line.startswith("step 2/2 ")]
+    passes = ["prefill: ", "rollout: ", "replay: ", "replay: sweep: "]
+    pattern = r"step 2/2 {}( *\d+)% \S+/\S+ (tok|step|branch) \[[\d:]+<[\d:?]+, "
+    found = {p: [m for line in lines if (m := re.match(pattern.format(p), line))] for p in passes}
+    assert all(len(found[p]) >= 2 for p in passes), lines  # as it goes, not once at the end
+    assert all(found[p][-1].group(1).strip() == "100" for p in passes), lines
+    firsts = [
+        next(i for i, line in enumerate(lines) if line.startswith(f"step 2/2 {p}")) for p in passes
+    ]
+    assert firsts == sorted(firsts), lines
+    assert [m.group(2) for m in (found[p][0] for p in passes)] == ["tok", "step", "branch", "tok"]

@@ -14,7 +14,7 @@ from wandb_records import wandb_config, wandb_history, wandb_records
 
 from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
-from longstraw_core.progress import StepProgress
+from longstraw_core.progress import StepProgress, counter
 from longstraw_core.run_curves import METRICS_CSV
 from longstraw_core.run_summary import SUMMARY_TXT
 from longstraw_core.tracking import RunLogger, flatten_metrics, log_with, wandb_metrics
@@ -194,3 +194,35 @@ def test_step_progress_times_each_phase() -> None:
     assert timings["time/step"] >= timings["time/prefill"] + timings["time/replay"]
     assert progress.step_done().keys() == {"time/step"} and progress.steps_done == 2
     progress.close()
+
+
+def _count(desc: str, total: int, progress: bool | None = None) -> None:
+    with counter(total, desc, "tok", progress) as bar:
+        for _ in range(total):
+            bar.update(1)
+
+
+def test_counters_print_plain_lines_off_a_terminal_only_as_often_as_asked(capsys) -> None:
+    """stderr not a terminal (pytest captures it): a pass's counter prints lines only while a
+    run's StepProgress with an interval is open, never sooner than the interval, nothing
+    for a pass with nothing to do, nothing where reporting is off (other ranks)."""
+    _count("prefill", 4)  # outside a run (a library call): nothing
+    assert capsys.readouterr().err == ""
+    with StepProgress(total_steps=3, initial=1, every_seconds=30.0) as progress:
+        with progress.phase("prefill"):
+            _count("prefill", 4)  # a pass shorter than the interval: nothing
+        assert capsys.readouterr().err == ""
+    progress = StepProgress(total_steps=3, initial=1, every_seconds=0.0)
+    with progress, progress.phase("replay"):
+        _count("sweep", 2)
+        _count("replay", 0)  # no branch to replay
+        _count("sweep", 2, progress=False)  # a rank that does not report
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" [")[0] for line in lines] == [
+        "step 2/3 replay: sweep:   0% 0/2 tok",
+        "step 2/3 replay: sweep:  50% 1/2 tok",
+        "step 2/3 replay: sweep: 100% 2/2 tok",
+        "step 2/3 replay: sweep: 100% 2/2 tok",  # its last line, at the pass's end
+    ]
+    _count("prefill", 4)  # the run's StepProgress closed: nothing again
+    assert capsys.readouterr().err == ""

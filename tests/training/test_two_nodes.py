@@ -92,7 +92,7 @@ def test_two_nodes_train_like_one_process(tmp_path, one_process, case):
     logs = launch.launch_nodes(node_commands(launcher, per_node, args), timeout=300, env=env)
     for node, (returncode, log) in enumerate(logs):
         assert returncode == 0, f"node {node} failed ({returncode}):\n{log[-5000:]}"
-    assert sum(log.count("step 1/1") for _, log in logs) == 1, "only rank 0 prints the step"
+    assert sum(log.count("step 1/1  ") for _, log in logs) == 1, "only rank 0 prints the step"
 
     got, want = first_step(out), first_step(one_process)
     assert got["data_position"] == want["data_position"] == 2  # the same two prompts
