@@ -22,6 +22,7 @@ from longstraw_core import (
     data,
     distributed,
     exits,
+    failure_causes,
     guard,
     launch_settings,
     plan,
@@ -61,6 +62,15 @@ def main(
         table = f"python -m longstraw_core.plan --config {args.config} prints the full table"
         exits.fail(f"memory plan: {error}\n({table})")
     run = recipe(cfg)
+
+    def machine_failure(error: Exception) -> str:
+        """The one line for out of memory, a collective's timeout, a lost write permission
+        (``failure_causes``); anything else is re-raised with its traceback."""
+        cause = failure_causes.cause_of(error, rank=exits.launch_rank(), config_file=args.config)
+        if cause is None:
+            raise error
+        return cause
+
     try:
         run.setup()
     except config.ConfigError as error:
@@ -71,6 +81,8 @@ def main(
         exits.fail(f"checkpoint error: {error}")
     except RewardNameError as error:  # a reward model's weights that do not load
         exits.fail(f"config error: rewards: {error}")
+    except Exception as error:  # machine_failure re-raises what it cannot name
+        exits.fail(f"setup stopped: {machine_failure(error)}", local=True)
     stopped, failure, together = None, None, False
     try:
         stopped = run.train()
@@ -79,6 +91,8 @@ def main(
         failure, together = f"training stopped: {error}", True
     except (RewardError, AgentError) as error:  # this rank's reward function or tools alone
         failure = f"training stopped: {error}"
+    except Exception as error:  # machine_failure re-raises what it cannot name
+        failure = f"training stopped: {machine_failure(error)}"  # this rank's, as it met it
     finally:
         run.cleanup(together=together)
     if failure:

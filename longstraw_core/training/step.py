@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import longstraw_core as ls
 from longstraw_core import data, distributed, generation, guard, tracking
 from longstraw_core import metrics as names
+from longstraw_core.failpoints import failpoint
 from longstraw_core.rewards import RewardResult, RewardSet
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class StepBookkeeping:
 
     def start_step(self) -> None:
         """A new optimizer step: its peak memory counts from here (prefill to optimizer)."""
+        failpoint("step.start", self.step + 1)  # fault-injection tests (a no-op otherwise)
         names.reset_peak_memory(self.accelerator.device)
         self.step_peak = 0
 

@@ -79,3 +79,13 @@ def test_accelerate_starts_the_group_with_the_configured_timeout():
             assert mesh["replica"] == mesh["fsdp"] == [list(range(stage, ranks_, stages)), 450.0]
             first = replica * stages
             assert mesh["stage"] == [list(range(first, first + stages)), 450.0]
+
+
+@pytest.mark.multiprocess
+def test_a_collective_timeout_is_named_in_one_line():
+    """gloo's own timeout error (rank 1 stuck, rank 0 waiting past the group's 3 s) becomes the
+    one line ``main`` prints: what timed out, where the cause is, which key raises the limit."""
+    log = torchrun_ok(SUPPORT / "collective_timeout_worker.py")
+    (line,) = [ln for ln in log.splitlines() if "cause: " in ln]
+    assert "cause: a collective timed out on rank 0 (" in line
+    assert "another rank stopped or is stuck" in line and "distributed.timeout_minutes" in line

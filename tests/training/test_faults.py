@@ -445,3 +445,25 @@ def test_a_config_with_its_data_beside_it_runs_from_any_working_directory(tmp_pa
     )
     _ok(result)
     assert (elsewhere / "out" / "step-000001").is_dir()  # the outputs: where it was started
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ("step.start@2:oom", "training stopped: out of memory on rank 0 ("),
+        ("checkpoint.model_written@2:eacces", "training stopped: cannot write failpoint"),
+    ],
+    ids=["out-of-memory", "write-permission-lost"],
+)
+def test_a_machine_failure_mid_run_is_one_line_naming_it(tmp_path, fault, says):
+    """Out of memory (torch's allocator's own error) and a directory no longer writable, met
+    at step 2: one line saying what happened and what to do, no traceback, step 1 kept."""
+    out = tmp_path / "run"
+    result = _run(out, "train.steps=2", "train.save_every=1", env=run_env(**{FAILPOINTS: fault}))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("training stopped")]
+    assert line.startswith(says), line
+    fix = "train.chunk_size" if "oom" in fault else "train.resume_from=latest"
+    assert fix in line
+    assert (out / "step-000001").is_dir() and not (out / "step-000002").exists()
