@@ -8,8 +8,10 @@ same results). torchrun sets ``OMP_NUM_THREADS=1`` when it starts several proces
 
 - ``OMP_NUM_THREADS`` set: torch already took it, and it stays (the override);
 - otherwise: the cores this process may run on (its CPU affinity, which ``taskset``, cgroups
-  and schedulers narrow) shared by the processes of this node (``LOCAL_WORLD_SIZE``), at
-  least one each.
+  and schedulers narrow), less those other work keeps busy at the start (``/proc/stat``
+  sampled for a quarter second: a shared machine's other jobs), shared by the processes of
+  this node (``LOCAL_WORLD_SIZE``), at least one each. torch's default counts busy cores
+  too, and its threads then wait on each other.
 
 ``ThreadChoice.describe`` is the run shape's ``threads`` line (``run_shape``).
 """
@@ -17,6 +19,7 @@ same results). torchrun sets ``OMP_NUM_THREADS=1`` when it starts several proces
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,21 +39,62 @@ class ThreadChoice:
         return f"{self.threads} per process ({self.source})"
 
 
-def available_cores() -> int:
-    """Cores this process may run on (its affinity; all of the machine's where unknown)."""
+def allowed_cores() -> set[int]:
+    """The cores this process may run on (its affinity; all of the machine's where unknown)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows: no affinity call
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
-def choose(environ: Mapping[str, str], cores: int, local_processes: int) -> ThreadChoice | None:
-    """The run's threads per process; None: ``OMP_NUM_THREADS`` is set, so torch's stay."""
+def available_cores() -> int:
+    """How many cores this process may run on."""
+    return len(allowed_cores())
+
+
+def _core_times(cores: set[int]) -> dict[int, tuple[int, int]]:
+    """(all, idle) clock ticks so far of each of ``cores``, from ``/proc/stat``."""
+    times: dict[int, tuple[int, int]] = {}
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *fields = line.split()
+            if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores):
+                continue
+            ticks = [int(value) for value in fields[:8]]  # user .. steal (guest is in user)
+            times[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])  # idle + iowait
+    return times
+
+
+def busy_cores(cores: set[int], seconds: float = 0.25) -> float | None:
+    """How many of ``cores`` other work keeps busy now (this process sleeps meanwhile):
+    the cores' non-idle share over ``seconds``; None where ``/proc/stat`` is not there."""
+    try:
+        before = _core_times(cores)
+        time.sleep(seconds)
+        after = _core_times(cores)
+    except OSError:
+        return None
+    busy = 0.0
+    for core, (total, idle) in after.items():
+        elapsed = total - before.get(core, (total, idle))[0]
+        if elapsed > 0:
+            busy += 1.0 - (idle - before[core][1]) / elapsed
+    return busy
+
+
+def choose(
+    environ: Mapping[str, str], cores: int, local_processes: int, busy: float | None = None
+) -> ThreadChoice | None:
+    """The run's threads per process: the ``cores`` not ``busy`` with other work, shared by
+    the node's processes; None: ``OMP_NUM_THREADS`` is set, so torch's stay."""
     if environ.get(OVERRIDE, "").strip():
         return None
     local_processes = max(local_processes, 1)
-    threads = max(cores // local_processes, 1)
+    free = cores if busy is None else min(cores, max(round(cores - busy), 0))
+    threads = max(free // local_processes, 1)
     cores_text = f"{cores} core{'s' if cores != 1 else ''} available"
+    if busy is not None:
+        cores_text += f", {busy:.1f} busy with other work"
     processes = f"{local_processes} process{'es' if local_processes != 1 else ''} on this node"
     return ThreadChoice(threads, f"{cores_text} / {processes}; {OVERRIDE} overrides")
 
@@ -60,7 +104,11 @@ def apply(environ: Mapping[str, str] | None = None) -> ThreadChoice:
     what the process now runs with."""
     environ = os.environ if environ is None else environ
     local = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    choice = choose(environ, available_cores(), local)
+    if environ.get(OVERRIDE, "").strip():
+        choice = None
+    else:
+        cores = allowed_cores()
+        choice = choose(environ, len(cores), local, busy_cores(cores))
     if choice is None:
         return ThreadChoice(torch.get_num_threads(), f"{OVERRIDE}={environ[OVERRIDE].strip()}")
     torch.set_num_threads(choice.threads)
