@@ -256,7 +256,7 @@ def kept_run(
     key = json.dumps([config, overrides, ckpt])  # a changed setting is a different run
     path = out / "runs" / f"{side}_seed{seed}.json"
     if path.exists() and (kept := json.loads(path.read_text())).get("key") == key:
-        print(f"{side}, seed {seed}: kept from {path.relative_to(ROOT)}")
+        print(f"{side}, seed {seed}: kept from {path}")
         return kept["run"]
     run = run_side(side, config, overrides, seed, ckpt) | {"seed": seed}
     path.parent.mkdir(parents=True, exist_ok=True)
