@@ -76,9 +76,9 @@ def busy_cores(cores: set[int], seconds: float = 0.25) -> float | None:
         return None
     busy = 0.0
     for core, (total, idle) in after.items():
-        elapsed = total - before.get(core, (total, idle))[0]
-        if elapsed > 0:
-            busy += 1.0 - (idle - before[core][1]) / elapsed
+        total_before, idle_before = before.get(core, (total, idle))
+        if total > total_before:
+            busy += 1.0 - (idle - idle_before) / (total - total_before)
     return busy
 
 
@@ -104,12 +104,10 @@ def apply(environ: Mapping[str, str] | None = None) -> ThreadChoice:
     what the process now runs with."""
     environ = os.environ if environ is None else environ
     local = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if environ.get(OVERRIDE, "").strip():
-        choice = None
-    else:
-        cores = allowed_cores()
-        choice = choose(environ, len(cores), local, busy_cores(cores))
-    if choice is None:
+    if environ.get(OVERRIDE, "").strip():  # torch took it; no need to sample the cores
         return ThreadChoice(torch.get_num_threads(), f"{OVERRIDE}={environ[OVERRIDE].strip()}")
+    cores = allowed_cores()
+    choice = choose(environ, len(cores), local, busy_cores(cores))
+    assert choice is not None  # OMP_NUM_THREADS is unset here
     torch.set_num_threads(choice.threads)
     return choice
