@@ -158,18 +158,16 @@ def run_step(
     config = longstraw_config(method, group_size)
     adapter = ls.adapt(model)
     started = time.perf_counter()
-    metrics = ls.grpo_step(
-        adapter, prompt, responses, rewards, config=config, chunk_size=chunk_size
-    )
+    result = ls.grpo_step(adapter, prompt, responses, rewards, config=config, chunk_size=chunk_size)
     seconds = time.perf_counter() - started
     return {
         "seconds": seconds,
-        "loss": metrics["loss"],
-        "prefill_seconds": metrics["prefill_seconds"],
-        "replay_seconds": metrics["replay_seconds"],
-        "sweep_seconds": metrics.get("sweep_seconds", 0.0),
-        "state_bytes": metrics["state_bytes"],
-        "attention_output_bytes": metrics["attention_output_bytes"],  # 0 unless exact_kept
+        "loss": result.loss,
+        "prefill_seconds": result.prefill_seconds,
+        "replay_seconds": result.replay_seconds,
+        "sweep_seconds": result.sweep_seconds,
+        "state_bytes": result.state_bytes,
+        "attention_output_bytes": result.attention_output_bytes,  # 0 unless exact_kept
     }
 
 

@@ -4,9 +4,9 @@ launcher reports it.
 Under ``torchrun`` or ``accelerate launch`` every rank reads the same config and data, so
 every rank meets the same error; printed by each, the line repeats once per process among
 the launcher's own report. ``fail`` prints it on rank 0 only and writes it, on every rank,
-into the error file torchelastic gives each process (``TORCHELASTIC_ERROR_FILE``): the
-launcher's failure summary then quotes that line as each rank's error (its "Root Cause")
-instead of a link to its documentation. The launcher still prints its own summary: that is
+into the error file torchelastic gives each process (``TORCHELASTIC_ERROR_FILE``), through
+torch's own ``ErrorHandler``: the launcher's failure summary then quotes that line as each
+rank's error (its "Root Cause") instead of a link to its documentation. The launcher still prints its own summary: that is
 its output, not the run's.
 
 A caller in Python (``longstraw_core.trainer.train``) wants an exception, not an exit with
@@ -20,14 +20,15 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import NoReturn
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun's agent for each rank it starts
 _RAISING: ContextVar[bool] = ContextVar("longstraw_exits_raising", default=False)
 
 
@@ -80,15 +81,24 @@ def fail(message: str, code: int = 1, *, local: bool = False) -> NoReturn:
 
 def record_for_launcher(message: str) -> None:
     """Write ``message`` as this rank's error in torchelastic's error file (if launched so)."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path:
-        return
-    # torchelastic's own layout (ErrorHandler.record_exception), with the line in place of a
-    # Python traceback: the summary shows ``py_callstack``, and any other layout gets warned
-    # about in the launcher's log.
-    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": {"message": message, "extraInfo": info}}, f)
-    except OSError:
-        pass  # the line was printed; the launcher falls back to its own wording
+    _LineErrorHandler().record_exception(RunError(message))
+
+
+class _LineErrorHandler(ErrorHandler):
+    """torchelastic's error handler (its error file, from ``TORCHELASTIC_ERROR_FILE``; its
+    layout), recording a ``RunError`` with its one line where torch puts the Python traceback:
+    the launcher's summary shows ``py_callstack``, and a traceback would bury the line."""
+
+    def record_exception(self, e: BaseException) -> None:
+        if not isinstance(e, RunError):
+            super().record_exception(e)
+            return
+        path = self._get_error_file_path()
+        if not path:
+            return  # not launched by torchelastic
+        info = {"py_callstack": str(e), "timestamp": str(int(time.time()))}
+        with warnings.catch_warnings():  # the line was printed; the launcher falls back to
+            warnings.simplefilter("ignore")  # its own wording if the file cannot be written
+            self._write_error_file(
+                path, json.dumps({"message": {"message": str(e), "extraInfo": info}})
+            )

@@ -130,10 +130,7 @@ def _verify(resolved: Path) -> None:
     """Every file the manifest lists: there, of its size, and with its sha256."""
     entries = read_manifest(resolved)
     check_sizes(resolved, entries)
-    if entries is None:
-        print(f"warning: {resolved} has no manifest (format 1): not verified", file=sys.stderr)
-    else:
-        verify_checksums(resolved, entries)
+    verify_checksums(resolved, entries)
 
 
 def _run_config(resolved: Path, model_path: str | None, tokenizer_path: str | None) -> RunConfig:

@@ -11,10 +11,9 @@ mode's sweep recomputes its chunks' layers the same way).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,12 +59,8 @@ class Policy(Protocol):
     def idle_forward(self) -> None: ...
 
 
-# Names older callers index a result by, and the metric each now is.
-_LEGACY_NAMES = {"reward_mean": names.GROUP_REWARD_MEAN, "reward_std": names.GROUP_REWARD_STD}
-
-
 @dataclass
-class GRPOStepResult(Mapping[str, Any]):
+class GRPOStepResult:
     """What one ``grpo_step`` did: typed fields, and ``metrics()``, the flat scalars to log.
 
     ``loss`` is the group's loss (not multiplied by ``loss_scale``); ``advantages`` one per
@@ -76,11 +71,7 @@ class GRPOStepResult(Mapping[str, Any]):
     ``prefill_seconds`` is 0.0 and left out of ``metrics()`` when a ``state`` was passed
     (``prefilled`` is False): the prefill was the caller's. ``branch_stats``: TRL's clip
     ratios and ``kl`` (``losses.reduce_branch_stats``; empty when no branch was replayed).
-
-    It also reads like the dict ``grpo_step`` used to return: ``result["loss"]``,
-    ``result["advantages"]``, ``result.get(...)``, ``dict(result)`` (the metrics and
-    ``advantages``); indexing also reaches every field and the old names ``reward_mean`` and
-    ``reward_std``. ``result[key] = value`` adds a metric of the caller's.
+    ``extra``: metrics of the caller's, logged with the others.
     """
 
     loss: float
@@ -129,38 +120,6 @@ class GRPOStepResult(Mapping[str, Any]):
         out[names.SWEEP_SECONDS] = self.sweep_seconds
         return out | self.branch_stats | self.extra
 
-    # --- the dict it used to be -----------------------------------------------------------
-
-    def __getitem__(self, key: str) -> Any:
-        if key == "advantages":
-            return self.advantages
-        metrics = self.metrics()
-        if key in metrics:
-            return metrics[key]
-        key = _LEGACY_NAMES.get(key, key)
-        if key in _SCALAR_FIELDS:
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([*self.metrics(), "advantages"])
-
-    def __len__(self) -> int:
-        return len(self.metrics()) + 1
-
-    def __setitem__(self, key: str, value: float) -> None:
-        if key in _SCALAR_FIELDS:
-            setattr(self, key, value)
-        else:
-            self.extra[key] = value
-
-
-_SCALAR_FIELDS = {
-    f.name
-    for f in dataclasses.fields(GRPOStepResult)
-    if f.name not in ("advantages", "branch_stats", "extra", "logps", "ref_logps")
-}
-
 
 def grpo_step(
     adapter: ModelAdapter,
@@ -182,7 +141,7 @@ def grpo_step(
     progress: bool | None = None,
 ) -> GRPOStepResult:
     """Accumulate the gradient of the GRPO loss of one group into ``.grad``; return what it did
-    (``GRPOStepResult``: typed fields, ``.metrics()`` to log, and dict-style indexing).
+    (``GRPOStepResult``: typed fields, and ``.metrics()`` to log).
 
     ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each;
     NaN marks a completion no reward function could score (``RewardSet``'s all-None rows):

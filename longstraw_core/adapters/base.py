@@ -21,7 +21,8 @@ a pass with autograd, wrapped for backward's layer recompute (``longstraw_core.a
 The public passes (``prefill``, ``score``, ``backprop_prompt``, ``decode``) are
 ``longstraw_core.adapters.passes``'s, each read there with its one-process and sharded forms;
 on pipeline stages (``stage`` set) each hands over to its staged form in
-``longstraw_core.adapters.staged``.
+``longstraw_core.adapters.staged_forward`` (no autograd) or ``staged_backward`` (replay and
+the exact sweep).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from longstraw_core.adapters.passes import PublicPasses, token_progress
 from longstraw_core.adapters.recompute import LayerRecord, recomputable
 from longstraw_core.adapters.recompute import checkpointed as _checkpointed
 from longstraw_core.adapters.span import Span
-from longstraw_core.adapters.staged import StagedPasses
+from longstraw_core.adapters.staged_backward import StagedBackwardPasses
+from longstraw_core.adapters.staged_forward import StagedForwardPasses
 from longstraw_core.adapters.validation import (
     as_token_ids,
     check_attention_dropout,
@@ -95,12 +97,13 @@ def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     return base
 
 
-class ModelAdapter(PublicPasses, ShardedPasses, StagedPasses, ABC):
+class ModelAdapter(PublicPasses, ShardedPasses, StagedForwardPasses, StagedBackwardPasses, ABC):
     """Prefill once, score many branches: the per-architecture engine behind LongStraw.
 
     The public passes (``prefill``, ``score``, ``backprop_prompt``, ``decode``) come from
     ``PublicPasses``; ``parallel`` and the passes over a sharded model from
-    ``ShardedPasses``; ``stage`` and the passes on a pipeline stage from ``StagedPasses``."""
+    ``ShardedPasses``; ``stage`` and the passes on a pipeline stage from
+    ``StagedForwardPasses`` (no autograd) and ``StagedBackwardPasses`` (replay, exact sweep)."""
 
     # The family this adapter serves (``longstraw_core.adapters.family``): the model types and what
     # config, tiny models, planner and offload read about them. ``model_types``: the family's,

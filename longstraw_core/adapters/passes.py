@@ -5,7 +5,7 @@ step of a batch of branches (``decode``, with ``new_branch_cache``).
 ``PublicPasses`` is a base of ``ModelAdapter`` (``longstraw_core.adapters.base``), which gives
 the layer loop these passes run (``run_layers``) and the checks they call; each pass is read
 here in its one-process and sharded forms, and hands over to its staged form
-(``longstraw_core.adapters.staged``) on a pipeline stage.
+(``longstraw_core.adapters.staged_forward``, ``staged_backward``) on a pipeline stage.
 """
 
 from __future__ import annotations

@@ -39,8 +39,10 @@ newest K (renamed to ``.deleting-step-*`` first, so a stop mid-way leaves no hal
 A complete ``step-*`` directory is never overwritten, and a step is not saved while the
 directory holds a later complete one (the ``latest`` it would resolve to would be the later
 one): a run resumed from an earlier checkpoint first calls ``prepare_resume``, which moves the
-later ones into ``superseded-<unix time>/``. Format-1 checkpoints (no manifest) still load,
-with a warning that they cannot be verified; they count as complete.
+later ones into ``superseded-<unix time>/``. A checkpoint of another format (format 1 had no
+manifest) is refused wherever it is met, loading, resolving or saving beside it, with one line
+naming its format and this one's (``FormatError``): start a new output directory, or resume it
+with the LongStraw version that wrote it.
 
 Distributed runs (``torch.distributed`` initialised): every rank calls ``save_checkpoint``,
 ``load_checkpoint`` and ``prepare_resume``, with the same arguments. A model sharded by FSDP2
@@ -80,12 +82,11 @@ Import from here; the modules hold one job each:
 - ``errors``: ``CheckpointError`` and the wording of its messages.
 """
 
-from longstraw_core.checkpoint.errors import CheckpointError
+from longstraw_core.checkpoint.errors import CheckpointError, FormatError
 from longstraw_core.checkpoint.files import (
     FORMAT_VERSION,
     INCOMPLETE,
     LATEST,
-    LEGACY_FORMAT_VERSION,
     MANIFEST,
     TRAINER_STATE,
     checkpoint_name,
@@ -103,10 +104,10 @@ __all__ = [
     "FORMAT_VERSION",
     "INCOMPLETE",
     "LATEST",
-    "LEGACY_FORMAT_VERSION",
     "MANIFEST",
     "TRAINER_STATE",
     "CheckpointError",
+    "FormatError",
     "ResumeInfo",
     "StepCheckpoints",
     "checkpoint_name",

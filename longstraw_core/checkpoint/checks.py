@@ -11,15 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from longstraw_core.checkpoint.errors import CheckpointError, listed
+from longstraw_core.checkpoint.errors import CheckpointError, FormatError, listed
 from longstraw_core.checkpoint.files import (
-    LEGACY_FORMAT_VERSION,
-    MANIFEST,
     check_sizes,
     read_manifest,
     verify_checksums,
 )
-from longstraw_core.checkpoint.ranks import warn
 from longstraw_core.checkpoint.reading import (
     header_shapes,
     saved_adapter_name,
@@ -44,18 +41,17 @@ def check_before_loading(
     try:
         entries = read_manifest(directory)
         check_sizes(directory, entries)
+    except FormatError:
+        raise  # one line: an earlier checkpoint there has the same format
     except CheckpointError as error:
         raise CheckpointError(f"{error}; {earlier_hint(directory)}") from None
-    if entries is None:
-        legacy = f"format-{LEGACY_FORMAT_VERSION} checkpoint (no {MANIFEST})"
-        warn(f"{directory} is a {legacy}: its files cannot be verified")
     _check_kind(directory, model)
     if scheduler is not None and not (directory / "scheduler.pt").is_file():
         raise CheckpointError(
             f"{directory} holds no scheduler state (scheduler.pt) but this run has a learning "
             "rate scheduler: resume with the scheduler settings of the run that saved it"
         )
-    if verify and entries:
+    if verify:
         try:
             verify_checksums(directory, entries)
         except CheckpointError as error:

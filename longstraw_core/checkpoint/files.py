@@ -12,10 +12,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from longstraw_core.checkpoint.errors import CheckpointError
+from longstraw_core.checkpoint.errors import CheckpointError, format_error
 
-FORMAT_VERSION = 2
-LEGACY_FORMAT_VERSION = 1  # no manifest: loads, unverified
+FORMAT_VERSION = 2  # another (format 1: no manifest) is refused: errors.FormatError
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -73,12 +72,14 @@ def write_manifest(directory: Path, step: int) -> None:
     write_text(directory / MANIFEST, json.dumps(body, indent=2, allow_nan=False))
 
 
-def read_manifest(directory: Path) -> list[dict[str, Any]] | None:
-    """The manifest's file entries; None for a format-1 checkpoint (it has none)."""
+def read_manifest(directory: Path) -> list[dict[str, Any]]:
+    """The manifest's file entries. ``FormatError`` for a checkpoint of another format (format
+    1 had no manifest: its ``trainer_state.json`` says which it is)."""
     manifest = directory / MANIFEST
     if not manifest.is_file():
-        if _legacy(directory):
-            return None
+        version = _trainer_state_version(directory)
+        if version is not None and version != FORMAT_VERSION:
+            raise format_error(directory, version, FORMAT_VERSION)
         raise CheckpointError(
             f"{directory}: no {MANIFEST}: the save did not finish (stopped mid-save?) or the "
             "directory was copied in part"
@@ -87,9 +88,11 @@ def read_manifest(directory: Path) -> list[dict[str, Any]] | None:
         body = json.loads(manifest.read_text(encoding="utf-8"), parse_constant=_no_constant)
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{manifest}: unreadable ({error})") from None
-    if not isinstance(body, dict) or body.get("format_version") != FORMAT_VERSION:
-        version = body.get("format_version") if isinstance(body, dict) else None
-        raise CheckpointError(f"{manifest}: format {version} is not {FORMAT_VERSION}")
+    version = body.get("format_version") if isinstance(body, dict) else None
+    if version is None:
+        raise CheckpointError(f"{manifest}: malformed (no format_version)")
+    if version != FORMAT_VERSION:
+        raise format_error(directory, version, FORMAT_VERSION)
     entries = body.get("files")
     if not isinstance(entries, list) or not all(_valid_entry(e) for e in entries):
         raise CheckpointError(f"{manifest}: malformed file list")
@@ -110,17 +113,17 @@ def _valid_entry(entry: Any) -> bool:
     )
 
 
-def _legacy(directory: Path) -> bool:
-    """Whether ``directory`` is a format-1 checkpoint: complete by construction, no manifest."""
+def _trainer_state_version(directory: Path) -> Any:
+    """The ``format_version`` of ``directory``'s ``trainer_state.json``; None when unreadable."""
     try:
         state = json.loads((directory / TRAINER_STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(state, dict) and state.get("format_version") == LEGACY_FORMAT_VERSION
+        return None
+    return state.get("format_version") if isinstance(state, dict) else None
 
 
-def check_sizes(directory: Path, entries: list[dict[str, Any]] | None) -> None:
-    for entry in entries or []:
+def check_sizes(directory: Path, entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
         path = directory / entry["path"]
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (the manifest lists it)")
@@ -162,15 +165,13 @@ def _no_constant(name: str) -> None:
 def read_trainer_state(directory: Path) -> dict[str, Any]:
     path = directory / TRAINER_STATE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))  # format 1 may hold bare NaN
+        # Not strict: format 1 may hold a bare NaN, and must be named as format 1, not unreadable.
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable ({error})") from None
     version = state.get("format_version") if isinstance(state, dict) else None
-    if version not in (LEGACY_FORMAT_VERSION, FORMAT_VERSION):
-        raise CheckpointError(
-            f"{path}: checkpoint format {version} is not {FORMAT_VERSION} "
-            f"(nor {LEGACY_FORMAT_VERSION}, which still loads)"
-        )
+    if version != FORMAT_VERSION:
+        raise format_error(directory, version, FORMAT_VERSION)
     return state
 
 

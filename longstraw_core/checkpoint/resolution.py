@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from longstraw_core.checkpoint.errors import CheckpointError, listed
+from longstraw_core.checkpoint.errors import CheckpointError, FormatError, listed
 from longstraw_core.checkpoint.files import (
     INCOMPLETE,
     LATEST,
@@ -42,7 +42,7 @@ def prepare_resume(output_dir: str | os.PathLike, checkpoint: str | os.PathLike)
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """The complete ``step-*`` checkpoints directly in ``output_dir``, oldest first (sizes
-    checked against each manifest, not checksums; format-1 checkpoints count)."""
+    checked against each manifest, not checksums). ``FormatError`` if one has another format."""
     return [path for _, path in _complete(Path(output_dir))]
 
 
@@ -153,13 +153,16 @@ def _newest(root: Path) -> Path | None:
 
 
 def _problem(directory: Path) -> str | None:
-    """Why ``directory`` is not a complete checkpoint (the cheap check: sizes), or None."""
+    """Why ``directory`` is not a complete checkpoint (the cheap check: sizes), or None.
+    A checkpoint of another format raises ``FormatError``: not incomplete, never set aside."""
     if not directory.is_dir():
         if directory.is_symlink():
             return f"{directory}: a symlink that leads to no directory (a loop, or a lost target)"
         return f"{directory}: not a directory"
     try:
         check_sizes(directory, read_manifest(directory))
+    except FormatError:
+        raise
     except CheckpointError as error:
         return str(error)
     except OSError as error:  # moved or unreadable while we looked

@@ -52,10 +52,10 @@ Typical use under ``torchrun``::
         mine = spread_groups(groups, dist.get_rank(), dist.get_world_size())
         scales = group_loss_scales([g.lengths for g in mine], config)
         for group, scale in zip(mine, scales):
-            metrics = ls.grpo_step(adapter, ..., config=config, loss_scale=scale)
+            result = ls.grpo_step(adapter, ..., config=config, loss_scale=scale)
         optimizer.step()
         optimizer.zero_grad()
-        metrics = reduce_metrics(metrics)
+        metrics = reduce_metrics(result.metrics())
 
 The recipes run this way under ``torchrun ... distributed.fsdp=true``: ``prompts_per_step``
 groups per rank and step (samples ``data_position + rank * prompts_per_step + k``), through

@@ -18,7 +18,8 @@ run config and the planner, which sit above the adapters): ``mesh``, the world a
 replicas (``pipeline_mesh``, ``stage_adapter``), and ``topology``, what a recipe's rank does
 (its replica's prompt, its stage; ``RunTopology``).
 
-The adapter's passes on a stage are in ``longstraw_core.adapters.staged``.
+The adapter's passes on a stage are in ``longstraw_core.adapters.staged_forward`` (no
+autograd) and ``longstraw_core.adapters.staged_backward`` (replay, exact sweep).
 """
 
 from longstraw_core.pipeline.cut import stage_model

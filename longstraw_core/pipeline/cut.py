@@ -9,7 +9,7 @@ so a stage's ``state_dict`` is its share of the whole model's, under the whole m
 checkpoints written by any number of stages load into any other.
 
 Every pass of the adapter then runs on its own layers and prefix state and talks to the
-neighbouring stages (``longstraw_core.adapters.staged``). Build the optimizer after staging.
+neighbouring stages (``longstraw_core.adapters.staged_forward`` and ``staged_backward``). Build the optimizer after staging.
 """
 
 from __future__ import annotations

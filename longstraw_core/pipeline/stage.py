@@ -2,7 +2,7 @@
 the modules it does not hold.
 
 ``longstraw_core.pipeline.cut.stage_model`` cuts an adapter down to one stage and sets a
-``Stage`` on it; the passes on the stage (``longstraw_core.adapters.staged``) read it. The
+``Stage`` on it; the passes on the stage (``longstraw_core.adapters.staged_forward`` and ``staged_backward``) read it. The
 model keeps a ``StagedModel`` (``staged_model(model)``): the whole model's names and shapes,
 which checkpoints of the stage check and index by. This module knows nothing of adapters: the
 adapter's staged passes import it.

@@ -4,7 +4,7 @@ Why: on ``S > 1`` stages replay cuts each of the ``G`` branches into ``P`` piece
 (``Stage.pieces_for``; ``distributed.replay_pieces``) and runs them in the order
 ``pipeline.schedule.replay_orders`` gives: forwards in order, a branch's backwards last piece
 first, at most ``graphs_in_flight(S, P)[s]`` piece graphs on stage ``s``. What a stage holds
-then is not 1F1B's ``S - s`` whole branches but (``longstraw_core.adapters.staged.replay_branches``,
+then is not 1F1B's ``S - s`` whole branches but (``longstraw_core.adapters.staged_backward.replay_branches``,
 ``kinds.base.GrowingPiece``, ``kinds.recurrent.RecurrentPiece``):
 
 - each held piece's graph of this stage's layers over its ``T / P`` tokens; without

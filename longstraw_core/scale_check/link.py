@@ -2,7 +2,7 @@
 return fake tensors shaped as the schedule's plan says the neighbour sends.
 
 Why: a dry run measures one pipeline stage at a time, with no other ranks. The stage's own
-code (``longstraw_core.adapters.staged``, the schedules' programs) runs unchanged; only the wire is
+code (``longstraw_core.adapters.staged_forward`` and ``staged_backward``, the schedules' programs) runs unchanged; only the wire is
 fake: an exchange keeps what it sends until it is waited for (as a real one does, so the
 memory it holds is counted like a real run's) and returns empty tensors of the planned
 shapes; rollout's stop signal never stops early (a dry run's fake tokens never end a

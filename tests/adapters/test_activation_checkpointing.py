@@ -103,7 +103,7 @@ def test_checkpointing_changes_no_gradient(monkeypatch, model_type, gradient, lo
     with counting_replays(monkeypatch) as counts:
         metrics, grads, state = _grads(model, adapter, True, gradient, offload)
 
-    assert metrics["loss"] == expected_metrics["loss"]
+    assert metrics.loss == expected_metrics.loss
     assert grads.keys() == expected.keys() and grads
     assert all(("lora_" in name) == lora for name in grads)
     for name, want in expected.items():
@@ -297,7 +297,7 @@ def test_sharded_checkpointing_changes_no_gradient(world_of_one, monkeypatch, ca
     with counting_replays(monkeypatch) as counts:
         metrics, grads = step_grads(model, adapter, *args, **kwargs, offload=offload)
     assert counts["replays"] > 0
-    assert metrics["loss"] == expected_metrics["loss"]
+    assert metrics.loss == expected_metrics.loss
     assert_grads_close({n: g.full_tensor() for n, g in grads.items()}, expected, rtol=0.0)
 
 

@@ -141,8 +141,8 @@ def test_exact_mode_grpo_step_is_unchanged(monkeypatch) -> None:
         results.append(step_grads(model, adapter, prompt, responses, [1.0, -0.5, 0.2], config,
                                   state=state, chunk_size=6))  # fmt: skip
     (metrics, grads), (want_metrics, want_grads) = results[1], results[0]
-    assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=1e-12)
-    assert metrics["entropy"] == pytest.approx(want_metrics["entropy"], abs=1e-12)
+    assert metrics.loss == pytest.approx(want_metrics.loss, abs=1e-12)
+    assert metrics.entropy == pytest.approx(want_metrics.entropy, abs=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-12, atol=1e-12, msg=name)
 

@@ -60,7 +60,7 @@ def test_a_state_prefilled_with_the_options_serves_exact_mode(model_type: str) -
         results.append((result, grads))
     model.zero_grad(set_to_none=True)
     (reused, reused_grads), (own, own_grads) = results
-    assert reused["loss"] == pytest.approx(own["loss"], rel=1e-12, abs=1e-15)
+    assert reused.loss == pytest.approx(own.loss, rel=1e-12, abs=1e-15)
     assert reused_grads.keys() == own_grads.keys() and reused_grads
     for name, grad in own_grads.items():
         torch.testing.assert_close(reused_grads[name], grad, rtol=1e-9, atol=1e-12)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from launch import torchrun_ok
 from peft import LoraConfig, get_peft_model
 from test_checkpoint import _built
-from tiny_training import assert_same_params, optimizer_and_schedule, tiny_policy, train_step
+from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 
 from longstraw_core.checkpoint import (
     FORMAT_VERSION,
@@ -30,6 +30,7 @@ from longstraw_core.checkpoint import (
     LATEST,
     MANIFEST,
     CheckpointError,
+    FormatError,
     complete_checkpoints,
     load_checkpoint,
     prepare_resume,
@@ -227,27 +228,53 @@ def _as_format_1(path: Path) -> None:
     (path / "trainer_state.json").write_text(text)
 
 
-def test_a_format_1_checkpoint_loads_with_a_warning_and_unreadable_files_name_themselves(
+def test_a_checkpoint_of_another_format_is_refused_in_one_line_wherever_it_is_met(
     tmp_path: Path,
 ) -> None:
+    """Format 1 (no manifest) no longer loads: loading it, resolving ``latest`` to it and saving
+    beside it all fail with one line naming its format, this one's and what to do; it is not
+    taken for an incomplete checkpoint (never set aside). A newer manifest is refused alike."""
     model, optimizer, scheduler = _trained()
     (path,) = _save(tmp_path, [1], (model, optimizer, scheduler))
     _as_format_1(path)
-    assert complete_checkpoints(tmp_path) == [path]
+    expected = (
+        f"{path}: checkpoint format 1, but this LongStraw reads format {FORMAT_VERSION} only: "
+        "start a new output_dir, or resume with the older LongStraw version that wrote it"
+    )
     fresh = tiny_policy(seed=1)
-    with pytest.warns(UserWarning, match="format-1 checkpoint.*cannot be verified"):
-        info = load_checkpoint("latest", fresh, *optimizer_and_schedule(fresh), output_dir=tmp_path)
-    assert info.step == 1
-    assert_same_params(model, fresh)
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    loads = [
+        lambda: load_checkpoint(path, fresh, *optimizer_and_schedule(fresh)),
+        lambda: load_checkpoint("latest", fresh, output_dir=tmp_path),
+        lambda: save_checkpoint(tmp_path, 2, model, optimizer, scheduler),
+        lambda: complete_checkpoints(tmp_path),
+    ]
+    for load in loads:
+        with pytest.raises(FormatError) as caught:
+            load()
+        assert str(caught.value) == expected
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing was loaded
+    assert _names(sorted(tmp_path.iterdir())) == ["latest", "step-000001"]  # nothing set aside
 
-    state = path / "optimizer.pt"  # no manifest to tell: torch.load's own error, named
-    state.write_bytes(state.read_bytes()[:200])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(CheckpointError, match=f"{state}: cannot be read .*damaged"):
-            load_checkpoint(path, tiny_policy(), *optimizer_and_schedule(tiny_policy()))
-    save_checkpoint(tmp_path, 2, model, optimizer, scheduler)  # the next save is format 2
-    assert _names(complete_checkpoints(tmp_path)) == ["step-000001", "step-000002"]
+    newer = tmp_path / "newer"
+    (saved,) = _save(newer, [1], (model, optimizer, scheduler))
+    (saved / MANIFEST).write_text(json.dumps({**_manifest(saved), "format_version": 3}))
+    with pytest.raises(FormatError) as caught:
+        load_checkpoint(saved, fresh)
+    assert str(caught.value) == (
+        f"{saved}: checkpoint format 3, but this LongStraw reads format {FORMAT_VERSION} only: "
+        "start a new output_dir, or resume with the LongStraw version that wrote it"
+    )
+
+
+def test_an_unverified_load_names_a_file_torch_cannot_read(tmp_path: Path) -> None:
+    model, optimizer, scheduler = _trained()
+    (path,) = _save(tmp_path, [1], (model, optimizer, scheduler))
+    state = path / "optimizer.pt"  # its size kept: only a checksum would tell
+    state.write_bytes(bytes(state.stat().st_size))
+    with pytest.raises(CheckpointError, match=f"{state}: cannot be read .*damaged"):
+        load_checkpoint(path, tiny_policy(), *optimizer_and_schedule(tiny_policy()), verify=False)
 
 
 # --------------------------------------------------------------------------- another kind or model

@@ -163,7 +163,7 @@ def test_sharding_changes_no_gradient(world_of_one, model_type, gradient):
     metrics, grads = step_grads(model, adapter, *args, **kwargs)
     grads = {name: grad.full_tensor() for name, grad in grads.items()}
     assert_grads_close(grads, expected, rtol=0.0)
-    assert metrics["loss"] == expected_metrics["loss"]
+    assert metrics.loss == expected_metrics.loss
 
 
 def test_a_step_ending_without_backward_leaves_no_stale_weights(world_of_one):

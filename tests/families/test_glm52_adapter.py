@@ -122,7 +122,7 @@ def test_grpo_step_gradients_equal_detached_reference(topk: int) -> None:
     loss, _ = trl_group_loss(padded, padded.detach(), None, advantages, mask, config)
     expected = parameter_grads(model, loss)
 
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
     assert sum(g.abs().sum() for g in expected.values()) > 0
     indexer_grads = [g for name, g in grads.items() if ".indexer." in name]
     assert indexer_grads and all(g.abs().sum() == 0 for g in indexer_grads)  # frozen
@@ -357,8 +357,8 @@ def _check_exact(
         loss, expected = _full_graph(model, prompt, responses, old, ref, config)
     if topk == SPARSE_TOPK:
         assert_no_ties_at_k(recorder)
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=max(rtol, 1e-9), abs=1e-12)
-    assert metrics["sweep_seconds"] > 0 and metrics["state_grad_bytes"] > 0
+    assert metrics.loss == pytest.approx(loss.item(), rel=max(rtol, 1e-9), abs=1e-12)
+    assert metrics.sweep_seconds > 0 and metrics.state_grad_bytes > 0
     assert sum(g.abs().sum() for g in expected.values()) > 0
     assert_grads_close(grads, expected, rtol=rtol)
     return grads

@@ -260,8 +260,8 @@ def test_grpo_step_detached_gradients_equal_whole_group_reference() -> None:
     loss, _ = trl_group_loss(padded, old_padded, None, advantages, mask, cfg)
     expected = parameter_grads(model, loss)
 
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4)
-    assert metrics["clip_ratio/region_mean"] > 0
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-4)
+    assert metrics.branch_stats["clip_ratio/region_mean"] > 0
     assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
 
 
@@ -582,7 +582,7 @@ def test_exact_grpo_step_equals_full_graph(model_type, chunk_size, checkpoints, 
     )
     grads = {n: g for n, g in grads.items() if g.abs().sum() > 0 or expected[n].abs().sum() > 0}
     expected = {n: expected[n] for n in grads}
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
     assert_grads_close(grads, expected, rtol=FLOAT64_GRAD_RTOL)
     if chunk_size < len(prompt) - 1:
         state = adapter.prefill(prompt, chunk_size=chunk_size, checkpoints=checkpoints)

@@ -298,11 +298,11 @@ def test_lora_gradients_equal_trls(lora_group, gradient):
     # against TRL on a 1.5K-token prompt). The losses: 1.6e-7 and 2.1e-5 relative (the
     # reference's log-probs read a prompt cache transformers computes on its own).
     rtol = layers_rtol(len(group.prompt) + MAX_NEW_TOKENS)
-    assert metrics["loss"] == pytest.approx(group.trl_loss, rel=rtol)
+    assert metrics.loss == pytest.approx(group.trl_loss, rel=rtol)
     if gradient == "exact":
         assert_grads_close(grads, group.trl_grads, rtol=rtol)
         return
-    assert metrics["loss"] == pytest.approx(group.detached_loss, rel=rtol)
+    assert metrics.loss == pytest.approx(group.detached_loss, rel=rtol)
     assert_grads_close(grads, group.detached_grads, rtol=rtol)
     largest = max(float(g.abs().max()) for g in group.trl_grads.values())
     missed = max(float((grads[n] - g).abs().max()) for n, g in group.trl_grads.items())

@@ -74,8 +74,8 @@ def test_exact_step_equals_full_graph(models, loss_type, beta):
         chunk_size=5,
     )  # fmt: skip
     loss, expected = _full_graph_grads(policy, prompt, responses, old, ref, cfg)
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
-    assert metrics["sweep_seconds"] > 0 and metrics["state_grad_bytes"] > 0
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert metrics.sweep_seconds > 0 and metrics.state_grad_bytes > 0
     assert_grads_close(grads, expected, rtol=1e-6)
 
 
@@ -162,7 +162,7 @@ def test_exact_step_at_a_temperature_equals_full_graph(
         chunk_size=5,
     )  # fmt: skip
     loss, expected = group_reference(policy, tempered, prompt, responses, REWARDS, cfg, old, ref)
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
     assert_grads_close(grads, expected, rtol=1e-6)
     # The untempered full graph is another loss: the temperature is not lost on the way.
     untempered, _ = _full_graph_grads(policy, prompt, responses, old, ref, cfg)
@@ -256,7 +256,7 @@ def test_kept_attention_outputs_keep_the_full_graph_gradient(
     assert bool(attention) == (model_type != "glm_moe_dsa")
     heads = model.config.num_attention_heads
     per_token = sum(heads * (layer.values.shape[-1] + 1) * 8 for layer in attention)
-    assert metrics["attention_output_bytes"] == state.output_nbytes() == per_token * state.length
+    assert metrics.attention_output_bytes == state.output_nbytes() == per_token * state.length
     kept_rows = [row.get("kept_output_bytes", 0) for row in state.summary().values()]
     assert sum(kept_rows) == state.output_nbytes()
 

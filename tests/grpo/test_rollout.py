@@ -394,7 +394,7 @@ def test_rollout_feeds_grpo_step_on_policy() -> None:
     )
     model.zero_grad(set_to_none=True)
     # With a tiny clipping range, any ratio off 1 by more than float noise would be clipped.
-    assert metrics["clip_ratio/region_mean"] == 0.0
+    assert metrics.branch_stats["clip_ratio/region_mean"] == 0.0
 
 
 @pytest.mark.parametrize(

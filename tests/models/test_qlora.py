@@ -168,7 +168,7 @@ def test_lora_gradients_equal_the_dequantized_models(pair, gradient: str) -> Non
     loss, expected = group_reference(
         reference, logps_fn, prompt, responses, REWARDS, config, ref=ref_logps
     )
-    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
     assert grads.keys() == expected.keys() and all(".lora_" in name for name in grads)
     assert sum(g.abs().sum() for g in expected.values()) > 0
     assert_grads_close(grads, expected, rtol=GRAD_RTOL.get(model_type, 2e-5))

@@ -55,7 +55,7 @@ def _group(prompt_length: int = 29, seed: int = 0) -> tuple[torch.Tensor, list[t
     return _ids(prompt_length, seed), [_ids(n, seed + 1 + i) for i, n in enumerate(LENGTHS)]
 
 
-def _step(adapter, state, prompt, responses, gradient: str) -> tuple[dict, dict]:
+def _step(adapter, state, prompt, responses, gradient: str) -> tuple[ls.GRPOStepResult, dict]:
     """``grpo_step`` from ``state``: its metrics and the gradients it left (then cleared)."""
     model = adapter.model
     model.zero_grad(set_to_none=True)
@@ -97,13 +97,13 @@ def test_offloaded_runs_equal_device_resident_runs(case, gradient: str) -> None:
     assert offloaded.residency.copies > 0
     for want, got in zip(logps, off_logps, strict=True):
         assert torch.equal(want, got)
-    assert off_metrics["loss"] == metrics["loss"]
+    assert off_metrics.loss == metrics.loss
     assert grads.keys() == off_grads.keys() and grads
     for name, want in grads.items():
         assert torch.equal(want, off_grads[name]), name
     if gradient == "exact":  # the sweep ran and dS was kept like the state
-        assert off_metrics["sweep_seconds"] > 0
-        assert off_metrics["state_grad_bytes"] == metrics["state_grad_bytes"] > 0
+        assert off_metrics.sweep_seconds > 0
+        assert off_metrics.state_grad_bytes == metrics.state_grad_bytes > 0
 
 
 def _recording_prefills(adapter, states: list) -> None:
@@ -138,7 +138,8 @@ def test_grpo_step_prefills_the_policy_and_the_reference_with_the_policy() -> No
     (metrics, grads), (off_metrics, off_grads) = results
     assert [state.offload is not None for state in states] == [False, False, True, True]
     assert all(state.residency.copies > 0 for state in states[2:])
-    assert off_metrics["loss"] == metrics["loss"] and off_metrics["kl"] == metrics["kl"]
+    assert off_metrics.loss == metrics.loss
+    assert off_metrics.branch_stats["kl"] == metrics.branch_stats["kl"]
     for name, want in grads.items():
         assert torch.equal(want, off_grads[name]), name
     adapter.model.zero_grad(set_to_none=True)
@@ -288,7 +289,7 @@ def test_cuda_streams_equal_the_device_resident_run(model_type: str) -> None:
         results.append(_step(adapter, state, prompt, responses, "exact"))
         assert state.residency.peak_live <= 2
     (metrics, grads), (off_metrics, off_grads) = results
-    assert off_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    assert off_metrics.loss == pytest.approx(metrics.loss, rel=1e-5)
     for name, want in grads.items():
         torch.testing.assert_close(off_grads[name], want, rtol=1e-4, atol=1e-6)
 

@@ -112,7 +112,7 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
             out = ls.rollout(adapter, state, case.group, case.response, seed=0)
         with memory.phase("step"):
             rewards = [float(i) for i in range(case.group)]
-            metrics = ls.grpo_step(
+            result = ls.grpo_step(
                 adapter, prompt, out.responses, rewards, config=config, state=state,
                 chunk_size=case.chunk,
             )  # fmt: skip
@@ -121,8 +121,7 @@ def measure_step(model: torch.nn.Module, case: Case) -> tuple[LiveTensorMemory, 
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    metrics["checkpoint_bytes"] = state.checkpoint_nbytes()
-    return memory, metrics
+    return memory, result.metrics() | {"checkpoint_bytes": state.checkpoint_nbytes()}
 
 
 def _case_id(case: Case) -> str:

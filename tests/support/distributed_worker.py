@@ -214,7 +214,7 @@ def train(
                 loss_scale=scale,
                 ref_adapter=ls.lora_reference(adapter) if case.beta else None,
             )
-            metrics.append(group_metrics)
+            metrics.append(group_metrics.metrics())
         if step == 0:
             first_grads = full_tensors(model, grads=True)
         optimizer.step()
