@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import kernel_trace
+from bench_families import gpu_check_models, gpu_shapes, prefill_bench_models
 from gpu_check_calibration import (
-    BENCH_FAMILIES,
     calibration_block,
     environment,
     nvidia_present,
@@ -59,7 +59,6 @@ from gpu_check_report import Killed, Phase, Report, Step, run_step, stop_on_sign
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
-FAMILIES = ("qwen3", "qwen3_5_text", "glm_moe_dsa")
 
 # --- the time budget: every limit in one place (gpu_check_plan, which needs no torch) -----------
 # On CPU (``--device cpu``: the self-test) each step may take this many times its limit: the
@@ -83,30 +82,19 @@ GPU_TEST_FILES = (
     "tests/offload/test_pinned.py",
     "tests/families/test_qwen36_adapter.py",
 )
-# Head dims the GPU kernels take (fla's Gated DeltaNet kernels want 64 and up; flash/SDPA
-# need multiples of 8), on the tiny configs' few layers and small widths.
-GPU_DIMS: dict[str, dict[str, int]] = {
-    "qwen3": {"head_dim": 64},
-    "qwen3_5_text": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
-    "glm_moe_dsa": {
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 32,
-        "v_head_dim": 64,
-        "index_head_dim": 64,
-    },
-}
-_RECIPES = {
-    "qwen3": ("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
-    "qwen3_5_text": ("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
-    "glm_moe_dsa": ("recipes/grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml"),
-}
 # The pipeline runs: step -> the family it trains (its stages: STEP_GPUS, one GPU each).
 MULTI_GPU = {"qwen36": "qwen3_5_text", "glm52": "glm_moe_dsa", "qwen36_s3": "qwen3_5_text"}
 # A step's extra overrides: S=3 with a group smaller than the stages (issue #34, item 1).
 MULTI_GPU_OVERRIDES = {"qwen36_s3": ["rollout.num_generations=2"]}
 # The packages whose kernels the check exercises (distribution names), versions recorded.
 _OWNED = ".made-by-gpu-check"  # marks the output folders this check may clear and reuse
+
+
+def __getattr__(name: str) -> object:
+    """``FAMILIES``: the families the check runs (the registry's, read when first asked)."""
+    if name == "FAMILIES":
+        return gpu_check_models()
+    raise AttributeError(name)
 
 
 @dataclass(frozen=True)
@@ -131,7 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs/gpu_check/gpu_check.json")
     parser.add_argument("--work", type=Path, help="logs and run outputs (default: beside --out)")
     parser.add_argument("--phases", default=",".join(PHASES))
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument(
+        "--families", help="model types (default: every family declaring gpu_check)"
+    )
     parser.add_argument(
         "--outer-limit", action="store_true", help="print OUTER_LIMIT_S (for gpu_check.sh)"
     )
@@ -140,10 +130,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         print(OUTER_LIMIT_S)
         parser.exit()
     phases = tuple(p for p in args.phases.split(",") if p)
-    families = tuple(f for f in args.families.split(",") if f)
-    unknown = sorted(set(phases) - set(PHASES)) + sorted(set(families) - set(FAMILIES))
+    known = gpu_check_models()
+    families = tuple(f for f in (args.families or ",".join(known)).split(",") if f)
+    unknown = sorted(set(phases) - set(PHASES)) + sorted(set(families) - set(known))
     if unknown:
-        parser.error(f"unknown phases/families {unknown}: phases {PHASES}, families {FAMILIES}")
+        parser.error(f"unknown phases/families {unknown}: phases {PHASES}, families {known}")
     return Settings(
         device=args.device,
         quick=args.quick,
@@ -158,9 +149,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
 def steps_of(phase: str, settings: Settings) -> list[str]:
     """The steps ``phase`` runs for these settings (its limits' keys, filtered)."""
     if phase == "recipes":
-        return [f for f in FAMILIES if f in settings.families]
+        return [f for f in gpu_check_models() if f in settings.families]
     if phase == "benchmark":
-        return ["peaks", *(f for f in BENCH_FAMILIES if f in settings.families)]
+        return ["peaks", *(f for f in prefill_bench_models() if f in settings.families)]
     if phase == "multi_gpu":
         return [name for name, family in MULTI_GPU.items() if family in settings.families]
     if phase == "layers":
@@ -270,13 +261,15 @@ def recipe_overrides(family: str, settings: Settings, output_dir: Path) -> list[
         "offload.latent=cpu",
     ]
     if settings.device == "cuda":
-        overrides += [f"model.tiny_overrides.{k}={v}" for k, v in GPU_DIMS[family].items()]
+        overrides += [
+            f"model.tiny_overrides.{k}={v}" for k, v in gpu_shapes(family).recipe_dims.items()
+        ]
     return overrides
 
 
 def recipe_command(family: str, settings: Settings, output_dir: Path, kernels: Path) -> list[str]:
     """The recipe run under ``kernel_trace`` (its kernel choices written to ``kernels``)."""
-    script, config = _RECIPES[family]
+    script, config = gpu_shapes(family).recipe
     return [
         sys.executable, str(BENCHMARKS / "kernel_trace.py"), "--record", str(kernels),
         str(ROOT / script), "--config", str(ROOT / config),
@@ -289,7 +282,7 @@ def multi_gpu_command(name: str, settings: Settings, output_dir: Path, kernels: 
     torchrun (NCCL: the recipe's Accelerator takes it, and each rank's GPU from LOCAL_RANK);
     each rank's kernels in ``kernels`` with ``{rank}`` filled in."""
     family = MULTI_GPU[name]
-    script, config = _RECIPES[family]
+    script, config = gpu_shapes(family).recipe
     stages = STEP_GPUS[name]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",

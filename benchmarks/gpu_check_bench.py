@@ -22,24 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import kernel_trace
+from bench_families import gpu_shapes, prefill_bench_models
 
-# Benchmark models: wide enough for the GPU to be busy, a few layers (random weights).
-_WIDE = {
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "vocab_size": 32000,
-}
-_DELTANET = {
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-}
-BENCH_MODELS: dict[str, dict[str, int]] = {"qwen3": _WIDE, "qwen3_5_text": _WIDE | _DELTANET}
+# Benchmark models: each family's declared widths (``GpuShapes.bench_dims``: wide enough for
+# the GPU to be busy, a few layers, random weights), for the families declaring
+# ``prefill_benchmark`` (``bench_families.prefill_bench_models``).
 # --quick (CPU): the same layer types at toy widths.
 _QUICK = {
     "hidden_size": 256,
@@ -86,7 +73,7 @@ def bench_family(family: str, device_name: str, quick: bool) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = 512 if quick else 32768
     chunk = min(8192, tokens)
-    dims = BENCH_MODELS[family]
+    dims = dict(gpu_shapes(family).bench_dims or {})
     if quick:
         dims = dims | {k: v for k, v in _QUICK.items() if k in dims}
     model = tiny_model(family, dtype=dtype, **dims, max_position_embeddings=2 * tokens)
@@ -177,12 +164,14 @@ def timed(work: Callable[[], Any], device: Any, repeats: int = 2) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--family", choices=sorted(BENCH_MODELS))
+    what.add_argument("--family", help="a model type of prefill_bench_models()")
     what.add_argument("--peaks", action="store_true")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="the row's JSON")
     args = parser.parse_args(argv)
+    if args.family and args.family not in prefill_bench_models():
+        parser.error(f"--family {args.family}: not one of {list(prefill_bench_models())}")
     if args.peaks:
         row = peaks(args.device, args.quick)
     else:

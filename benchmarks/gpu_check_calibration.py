@@ -10,9 +10,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench_families import prefill_bench_models
 from gpu_check_report import Phase
 
-BENCH_FAMILIES = ("qwen3", "qwen3_5_text")  # gpu_check_bench.BENCH_MODELS
 # The packages whose kernels the check exercises (distribution names), versions recorded.
 KERNEL_PACKAGES = ("flash-linear-attention", "fla-core", "flash-attn", "triton", "causal-conv1d")
 
@@ -63,7 +63,7 @@ def calibration_block(phase: Phase, settings: Any, gpu: str | None) -> dict[str,
     else:
         return None
     by_type = {}
-    for family in BENCH_FAMILIES:
+    for family in prefill_bench_models():
         step = phase.steps.get(family)
         if step is None or step.status != "passed":
             continue

@@ -43,11 +43,10 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from bench_families import gpu_shapes  # noqa: E402
 from gpu_check_probes import free_port  # noqa: E402
 
 FAMILY = "qwen3_5_text"
-# The recipes' GPU head dims (gpu_check.GPU_DIMS["qwen3_5_text"]): fla's minimum is 64.
-GPU_DIMS = {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 SHORT, LONG = 3, 9
 PROFILED_STEPS = 20
 _OURS = (str(ROOT / "longstraw_core"), str(ROOT / "model_adapters"))
@@ -62,7 +61,8 @@ def policy(device: Any, quick: bool) -> tuple[Any, Any, Any]:
     from longstraw_core.tiny_models import tiny_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dims = {} if device.type != "cuda" else GPU_DIMS
+    # The recipes' GPU head dims (its family's ``probe.gpu.recipe_dims``): fla's minimum is 64.
+    dims = {} if device.type != "cuda" else dict(gpu_shapes(FAMILY).recipe_dims)
     model = tiny_model(FAMILY, dtype=dtype, **dims).to(device)
     model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     tokens = 64 if quick else 2048

@@ -110,26 +110,25 @@ def tracing(path: Path | None = None) -> Iterator[KernelTrace]:
         trace.write()
 
 
-# What each family's run must record on its device: attention calls for the families whose
-# attention goes through ``segmented_attention`` (GLM-5.x's sparse latent attention does not,
-# once the context exceeds its top-k), Gated DeltaNet calls for Qwen3.6.
-EXPECTED = {
-    "qwen3": ("attention",),
-    "qwen3_5_text": ("attention", "deltanet"),
-    "glm_moe_dsa": (),
-}
+def expected(family: str) -> tuple[str, ...]:
+    """What a run of ``family`` (a model type) must record on its device, as its family
+    declares (``FamilyProbe.expected_kernels``): attention calls for the families whose
+    attention goes through ``segmented_attention``, Gated DeltaNet calls for Qwen3.6."""
+    import bench_families
+
+    return bench_families.probe(family).expected_kernels
 
 
 def failures(record: dict[str, dict[str, int]], device: str, family: str) -> list[str]:
     """What a run of ``family``'s ``record`` must not hold, in words (empty: clean). Any
-    device: none of the calls ``EXPECTED`` (the trace did not see the run). CUDA: the torch
+    device: none of the calls ``expected`` (the trace did not see the run). CUDA: the torch
     attention path for any reason but MLA's unequal head dims, or the torch Gated DeltaNet
     rule. causal-conv1d is optional: transformers' torch conv is a small depthwise
     convolution, so its absence is recorded, not failed."""
     prefix = f"{device}/"
     found = [
         f"no {device} {kind} call recorded ({record.get(kind, {})})"
-        for kind in EXPECTED[family]
+        for kind in expected(family)
         if not any(key.startswith(prefix) for key in record.get(kind, {}))
     ]
     if device != "cuda":

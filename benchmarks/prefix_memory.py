@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_families
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # Cheap in attention (the prefill is quadratic on CPU), with K/V large enough to measure.
 DENSE_MODEL = {
@@ -43,7 +45,7 @@ def measure(
     import longstraw_core as ls
     from longstraw_core.tiny_models import tiny_model
 
-    shape = DENSE_MODEL if model_type in ("qwen3", "llama", "qwen2") else {}
+    shape = DENSE_MODEL if bench_families.full_attention_only(model_type) else {}
     model = tiny_model(
         model_type,
         vocab_size=VOCAB,

@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_families
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PUBLISHED = HERE.parent / "docs" / "benchmarks"
-PREFIX_MODELS = ("qwen3", "qwen3_5_text")
 MIB = 2**20
 # Exact-gradient modes in grpo_benchmark.json's summary, with how the report names them.
 EXACT_MODES = {"exact": "exact", "exact_kept": "exact (attention outputs kept)"}
@@ -46,7 +47,7 @@ def benchmark_commands(args: argparse.Namespace) -> list[list[str]]:
     # grpo_memory_time.py --quick writes under <output>/quick itself.
     commands = [grpo + (["--output", str(args.output.parent)] if args.quick else out)]
     lengths = ["--lengths", "2048", "4096"] if args.quick else []
-    for model_type in PREFIX_MODELS:
+    for model_type in bench_families.prefix_memory_models():
         commands.append(["prefix_memory.py", "--model-type", model_type, *lengths, *out])
     rollout = ["--prompt-tokens", "2048", "--max-new-tokens", "16", "--repeats", "1"]
     commands.append(["rollout_speed.py", *(rollout if args.quick else []), *out])
@@ -179,7 +180,8 @@ def write_report(directory: Path) -> Path:
     grpo = _load(directory / "grpo_benchmark.json")
     if grpo:
         lines += grpo_section(grpo)
-    prefix = {m: r for m in PREFIX_MODELS if (r := _load(directory / f"prefix_memory_{m}.json"))}
+    models = bench_families.prefix_memory_models()
+    prefix = {m: r for m in models if (r := _load(directory / f"prefix_memory_{m}.json"))}
     if prefix:
         lines += prefix_section(prefix)
     rollout = _load(directory / "rollout_speed.json")

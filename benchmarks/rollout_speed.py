@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_families
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # As many KV heads as query heads: the most prefix K/V (6 KiB a token, 192 MiB at 32K) for
 # the cost of the quadratic prefill, about a minute and a half for 32K tokens on one core.
@@ -80,7 +82,7 @@ def measure(args: argparse.Namespace, prompt_tokens: int) -> dict:
     import longstraw_core as ls
     from longstraw_core.tiny_models import tiny_model
 
-    shape = DENSE_MODEL if args.model_type in ("qwen3", "llama", "qwen2") else {}
+    shape = DENSE_MODEL if bench_families.full_attention_only(args.model_type) else {}
     model = tiny_model(
         args.model_type,
         vocab_size=VOCAB,
@@ -211,7 +213,7 @@ def main() -> None:
     speedup = row["batched"]["tokens_per_second"] / row["sequential"]["tokens_per_second"]
     report = {
         "model_type": args.model_type,
-        "model_shape": DENSE_MODEL if args.model_type in ("qwen3", "llama", "qwen2") else {},
+        "model_shape": DENSE_MODEL if bench_families.full_attention_only(args.model_type) else {},
         "num_generations": args.num_generations,
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,

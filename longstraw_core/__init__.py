@@ -13,7 +13,8 @@ result.loss, result.advantages, result.metrics()  # typed fields; the scalars to
 # First: quiets a bitsandbytes import-time notice before peft imports it (see quantization).
 from longstraw_core import quantization as _quantization  # noqa: F401
 from longstraw_core.adapters.base import ModelAdapter
-from longstraw_core.adapters.lookup import adapt, supported_model_types
+from longstraw_core.adapters.lookup import adapt
+from longstraw_core.adapters.registry import supported_model_types
 from longstraw_core.attention import segmented_attention
 from longstraw_core.generation import GenerationBatch
 from longstraw_core.grpo_config import GRPOConfig

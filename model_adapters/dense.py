@@ -18,6 +18,12 @@ from torch import nn
 from longstraw_core.adapters.base import ModelAdapter, Span
 from longstraw_core.adapters.family import ModelFamily
 from longstraw_core.adapters.model_functions import RotaryFn, model_rotary_function
+from longstraw_core.adapters.probe import (
+    BENCHMARK_CAPABILITIES,
+    TEST_CAPABILITIES,
+    FamilyProbe,
+    GpuShapes,
+)
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import segmented_attention
 from longstraw_core.kinds.attention import AttentionKV, BranchKV
@@ -45,6 +51,31 @@ TINY_DENSE: dict[str, Any] = {
     "attention_dropout": 0.0,
 }
 
+# The prefill benchmark's widths (make gpu-check): wide enough for the GPU to be busy, a few
+# layers (random weights). The hybrid family adds its Gated DeltaNet widths.
+BENCH_WIDE: dict[str, int] = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 32000,
+}
+
+# What the cross-cutting tests and benchmarks build of it: qwen3 stands for the family, on
+# every test and benchmark; on a GPU with head dim 64 (flash / SDPA take it).
+PROBE = FamilyProbe(
+    model_type="qwen3",
+    capabilities=TEST_CAPABILITIES | BENCHMARK_CAPABILITIES,
+    gpu=GpuShapes(
+        recipe=("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
+        recipe_dims={"head_dim": 64},
+        bench_dims=BENCH_WIDE,
+    ),
+    expected_kernels=("attention",),
+)
+
 FAMILY = ModelFamily(
     name="dense",
     model_types=("qwen3", "qwen2", "llama"),
@@ -59,6 +90,7 @@ FAMILY = ModelFamily(
         "llama": dict(TINY_DENSE),
         "qwen2": dict(TINY_DENSE),
     },
+    probe=PROBE,
 )
 
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import DEMO
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +32,7 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert "make test" in [line.strip() for line in ci_lines]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", probe_types(DEMO))
 def test_demo_runs_and_checks_itself(model_type: str) -> None:
     command = [sys.executable, "-m", "longstraw_core.demo", "--model-type", model_type]
     command += ["--prompt-tokens", "600", "--response-tokens", "16", "--chunk-size", "256"]

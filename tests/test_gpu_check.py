@@ -140,11 +140,11 @@ def test_the_cuda_recipe_configs_validate_and_their_models_run(family, tmp_path)
     the model is built from that config and scores a short prompt here (CPU, bf16)."""
     settings = gpu_check.parse_args(["--out", str(tmp_path / "r.json")])
     overrides = gpu_check.recipe_overrides(family, settings, tmp_path / "run")
-    script, path = gpu_check._RECIPES[family]
+    script, path = gpu_check.gpu_shapes(family).recipe
     cfg = config.load_config(ROOT / path, overrides)
     assert cfg.model.tiny == family and cfg.model.dtype == "bfloat16"
     assert cfg.offload.attention == "cpu" and cfg.train.steps == 1
-    assert cfg.model.tiny_overrides.items() >= gpu_check.GPU_DIMS[family].items()
+    assert cfg.model.tiny_overrides.items() >= gpu_check.gpu_shapes(family).recipe_dims.items()
     command = gpu_check.recipe_command(family, settings, tmp_path / "run", tmp_path / "k.json")
     assert command[1].endswith("benchmarks/kernel_trace.py") and command[4].endswith(script)
     assert command[-len(overrides) :] == overrides
@@ -166,7 +166,7 @@ def test_the_pipeline_nccl_runs_are_torchrun_one_gpu_a_stage(name, tmp_path):
     stages = gpu_check.STEP_GPUS[name]
     assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(stages), str(ROOT / "benchmarks/kernel_trace.py")]  # fmt: skip
     family = gpu_check.MULTI_GPU[name]
-    path = gpu_check._RECIPES[family][1]
+    path = gpu_check.gpu_shapes(family).recipe[1]
     start = command.index(str(ROOT / path)) + 1
     cfg = config.load_config(ROOT / path, command[start:])
     assert cfg.distributed.pipeline_stages == stages and cfg.model.tiny == family

@@ -6,15 +6,19 @@ Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``f
 (``default_lora_targets``, ``tiny_configs``, ``presets``, ``kernel_budget``). A layer kind
 declares itself, in its own module (``longstraw_core.kinds.registry``); a family names the
 kinds its layers keep.
-This module imports nothing of LongStraw when it loads (a family declared by a mapping of
-kinds reads ``kinds.registry`` when it is made): anything may import it.
+This module imports nothing of LongStraw when it loads but ``adapters.probe`` (which imports
+nothing; a family declared by a mapping of kinds reads ``kinds.registry`` when it is made):
+anything may import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from longstraw_core.adapters.probe import FamilyProbe
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class ModelFamily:
     - ``kernel_budgets``: device type (``"cpu"``, ``"cuda"``) -> the block budgets of the
       family's own kernels as they are now (read when called: tests patch them), by name;
       the planner sizes those kernels' scratch by them (``registry.kernel_budget``).
+    - ``probe``: what the cross-cutting tests and benchmarks build and run of it
+      (``adapters.probe.FamilyProbe``; ``adapters.matrix.families_for`` reads it). Its
+      ``model_type`` left empty: the first of ``tiny_configs``.
     """
 
     name: str
@@ -53,8 +60,16 @@ class ModelFamily:
     tiny_configs: Mapping[str, dict[str, Any]]
     presets: Mapping[str, Preset] = field(default_factory=dict)
     kernel_budgets: Callable[[str], Mapping[str, int]] | None = None
+    probe: FamilyProbe = field(default_factory=FamilyProbe)
 
     def __post_init__(self) -> None:
+        if not self.probe.model_type and self.tiny_configs:
+            first = next(iter(self.tiny_configs))
+            object.__setattr__(self, "probe", dataclasses.replace(self.probe, model_type=first))
+        if self.tiny_configs:  # a family with no toy model has nothing for the tests to build
+            problems = self.probe.problems(self.tiny_configs)
+            if problems:
+                raise ValueError(f"family {self.name!r}: {'; '.join(problems)}")
         served = set(self.model_types)
         for table in ("lora_targets", "tiny_configs"):
             unknown = sorted(set(getattr(self, table)) - served)

@@ -6,11 +6,7 @@ from torch import nn
 
 from longstraw_core.adapters import registry
 from longstraw_core.adapters.base import ModelAdapter, unwrap_causal_lm
-
-
-def supported_model_types() -> list[str]:
-    """Every ``config.model_type`` some registered family serves, sorted."""
-    return sorted(t for family in registry.families() for t in family.model_types)
+from longstraw_core.adapters.registry import supported_model_types
 
 
 def adapt(model: nn.Module) -> ModelAdapter:

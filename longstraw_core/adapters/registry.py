@@ -53,6 +53,18 @@ def register_adapter(cls: AdapterClass) -> AdapterClass:
     return cls
 
 
+def unregister_adapter(cls: type) -> None:
+    """Undo ``register_adapter(cls)``: its model types and family leave the tables. For a
+    family registered only for a while (a test's throwaway one)."""
+    global _version
+    for model_type in cls.family.model_types:
+        if _ADAPTERS.get(model_type) is cls:
+            del _ADAPTERS[model_type]
+    if cls.family in _FAMILIES and cls not in _ADAPTERS.values():
+        _FAMILIES.remove(cls.family)
+    _version += 1
+
+
 def _check_new_family(family: ModelFamily) -> None:
     """No two families may claim the same family name or preset name; the layer kinds a
     family names are registered, and placed as it says, if it says (a mapping)."""
@@ -124,6 +136,8 @@ def presets() -> dict[str, Preset]:
 
 
 def supported_model_types() -> list[str]:
+    """Every ``config.model_type`` some registered family serves, sorted (the one list:
+    ``longstraw_core.supported_model_types`` is this)."""
     families()
     return sorted(_ADAPTERS)
 

@@ -10,6 +10,7 @@ import torch
 
 from longstraw_core import gpu_emulation
 from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.adapters.probe import GPU_CHECK, TEST_CAPABILITIES, FamilyProbe, GpuShapes
 from longstraw_core.kinds.latent import LatentKV
 from model_adapters.dense import MLP_TARGETS
 
@@ -64,6 +65,28 @@ _GLM52 = Preset(
     "transformers GlmMoeDsaConfig defaults (zai-org/GLM-5; GLM-5.2 assumed identical)",
 )
 
+# What the cross-cutting tests and benchmarks build of it: GLM-5.x (glm_moe_dsa), on every
+# CPU test and the GPU check's recipe; not in the prefill or prefix-memory benchmarks. Its
+# runs record no attention call of their own: the sparse latent attention does not go
+# through ``segmented_attention`` once the context exceeds its top-k. Its MoE router
+# computes in float32 whatever the model's dtype.
+PROBE = FamilyProbe(
+    model_type="glm_moe_dsa",
+    capabilities=TEST_CAPABILITIES | {GPU_CHECK},
+    gpu=GpuShapes(
+        recipe=("recipes/grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml"),
+        recipe_dims={
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "index_head_dim": 64,
+        },
+    ),
+    expected_kernels=(),
+    float32_inside=True,
+)
+
 FAMILY = ModelFamily(
     name="glm52",
     model_types=("glm_moe_dsa", "deepseek_v32"),
@@ -80,6 +103,7 @@ FAMILY = ModelFamily(
     },
     presets={"GLM-5.2": _GLM52},
     kernel_budgets=lambda device_type: {"sparse_work_elements": work_elements(device_type)},
+    probe=PROBE,
 )
 
 

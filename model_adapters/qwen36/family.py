@@ -6,9 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from longstraw_core.adapters.family import ModelFamily, Preset
+from longstraw_core.adapters.probe import (
+    BENCHMARK_CAPABILITIES,
+    TEST_CAPABILITIES,
+    FamilyProbe,
+    GpuShapes,
+)
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.recurrent import RecurrentState
-from model_adapters.dense import ATTENTION_TARGETS, MLP_TARGETS, TINY_DENSE
+from model_adapters.dense import ATTENTION_TARGETS, BENCH_WIDE, MLP_TARGETS, TINY_DENSE
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
 
@@ -81,6 +87,27 @@ _QWEN36_27B = Preset(
     "Qwen/Qwen3.6-27B model card (text decoder; vision encoder and MTP layer left out)",
 )
 
+# What the cross-cutting tests and benchmarks build of it: the text decoder (qwen3_5_text),
+# on every test and benchmark. On a GPU fla's Gated DeltaNet kernels want head dims of 64 and
+# up; the Gated DeltaNet rule computes in float32 whatever the model's dtype.
+PROBE = FamilyProbe(
+    model_type="qwen3_5_text",
+    capabilities=TEST_CAPABILITIES | BENCHMARK_CAPABILITIES,
+    gpu=GpuShapes(
+        recipe=("recipes/grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml"),
+        recipe_dims={"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
+        bench_dims={
+            **BENCH_WIDE,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+        },
+    ),
+    expected_kernels=("attention", "deltanet"),
+    float32_inside=True,
+)
+
 FAMILY = ModelFamily(
     name="qwen36",
     model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
@@ -109,4 +136,5 @@ FAMILY = ModelFamily(
         },
     },
     presets={"Qwen3.6-27B": _QWEN36_27B},
+    probe=PROBE,
 )

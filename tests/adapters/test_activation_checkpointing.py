@@ -27,6 +27,8 @@ from reference import assert_grads_close, step_grads, with_lora
 
 import longstraw_core as ls
 import longstraw_core.adapters.base as base
+from longstraw_core.adapters import registry
+from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.exact import new_state_grad
 from longstraw_core.kinds.attention import AttentionKVExactView
 from longstraw_core.kinds.latent import LatentKVExactView
@@ -39,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
 LENGTHS = [5, 3, 7]
 REWARDS = [1.0, -0.5, 0.1]  # none at the mean: every branch replays
-MODEL_TYPES = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
+MODEL_TYPES = probe_types()
+# A few modules per shipped family; another family: its default LoRA targets.
 LORA_TARGETS = {
     "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
     "qwen3_5_text": ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"],
@@ -55,7 +58,8 @@ def _ids(length: int, seed: int) -> torch.Tensor:
 
 def _model(model_type: str, lora: bool, dtype: torch.dtype = torch.float64, **overrides):
     model = tiny_model(model_type, dtype=dtype, seed=3, **overrides)
-    return with_lora(model, LORA_TARGETS[model_type], seed=1) if lora else model
+    targets = LORA_TARGETS.get(model_type) or registry.default_lora_targets()[model_type]
+    return with_lora(model, targets, seed=1) if lora else model
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import longstraw_core as ls
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import PREFILL_OPTIONS
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
@@ -31,7 +33,7 @@ def test_prefill_options_follow_the_gradient_mode(config: dict, expected: dict) 
     assert ls.GRPOConfig(**config).prefill_options() == expected
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "glm_moe_dsa", "qwen3"])
+@pytest.mark.parametrize("model_type", probe_types(PREFILL_OPTIONS))
 def test_a_state_prefilled_with_the_options_serves_exact_mode(model_type: str) -> None:
     """Recurrent (Qwen3.6), latent-only (GLM-5.2) and dense models all take the options; an
     exact step on the state equals one that prefills itself. On GLM-5.2 (no recurrent layer,

@@ -9,7 +9,6 @@ from transformers import AutoConfig
 from longstraw_core.adapters import registry
 from longstraw_core.adapters.base import ModelAdapter
 from longstraw_core.adapters.family import ModelFamily, Preset
-from longstraw_core.adapters.lookup import supported_model_types
 from longstraw_core.kinds import registry as kinds
 from model_adapters import dense, glm52, qwen36
 
@@ -25,7 +24,7 @@ def test_each_shipped_family_is_declared_by_its_adapter_module() -> None:
         assert adapter.family is module.FAMILY
         assert adapter.model_types == module.FAMILY.model_types
     served = [t for f in families for t in f.model_types]
-    assert sorted(served) == supported_model_types()
+    assert sorted(served) == registry.supported_model_types()
     assert all(registry.family_of(t) is f for f in families for t in f.model_types)
     assert registry.family_of("gpt2") is None
 

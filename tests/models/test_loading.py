@@ -38,6 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import longstraw_core as ls
 from longstraw_core import loading, models, quantization
 from longstraw_core.adapters import registry
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import LOADING
 from longstraw_core.config import LoraSection, ModelSection, load_config
 from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
 from longstraw_core.tiny_models import tiny_model
@@ -255,7 +257,7 @@ SECTIONS = {  # the model's settings besides its path
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", probe_types(LOADING))
 def test_one_process_load_equals_the_old_path(model_type, section, tmp_path):
     tiny_model(model_type).save_pretrained(tmp_path)
     torch.manual_seed(worker.SEED)

@@ -23,16 +23,15 @@ import torch
 from reference import full_sequence_logps, group_reference
 
 import longstraw_core as ls
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import MIXED_PRECISION
 from longstraw_core.distributed import shard_model
 from longstraw_core.mixed_precision import WorkingWeights
 
-CASES = [
-    worker.Case("qwen3", "exact"),
-    worker.Case("qwen3_5_text", "exact"),
-    worker.Case("glm_moe_dsa", "exact"),
-    worker.Case("qwen3", "exact", lora=True),
-]
-IDS = ["qwen3", "qwen3_5_text", "glm_moe_dsa", "qwen3-lora"]
+# Every family full, in exact mode; and the first one under LoRA.
+FAMILIES = probe_types(MIXED_PRECISION)
+CASES = [worker.Case(t, "exact") for t in FAMILIES] + [worker.Case(FAMILIES[0], "exact", lora=True)]
+IDS = [*FAMILIES, f"{FAMILIES[0]}-lora"]
 
 
 def _trained(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -33,6 +33,8 @@ from torch import nn
 
 import longstraw_core as ls
 from longstraw_core import models, quantization
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import QLORA
 from longstraw_core.config import (
     ConfigError,
     LoraSection,
@@ -44,7 +46,7 @@ from longstraw_core.plan import ModelSpec, Workload, compute_plan
 from longstraw_core.plan.core import MemoryParts
 from longstraw_core.tiny_models import tiny_model
 
-MODEL_TYPES = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
+MODEL_TYPES = probe_types(QLORA)
 VOCAB = 200
 LENGTHS = [5, 3, 7]
 REWARDS = [1.0, -0.5, 0.1]  # none at the mean: every branch replays

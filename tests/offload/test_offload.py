@@ -14,28 +14,38 @@ import pytest
 import torch
 
 import longstraw_core as ls
+from longstraw_core.adapters import registry
 from longstraw_core.adapters.base import Span
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import OFFLOAD
+from longstraw_core.kinds import registry as kinds
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.offload import OffloadPolicy
+from longstraw_core.offload.policy import PLACEMENT_FIELDS
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
 LENGTHS = [5, 3, 7]
 REWARDS = [1.0, -0.5, 0.25]
-MODEL_TYPES = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
-# glm_moe_dsa: index_topk (16) is below the prompt length, so later chunks and the branches
-# take the sparse DSA path and the first chunks the dense one.
-POLICIES = {
-    "qwen3": [OffloadPolicy.cpu(resident_layers=1)],
-    "qwen3_5_text": [
-        OffloadPolicy.cpu(resident_layers=2),
-        OffloadPolicy(attention="cpu", resident_layers=1),
-        OffloadPolicy(recurrent="cpu", resident_layers=1),
-    ],
-    "glm_moe_dsa": [OffloadPolicy(latent="cpu", resident_layers=2)],
-}
-CASES = [(model_type, policy) for model_type in MODEL_TYPES for policy in POLICIES[model_type]]
+MODEL_TYPES = probe_types(OFFLOAD)
+
+
+def _policies(model_type: str) -> list[OffloadPolicy]:
+    """Every placement in CPU memory, half the tiny model's layers resident; with more than
+    one layer kind, each kind alone in CPU memory, one layer resident. glm_moe_dsa: its
+    index_topk (16) is below the prompt length, so later chunks and the branches take the
+    sparse DSA path and the first chunks the dense one."""
+    layers = registry.tiny_configs()[model_type]["num_hidden_layers"]
+    policies = [OffloadPolicy.cpu(resident_layers=max(1, layers // 2))]
+    placed = set(kinds.offload_fields()[k] for k in registry.family_of(model_type).layer_kinds)
+    if len(placed) > 1:
+        alone = [name for name in PLACEMENT_FIELDS if name in placed]
+        policies += [OffloadPolicy(**{name: "cpu"}, resident_layers=1) for name in alone]
+    return policies
+
+
+CASES = [(model_type, policy) for model_type in MODEL_TYPES for policy in _policies(model_type)]
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
@@ -68,9 +78,7 @@ def _step(adapter, state, prompt, responses, gradient: str) -> tuple[ls.GRPOStep
 
 def _case_id(case: tuple) -> str:
     model_type, policy = case
-    placed = [
-        name for name in ("attention", "recurrent", "latent") if getattr(policy, name) == "cpu"
-    ]
+    placed = policy.offloaded_fields()
     return f"{model_type}-{'+'.join(placed)}-r{policy.resident_layers}"
 
 

@@ -26,6 +26,7 @@ from launch import SUPPORT, torchrun_ok
 
 import longstraw_core as ls
 from longstraw_core import checkpoint
+from longstraw_core.adapters.matrix import probe_of
 from longstraw_core.distributed import shard_model
 from longstraw_core.pipeline import (
     StageLayout,
@@ -67,18 +68,15 @@ def reference(name: str, replicas: int) -> dict:
     return worker.train_reference(worker.CASES[name], replicas)
 
 
-# Families that compute part of a layer in float32 whatever the model's dtype (the Gated
-# DeltaNet rule in transformers' torch kernel, GLM's MoE router).
-FLOAT32_INSIDE = {"qwen3_5_text", "glm_moe_dsa"}
-
-
 def _tolerances(case: worker.Case) -> tuple[float, float]:
     """``(loss, AdamW state)`` relative tolerances. Replay in pieces runs the same sums in
     other groupings: float64 rounding, within 1e-12 and 1e-6; but where a model computes in
     float32 inside, the pieces' rounding is float32's. The gradients stay within 1e-6 (checked
     for every case); AdamW then divides each entry by its own gradient's size, so an entry
     whose gradient is near zero moves by a visible part of its step (2e-4 of the largest)."""
-    if case.pieces != 1 and case.model_type in FLOAT32_INSIDE:
+    # Families that compute part of a layer in float32 whatever the model's dtype (the Gated
+    # DeltaNet rule in transformers' torch kernel, GLM's MoE router) declare it.
+    if case.pieces != 1 and probe_of(case.model_type).float32_inside:
         return 1e-7, 2e-4
     return 1e-12, 1e-6
 

@@ -32,6 +32,9 @@ from torch.distributed.tensor import DTensor
 
 import longstraw_core as ls
 from longstraw_core import checkpoint
+from longstraw_core.adapters import registry
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import PIPELINE
 from longstraw_core.distributed import group_loss_scales, shard_model
 from longstraw_core.pipeline import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.mesh import pipeline_mesh, replica_group, stage_adapter
@@ -46,6 +49,15 @@ MAX_GRAD_NORM = 0.5  # small enough to clip: the clip's norm must be the whole m
 
 DENSE_TARGETS = ["q_proj", "v_proj", "down_proj"]
 LORA_TARGETS = {"glm_moe_dsa": ["q_b_proj", "kv_b_proj", "o_proj"]}  # not the MoE experts
+
+
+def _lora_targets(model_type: str) -> list[str]:
+    """The few modules LoRA adapts here: ``LORA_TARGETS``, else the dense three if the model
+    has them, else its family's defaults."""
+    if model_type in LORA_TARGETS:
+        return LORA_TARGETS[model_type]
+    defaults = registry.default_lora_targets()[model_type]
+    return DENSE_TARGETS if set(DENSE_TARGETS) <= set(defaults) else defaults
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,12 @@ CASES = {
         "glm_moe_dsa", "detached", lora=True, beta=0.04, fsdp=True, temperature=0.7
     ),
 }
+# Every other registered family (one declared since, or in a test): exact and LoRA-detached
+# runs on S=2 (``test_pipeline.TOPOLOGIES[2, 2]`` runs every case).
+for _type in probe_types(PIPELINE):
+    if not any(case.model_type == _type for case in CASES.values()):
+        CASES[f"{_type}-exact"] = Case(_type, "exact")
+        CASES[f"{_type}-lora-detached"] = Case(_type, "detached", lora=True)
 
 
 def step_groups(step: int, count: int) -> list[Group]:
@@ -129,7 +147,7 @@ def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
     model = tiny_model(case.model_type, dtype=torch.float64, seed=0, num_hidden_layers=case.layers)
     model.train()
     if case.lora:
-        model = with_lora(model, LORA_TARGETS.get(case.model_type, DENSE_TARGETS), std=0.05, seed=1)
+        model = with_lora(model, _lora_targets(case.model_type), std=0.05, seed=1)
     adapter = ls.adapt(model)
     adapter.activation_checkpointing = case.activation_checkpointing
     return model, adapter

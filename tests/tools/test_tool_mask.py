@@ -27,6 +27,8 @@ from trl import GRPOTrainer
 from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 
 import longstraw_core as ls
+from longstraw_core.adapters.matrix import probe_types
+from longstraw_core.adapters.probe import TOOL_MASK
 from longstraw_core.grpo_config import LOSS_TYPES
 from longstraw_core.losses import (
     branch_loss,
@@ -208,9 +210,9 @@ def test_masked_tokens_change_the_loss_as_trl_says(float64_default):
     assert stats["clip_denom"].item() == 1.0  # one ratio per sequence, as TRL counts it
 
 
-# --- grpo_step on the three families == TRL's _compute_loss --------------------------------
+# --- grpo_step on every family == TRL's _compute_loss --------------------------------
 
-FAMILIES = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
+FAMILIES = probe_types(TOOL_MASK)
 
 
 def family_cases():
