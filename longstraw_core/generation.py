@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Share:
-    """What ``grpo_step`` scales a group by: ``loss_scale`` and, with
-    ``scale_rewards="batch"``, ``reward_std`` (None otherwise)."""
+    """What a group's replay scales by: ``grpo_step``'s ``loss_scale`` and, with
+    ``scale_rewards="batch"``, ``reward_std``, the std its advantages divide by (None
+    otherwise; ``GenerationBatch.reward_std``)."""
 
     loss_scale: float
     reward_std: float | None
@@ -88,8 +89,9 @@ class GenerationBatch:
     """The groups one optimizer step trains on: ``prompts`` on this rank, each rank its own.
 
     Per prompt: ``add`` after its rewards (a collective), then, if it returns a ``Share``,
-    ``grpo_step(..., **replay_kwargs(k))`` with the state the rollout used and
-    ``record(k, result)``. After the last prompt, ``finish(parameters)`` (a collective), then
+    ``grpo_step(..., advantages=group_advantages(rewards, scale_rewards, std=reward_std),
+    **replay_kwargs(k))`` with the state the rollout used and ``record(k, result)``. After
+    the last prompt, ``finish(parameters)`` (a collective), then
     the groups of ``waiting()`` (their replays had to wait) the same way with a fresh prefill
     (the last one's state may still be alive). Every later update of ``num_iterations``:
     every group again, each with a fresh prefill. ``step_loss()`` is the update's loss.
@@ -201,8 +203,9 @@ class GenerationBatch:
 
     def replay_kwargs(self, k: int) -> dict[str, Any]:
         """``grpo_step``'s keywords for group ``k``'s next replay: its truncation flags and
-        loss masks, the share to use (provisional before ``finish``), and from the second
-        replay on the first one's log-probs as ``old_logps`` and ``ref_logps``."""
+        loss masks, the loss share to use (provisional before ``finish``), and from the second
+        replay on the first one's log-probs as ``old_logps`` and ``ref_logps``. Its advantages
+        are the caller's: ``advantages(k)``, or ``group_advantages`` with ``reward_std``."""
         group = self.groups[k]
         if self.finished:
             share = self.share(k)
@@ -215,7 +218,6 @@ class GenerationBatch:
             "truncated": group.truncated,
             "loss_masks": group.loss_masks,
             "loss_scale": share.loss_scale,
-            "reward_std": share.reward_std,
             "old_logps": group.old_logps,
             "ref_logps": group.ref_logps,
         }
@@ -234,13 +236,17 @@ class GenerationBatch:
         the shares carry the world size)."""
         return sum(group.loss for group in self.groups)
 
+    @property
+    def reward_std(self) -> float | None:
+        """What ``scale_rewards="batch"`` divides the advantages by now: the std of every
+        reward of the step after ``finish``, the first round's before it (``finish`` corrects
+        the gradients); None for ``"group"`` and ``"none"`` (each group's own, or none)."""
+        return self._final_std if self.finished else self._first_std
+
     def advantages(self, k: int) -> list[float]:
-        """Group ``k``'s advantages with the step's final reward std."""
-        group = self.groups[k]
-        std = self._final_std if self.finished else self._first_std
-        return group_advantages(
-            torch.tensor(group.rewards, dtype=torch.float64), self.config.scale_rewards, std=std
-        ).tolist()
+        """Group ``k``'s advantages with ``reward_std`` (the step's after ``finish``)."""
+        rewards = self.groups[k].rewards
+        return group_advantages(rewards, self.config.scale_rewards, std=self.reward_std).tolist()
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ def group_advantages(
     Mirrors TRL's Bessel-corrected ``nanstd``. ``std``: what ``"batch"`` divides by, the std
     of every reward of the optimizer step (``distributed.step_reward_std``); None takes this
     group's, which is the batch's when the group is the whole step (one group, one rank).
-    Equal rewards give exact zeros (TRL can leave float noise / 1e-4 there).
+    Equal rewards give exact zeros (TRL can leave float noise / 1e-4 there). Plain floats
+    (a list) are taken as float64, as ``grpo_step`` takes its rewards.
     A NaN reward marks a completion no reward function could score (all returned None): as
     in TRL 1.16 (``_generate_and_score_completions``: ``torch.nanmean``, ``nanstd``, then
     ``nan_to_num(advantages, nan=0.0)``) it is left out of the group's mean and std and gets
@@ -59,7 +60,7 @@ def group_advantages(
     reward raises: TRL has no meaning for it (every advantage of its group would be NaN).
     """
     scale = normalize_scale_rewards(scale_rewards)
-    r = torch.as_tensor(rewards)
+    r = rewards if torch.is_tensor(rewards) else torch.as_tensor(rewards, dtype=torch.float64)
     if not r.is_floating_point():
         r = r.to(torch.get_default_dtype())
     if r.ndim != 1 or r.numel() == 0:

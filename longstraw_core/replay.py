@@ -127,6 +127,7 @@ def grpo_step(
     responses: Sequence[torch.Tensor | Sequence[int]],
     rewards: Sequence[float] | torch.Tensor,
     *,
+    advantages: Sequence[float] | torch.Tensor | None = None,
     config: GRPOConfig | None = None,
     old_logps: Sequence[torch.Tensor | None] | None = None,
     ref_adapter: Policy | None = None,
@@ -146,6 +147,9 @@ def grpo_step(
     ``responses`` are 1-D token ids (lengths may differ) and ``rewards`` one float each;
     NaN marks a completion no reward function could score (``RewardSet``'s all-None rows):
     as in TRL it gets zero advantage and stays out of the group's mean and std.
+    ``advantages``: one per response, the caller's (``group_advantages`` of ``rewards``, as
+    the recipes compute them); None computes them here from ``rewards`` with
+    ``config.scale_rewards`` (and ``reward_std``). ``rewards`` are the reported group metrics.
     Every log-prob of the loss (the policy's, the reference's, the entropy) is taken at
     ``config.temperature``, TRL's ``log_softmax(logits / temperature)``; ``old_logps`` must be
     too (a rollout's ``out.logps`` at that temperature are, and so are ``result.logps``).
@@ -198,6 +202,8 @@ def grpo_step(
             f"loss_scale must be a finite number >= 0 (the group's share of the step's loss), "
             f"got {loss_scale!r}"
         )
+    if advantages is not None and reward_std is not None:
+        raise ValueError("pass advantages or reward_std (what they are computed with), not both")
     if reward_std is not None and config.scale_rewards != "batch":
         raise ValueError(
             f"reward_std={reward_std!r} is the optimizer step's std for scale_rewards='batch'; "
@@ -207,7 +213,10 @@ def grpo_step(
     responses = _check_responses(responses, adapter.vocab_size)
     with real_values():  # rewards are values even in a dry run on fake tensors
         reward_tensor = _check_rewards(rewards, len(responses))
-        advantages = group_advantages(reward_tensor, config.scale_rewards, std=reward_std)
+        if advantages is None:
+            advantages = group_advantages(reward_tensor, config.scale_rewards, std=reward_std)
+        else:
+            advantages = _check_advantages(advantages, len(responses))
         advantage_values = [float(a) for a in advantages]
         reward_mean, reward_std = _scorable_mean_std(reward_tensor)
     old_logps = _check_logps(old_logps, responses, "old_logps")
@@ -445,6 +454,14 @@ def _check_rewards(rewards: Sequence[float] | torch.Tensor, count: int) -> torch
             "advantage, as in TRL)"
         )
     return reward_tensor
+
+
+def _check_advantages(advantages: Sequence[float] | torch.Tensor, count: int) -> torch.Tensor:
+    """The caller's advantages as float64, one finite value per response."""
+    values = torch.as_tensor(advantages, dtype=torch.float64).flatten()
+    if len(values) != count or not bool(torch.isfinite(values).all()):
+        raise ValueError(f"advantages must be {count} finite values, got {values.tolist()}")
+    return values
 
 
 def _scorable_mean_std(rewards: torch.Tensor) -> tuple[float, float]:

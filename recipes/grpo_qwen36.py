@@ -6,7 +6,8 @@ a few hundred thousand tokens. Each step here
 1. prefills the prompt once, without autograd, into a prefix state (attention K/V that grows
    with the prompt, DeltaNet states that do not);
 2. samples G responses in one batch that shares that state (never copied per branch);
-3. scores them with the configured reward functions (TRL's weights and NaN semantics);
+3. scores them with the configured reward functions (TRL's weights and NaN semantics)
+   and turns the group's rewards into advantages (``grpo.scale_rewards``);
 4. replays each response alone with autograd (memory: the state + one branch's graph),
    then, with ``grpo.gradient=exact``, sweeps back over the prompt's chunks so the gradient
    equals the full-graph one.
@@ -16,7 +17,14 @@ at a time), then the optimizer steps once on TRL's loss over all their groups, a
 ``grpo.num_iterations`` - 1 more times on the same rollouts (prefilled again). That loop,
 ``Recipe.train_rollout``, is the part to edit; the rest (setup, FSDP and pipeline stages, eval,
 checkpoints and resume, W&B, stop signals, skipped steps, exit codes) is
-``longstraw_core.training``'s. Qwen3.6's own knobs: ``deltanet_knobs``.
+``longstraw_core.training``'s.
+
+Qwen3.6's own settings: ``grpo.recurrent_checkpoints`` (where exact mode keeps each DeltaNet
+layer's state at every chunk start; cpu: a copy per chunk), ``grpo.keep_attention_outputs``
+(the sweep skips the full-attention forward, for heads x head_dim more per token),
+``offload.recurrent`` / ``offload.attention`` (DeltaNet states / K/V on the host, streamed per
+layer). Kernels: flash-linear-attention and causal-conv1d (if installed) on CUDA in bf16/fp16
+(``model.dtype`` or ``distributed.mixed_precision``), else torch's.
 
 Run it:
     python recipes/grpo_qwen36.py                                  # tiny CPU default
@@ -38,33 +46,14 @@ from longstraw_core import training
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/qwen36/tiny_grpo_cpu.yaml"
 
 
-def deltanet_knobs(run: training.Session) -> dict[str, object]:
-    """Qwen3.6's settings beyond GRPO's, as this run has them. ``grpo.recurrent_checkpoints``:
-    where exact mode keeps each DeltaNet layer's state at every chunk start (the sweep restarts
-    from them; cpu: a copy per chunk). ``grpo.keep_attention_outputs``: the sweep skips the
-    full-attention forward, for heads x head_dim more per token. ``offload.recurrent`` /
-    ``offload.attention``: DeltaNet states (constant) / K/V (grows with the prompt) on the
-    host, streamed per layer. Kernels: flash-linear-attention and causal-conv1d (if installed)
-    on CUDA in bf16/fp16 (``model.dtype`` or ``distributed.mixed_precision``), else torch's."""
-    cfg = run.cfg
-    half = cfg.model.dtype in ("bfloat16", "float16") or cfg.distributed.mixed_precision == "bf16"
-    return {
-        "grpo.recurrent_checkpoints": cfg.grpo.recurrent_checkpoints,
-        "grpo.keep_attention_outputs": cfg.grpo.keep_attention_outputs,
-        "offload.recurrent": cfg.offload.recurrent,
-        "offload.attention": cfg.offload.attention,
-        "deltanet_kernels": "fla" if run.accelerator.device.type == "cuda" and half else "torch",
-    }
-
-
 class Recipe(training.Session):
     """The GRPO loop; ``training.Session`` runs everything around it."""
 
     def train_rollout(
         self, samples: list[training.Sample], indices: list[int]
     ) -> Iterator[dict[str, float]]:
-        """prefill -> rollout -> rewards -> grpo_step per sample, optimizer step; then
-        ``grpo.num_iterations - 1`` more steps on the same rollouts (``docs/design.md``)."""
+        """prefill -> rollout -> rewards -> advantages -> grpo_step per sample, optimizer step;
+        then ``grpo.num_iterations - 1`` more steps on the same rollouts (``docs/design.md``)."""
         self.start_step()
         batch = ls.GenerationBatch(self.grpo, len(samples), group=self.topology.replica_group())
         rollouts: list[training.Rollout] = []
@@ -72,31 +61,25 @@ class Recipe(training.Session):
         with self.precision.step():  # bf16 working weights until the optimizer step
             for k, (sample, index) in enumerate(zip(samples, indices, strict=True)):
                 group = self.group(sample)  # prompt ids; an agent run's tools (rollout.tools)
-                state = self.prefill(group.prompt_ids)
+                state = self.prefill(group.prompt_ids)  # once, without autograd
                 turns = group.tool_turns()  # each branch's tool loop (None without tools)
                 try:
-                    with self.progress.phase("rollout"):
-                        out = ls.rollout(self.adapter, state, self.cfg.rollout.num_generations,
-                                         self.cfg.rollout.max_new_tokens, turns=turns,
-                                         seed=self.rollout_seed(index), **self.sampling)  # fmt: skip
+                    out = self.rollout(state, index, turns)  # G responses sharing the state
                 except training.NonFiniteError as error:  # raised on every rank at once
                     yield from self.skip_rollout(str(error))
                     return
-                completions = group.completions(out, turns, self.adapter)  # text; tools: messages
-                with self.progress.phase("reward"):  # TRL's call: prompts, completions, ids
-                    self.trainer_state.global_step = self.step
-                    ids = [response.tolist() for response in out.responses]
-                    scored = self.rewards(completions, [group.sample] * len(ids), completion_ids=ids,
-                                          trainer_state=self.trainer_state, **group.reward_kwargs)  # fmt: skip
-                failed = self.rewards_failed(scored)  # a reduction: the same on every rank
+                rollout = self.score(group, out, turns, state)  # the reward functions
+                failed = self.rewards_failed(rollout.scored)  # the same on every rank
                 if failed:
                     yield from self.skip_rollout(failed, rewards=True)
                     return
-                rollouts.append(training.Rollout(group.sample, out, completions, scored,
-                                                 training.state_bytes(state), group.tool_counts))  # fmt: skip
-                # its share of the step's loss (tool results masked out); None: replay waits
-                if batch.add(group.prompt_ids, out.responses, scored.rewards, out.truncated,
-                             loss_masks=out.loss_masks) is not None:  # fmt: skip
+                rollouts.append(rollout)
+                rewards = rollout.scored.rewards  # one per response (NaN: none could score it)
+                # the group joins the step's batch; None: its replay waits for finish
+                share = batch.add(
+                    group.prompt_ids, out.responses, rewards, out.truncated, out.loss_masks
+                )
+                if share is not None:
                     results[k] = self.replay(batch, k, state)
                 if k < len(samples) - 1:
                     state = None  # one prefix state at a time
@@ -106,42 +89,54 @@ class Recipe(training.Session):
                 live, state = (state if k == len(samples) - 1 else None), None
                 results[k] = self.replay(batch, k, live)  # the last group's state, then prefills
             state = None
-            metrics = self.update(batch, rollouts, list(results.values()), first=True)
-        yield metrics
+            grad_norm, skipped = self.optimizer_step(batch.step_loss())  # not finite: skipped
+            metrics = self.step_metrics(
+                batch, rollouts, [*results.values()], grad_norm, skipped, first=True
+            )
+        yield metrics  # training.Session logs it, evaluates and saves when due
         for _ in range(1, self.grpo.num_iterations):  # the same rollouts with the new weights
             self.start_step()
             with self.precision.step():
                 results = {k: self.replay(batch, k, None) for k in range(len(samples))}
-                metrics = self.update(batch, rollouts, list(results.values()), first=False)
+                grad_norm, skipped = self.optimizer_step(batch.step_loss())
+                metrics = self.step_metrics(
+                    batch, rollouts, [*results.values()], grad_norm, skipped, first=False
+                )
             yield metrics
 
     def replay(
         self, batch: ls.GenerationBatch, k: int, state: ls.PrefixState | None
     ) -> ls.GRPOStepResult:
-        """grpo_step of group ``k`` with its share of the step; ``state=None``: prefilled
-        again (the weights changed since its rollout, or its replay waited)."""
+        """Group ``k``'s rewards -> advantages, then its grpo_step with its share of the
+        step; ``state=None``: prefilled again (the weights changed since its rollout, or its
+        replay waited)."""
         group = batch.groups[k]
+        # Each reward minus the group's mean, divided by the std grpo.scale_rewards names:
+        # "group" the group's, "batch" every reward of the step's (batch.reward_std), "none" 1.
+        advantages = ls.group_advantages(
+            group.rewards, self.grpo.scale_rewards, std=batch.reward_std
+        )
         if state is None:
             state = self.prefill(group.prompt_ids)
         self.note_peak()
         with self.progress.phase("replay"):
             result = ls.grpo_step(
-                self.adapter, group.prompt_ids, group.responses, group.rewards,
-                config=self.grpo, ref_adapter=self.reference, state=state,
-                chunk_size=self.cfg.train.chunk_size, offload=self.offload,
+                self.adapter,
+                group.prompt_ids,
+                group.responses,
+                group.rewards,  # reported as the group's reward mean and std
+                advantages=advantages,
+                config=self.grpo,
+                ref_adapter=self.reference,
+                state=state,
+                chunk_size=self.cfg.train.chunk_size,
+                offload=self.offload,
                 progress=self.bars,  # branches replayed, sweep tokens
-                **batch.replay_kwargs(k),  # loss_scale, reward_std, old/ref log-probs
-            )  # fmt: skip
+                **batch.replay_kwargs(k),  # loss_scale, old/ref log-probs, truncation, masks
+            )
         batch.record(k, result)
         self.note_peak(result.peak_memory_bytes)
         return result
-
-    def update(self, batch: ls.GenerationBatch, rollouts: list[training.Rollout],
-               results: list[ls.GRPOStepResult], *, first: bool) -> dict[str, float]:  # fmt: skip
-        """The optimizer step (skipped if not finite) and this rank's metrics of it."""
-        with self.progress.phase("optimizer"):
-            grad_norm, skipped = self.optimizer_step(batch.step_loss())
-        return self.step_metrics(batch, rollouts, results, grad_norm, skipped, first=first)
 
 
 def main(argv: list[str] | None = None) -> Recipe:

@@ -4,8 +4,8 @@
     from longstraw_core import training
 
     class Recipe(training.Session):
-        def train_rollout(self, samples, indices):  # prefill, rollout, rewards, replay, step
-            ...
+        def train_rollout(self, samples, indices):
+            ...  # per prompt: prefill, rollout, rewards, advantages, grpo_step; then
             yield self.step_metrics(batch, rollouts, results, *self.optimizer_step(loss), first=True)
 
     def main(argv=None) -> Recipe:
@@ -16,7 +16,9 @@
   resume), the step loop (data positions, eval, logging, checkpoints, stop signals),
   ``save_checkpoint`` and ``cleanup``; with ``StepBookkeeping``'s ``optimizer_step`` (clip,
   non-finite guard), ``step_metrics``, ``skip_rollout``, ``start_step`` / ``note_peak``,
-  and the loop's helpers ``prompt_ids``, ``prefill``, ``rollout_seed`` and ``sampling``.
+  and the loop's helpers ``group``, ``prefill``, ``rollout`` (the group's G responses, TRL's
+  sampling settings), ``score`` (TRL's reward call: a ``Rollout``), ``rollout_seed`` and
+  ``sampling``.
 - ``main``: the command line (``--config``, ``key=value`` overrides), config and memory-plan
   checks, one-line errors and exit codes.
 - ``Rollout`` and ``state_bytes``: one scored group as ``step_metrics`` reads it.

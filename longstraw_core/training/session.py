@@ -61,7 +61,8 @@ from longstraw_core.prompt_group import PromptGroup, template_kwargs
 from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.stop import GracefulStop
 from longstraw_core.tools import Agents
-from longstraw_core.training.step import StepBookkeeping
+from longstraw_core.tools.turns import ToolTurns
+from longstraw_core.training.step import Rollout, StepBookkeeping, state_bytes
 
 
 class Session(StepBookkeeping):
@@ -216,6 +217,50 @@ class Session(StepBookkeeping):
         """The rollout seed of the sample at ``index``: the run's seed, and differs between
         ranks (each takes its own samples)."""
         return self.cfg.train.seed * 1_000_003 + index
+
+    def rollout(
+        self, state: ls.PrefixState, index: int, turns: ToolTurns | None = None
+    ) -> ls.RolloutOutput:
+        """``rollout.num_generations`` responses of up to ``rollout.max_new_tokens`` tokens to
+        the prompt ``state`` holds, sampled in one batch that shares it (TRL's settings,
+        ``rollout.*``), seeded by the sample's ``index``; ``turns``: each branch's tool loop.
+        A non-finite rollout raises ``NonFiniteError``, on every rank at once."""
+        with self.progress.phase("rollout"):
+            return ls.rollout(
+                self.adapter,
+                state,
+                self.cfg.rollout.num_generations,
+                self.cfg.rollout.max_new_tokens,
+                turns=turns,
+                seed=self.rollout_seed(index),
+                **self.sampling,
+            )
+
+    def score(
+        self,
+        group: PromptGroup,
+        out: ls.RolloutOutput,
+        turns: ToolTurns | None,
+        state: ls.PrefixState,
+    ) -> Rollout:
+        """The reward functions on the rollout ``out`` (which ran with ``turns``), as TRL calls
+        them: the completions (text; an agent's messages), the samples, the completion ids,
+        ``trainer_state`` and an environment's keywords. Returns the scored group as
+        ``step_metrics`` reads it (``state``: the prompt's, for its size)."""
+        completions = group.completions(out, turns, self.adapter)
+        with self.progress.phase("reward"):
+            self.trainer_state.global_step = self.step
+            ids = [response.tolist() for response in out.responses]
+            scored = self.rewards(
+                completions,
+                [group.sample] * len(ids),
+                completion_ids=ids,
+                trainer_state=self.trainer_state,
+                **group.reward_kwargs,
+            )
+        return Rollout(
+            group.sample, out, completions, scored, state_bytes(state), group.tool_counts
+        )
 
     def _sampling_options(self) -> dict:
         """``ls.rollout``'s keyword options from ``rollout.*`` (TRL's sampling settings)."""

@@ -91,6 +91,10 @@ class StepBookkeeping:
     def optimizer_step(self, loss: float) -> tuple[float, str | None]:
         """Clip and step; a non-finite loss or gradient norm (on any rank) skips the update.
         Returns the gradient norm and why the update was skipped (None: it was not)."""
+        with self.progress.phase("optimizer"):
+            return self._optimizer_step(loss)
+
+    def _optimizer_step(self, loss: float) -> tuple[float, str | None]:
         self.precision.to_masters()  # float32 weights and gradients for the clip and AdamW
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         # Replicas of a stage average their gradients; the clip uses the whole model's norm.

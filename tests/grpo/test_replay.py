@@ -207,6 +207,32 @@ def test_a_later_update_reads_the_first_ones_log_probs(models):
         ls.grpo_step(adapter, prompt, responses, rewards, config=cfg0, reward_std=1.0)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_given_advantages_step_exactly_as_computed_ones(models, scale):
+    """The recipes compute each group's advantages (``group_advantages`` of its rewards, with
+    the step's std for ``"batch"``) and pass them: the same step, bit for bit, as
+    ``grpo_step`` computing them from ``rewards`` and ``reward_std``."""
+    policy, _ = models
+    adapter = ls.adapt(policy)
+    prompt, responses = _group(seed=40)
+    cfg = ls.GRPOConfig(loss_type="dapo", scale_rewards=scale)
+    std = 0.7 if scale == "batch" else None
+    inside, grads = _step_grads(adapter, policy, prompt, responses, cfg, reward_std=std)
+    advantages = ls.group_advantages(REWARDS, scale, std=std)
+    assert advantages.dtype == torch.float64 and advantages.tolist() == inside.advantages
+    given, same = _step_grads(adapter, policy, prompt, responses, cfg, advantages=advantages)
+    assert given.advantages == inside.advantages and given.loss == inside.loss
+    assert (given.group_reward_mean, given.group_reward_std) == (
+        inside.group_reward_mean,
+        inside.group_reward_std,
+    )
+    assert all(torch.equal(same[name], grads[name]) for name in grads)
+    with pytest.raises(ValueError, match="not both"):
+        ls.grpo_step(adapter, prompt, responses, REWARDS, advantages=advantages, reward_std=1.0)
+    with pytest.raises(ValueError, match="3 finite values"):
+        ls.grpo_step(adapter, prompt, responses, REWARDS, advantages=[0.0, math.nan, 1.0])
+
+
 def test_lora_reference_uses_the_same_weights_with_adapters_disabled():
     model = tiny_model("qwen3", dtype=torch.float64, seed=2)
     peft_model = with_lora(model, ["q_proj", "v_proj"], std=0.2)

@@ -331,7 +331,7 @@ def test_generation_batch_with_loss_masks_equals_trl_over_both_prompts(
         assert kwargs["loss_masks"] is batch.groups[k].loss_masks
         result = ls.grpo_step(
             adapter, prompt, responses, rewards[k], config=config, state=state,
-            chunk_size=CHUNK, **kwargs,
+            advantages=batch.advantages(k), chunk_size=CHUNK, **kwargs,
         )  # fmt: skip
         batch.record(k, result)
     batch.finish(model.parameters())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -12,7 +11,6 @@ import datasets
 import pytest
 import torch
 from recipe_runs import (
-    FAST,
     ROOT,
     assert_resumed_like_straight,
     run_recipe,
@@ -21,8 +19,6 @@ from recipe_runs import (
     weights,
 )
 from wandb_records import wandb_history, wandb_records
-
-from longstraw_core.config import load_config
 
 
 @pytest.mark.parametrize(
@@ -127,36 +123,6 @@ SOLVED = [
 TRL_DATA = ["data.task=null", "data.prompt_tokens=256", "tracking.wandb=false",
             "rollout.num_generations=8", "rollout.max_new_tokens=12", "grpo.gradient=detached",
             "rewards=[{name: 'trl_rewards:solution_char_recall'}]"]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("recipe", "config", "reader", "overrides", "expected"),
-    [
-        ("grpo_qwen36.py", "configs/qwen36/tiny_grpo_cpu.yaml", "deltanet_knobs",
-         ["grpo.recurrent_checkpoints=cpu", "grpo.keep_attention_outputs=true",
-          "offload.recurrent=cpu"],
-         {"grpo.recurrent_checkpoints": "cpu", "grpo.keep_attention_outputs": True,
-          "offload.recurrent": "cpu", "offload.attention": "device", "deltanet_kernels": "torch"}),
-        ("grpo_glm52.py", "configs/glm52/tiny_grpo_cpu.yaml", "dsa_knobs",
-         ["model.tiny_overrides.index_topk=32", "offload.latent=cpu"],
-         {"index_topk": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-          "n_shared_experts": 1, "offload.latent": "cpu", "offload.resident_layers": 2}),
-    ],
-)  # fmt: skip
-def test_each_recipe_reads_its_familys_knobs(tmp_path, recipe, config, reader, overrides, expected):
-    """A recipe's knob reader shows the settings its model family adds, as the run set up has
-    them (a renamed config key or model field fails here)."""
-    spec = importlib.util.spec_from_file_location(f"{recipe[:-3]}_knobs", ROOT / "recipes" / recipe)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = load_config(ROOT / config, [*FAST, "tracking.wandb=false", *overrides,
-                                      f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
-    run = module.Recipe(cfg)
-    run.setup()
-    try:
-        assert getattr(module, reader)(run) == expected
-    finally:
-        run.cleanup()
 
 
 def test_trl_standard_jsonl_trains_unchanged(tmp_path):
