@@ -125,6 +125,22 @@ TRL_DATA = ["data.task=null", "data.prompt_tokens=256", "tracking.wandb=false",
             "rewards=[{name: 'trl_rewards:solution_char_recall'}]"]  # fmt: skip
 
 
+def test_both_recipes_show_the_same_loop_in_plain_formatted_code():
+    """What a user copies: one GRPO loop (rollout, rewards, advantages computed in the
+    recipe, grpo_step, optimizer step, metrics), the same in both recipes (a family differs
+    by its docstring and default config), with no formatter exemptions."""
+    loops = {}
+    for recipe in ("grpo_qwen36.py", "grpo_glm52.py"):
+        text = (ROOT / "recipes" / recipe).read_text()
+        assert "fmt: skip" not in text and "fmt: off" not in text, recipe
+        loop = text[text.index("class Recipe(") : text.index("def main(")]
+        for call in ("self.rollout(", "self.score(", "ls.group_advantages(", "ls.grpo_step("):
+            assert call in loop, (recipe, call)
+        assert "advantages=advantages" in loop, recipe
+        loops[recipe] = loop
+    assert loops["grpo_qwen36.py"] == loops["grpo_glm52.py"]
+
+
 def test_trl_standard_jsonl_trains_unchanged(tmp_path):
     """Plain-text prompts (no chat template, as TRL) with a `solution` column, as JSONL, with
     the generation options TRL has (min_p, repetition_penalty, stop strings)."""
