@@ -89,8 +89,8 @@ class GenerationBatch:
     """The groups one optimizer step trains on: ``prompts`` on this rank, each rank its own.
 
     Per prompt: ``add`` after its rewards (a collective), then, if it returns a ``Share``,
-    ``grpo_step(..., advantages=group_advantages(rewards, scale_rewards, std=reward_std),
-    **replay_kwargs(k))`` with the state the rollout used and ``record(k, result)``. After
+    ``grpo_step(..., **replay_kwargs(k, group_advantages(rewards, scale_rewards,
+    std=reward_std)))`` with the state the rollout used and ``record(k, result)``. After
     the last prompt, ``finish(parameters)`` (a collective), then
     the groups of ``waiting()`` (their replays had to wait) the same way with a fresh prefill
     (the last one's state may still be alive). Every later update of ``num_iterations``:
@@ -201,11 +201,13 @@ class GenerationBatch:
             raise RuntimeError("the final shares are known after finish()")
         return Share(self._scale(self.groups[k].share, self._final_total), self._final_std)
 
-    def replay_kwargs(self, k: int) -> dict[str, Any]:
-        """``grpo_step``'s keywords for group ``k``'s next replay: its truncation flags and
-        loss masks, the loss share to use (provisional before ``finish``), and from the second
-        replay on the first one's log-probs as ``old_logps`` and ``ref_logps``. Its advantages
-        are the caller's: ``advantages(k)``, or ``group_advantages`` with ``reward_std``."""
+    def replay_kwargs(self, k: int, advantages: Sequence[float]) -> dict[str, Any]:
+        """``grpo_step``'s keywords for group ``k``'s next replay: the caller's ``advantages``
+        (``group_advantages`` of its rewards with ``reward_std``, or ``advantages(k)``; taken
+        here so that no replay can go without them and silently divide by its own group's
+        std under ``scale_rewards="batch"``), its truncation flags and loss masks, the loss
+        share to use (provisional before ``finish``), and from the second replay on the first
+        one's log-probs as ``old_logps`` and ``ref_logps``."""
         group = self.groups[k]
         if self.finished:
             share = self.share(k)
@@ -214,7 +216,12 @@ class GenerationBatch:
         else:
             share = self._provisional_share(k)
         self._scales[k] = share.loss_scale
+        if len(advantages) != len(group.responses):
+            raise ValueError(
+                f"group {k}: {len(advantages)} advantages for {len(group.responses)} responses"
+            )
         return {
+            "advantages": advantages,
             "truncated": group.truncated,
             "loss_masks": group.loss_masks,
             "loss_scale": share.loss_scale,
@@ -223,7 +230,7 @@ class GenerationBatch:
         }
 
     def record(self, k: int, result: GRPOStepResult) -> None:
-        """After group ``k``'s replay (with ``replay_kwargs(k)``): its part of the update's
+        """After group ``k``'s replay (with ``replay_kwargs(k, advantages)``): its part of the update's
         loss, and, after its first replay, the log-probs the later updates read."""
         group = self.groups[k]
         group.loss = result.loss * self._scales[k]

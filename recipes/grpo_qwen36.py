@@ -125,14 +125,13 @@ class Recipe(training.Session):
                 group.prompt_ids,
                 group.responses,
                 group.rewards,  # reported as the group's reward mean and std
-                advantages=advantages,
                 config=self.grpo,
                 ref_adapter=self.reference,
                 state=state,
                 chunk_size=self.cfg.train.chunk_size,
                 offload=self.offload,
                 progress=self.bars,  # branches replayed, sweep tokens
-                **batch.replay_kwargs(k),  # loss_scale, old/ref log-probs, truncation, masks
+                **batch.replay_kwargs(k, advantages),  # + loss share, old/ref log-probs, masks
             )
         batch.record(k, result)
         self.note_peak(result.peak_memory_bytes)

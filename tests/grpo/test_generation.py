@@ -40,7 +40,7 @@ def test_provisional_shares_times_the_correction_are_the_batch_weights(loss_type
     batch = ls.GenerationBatch(config, prompts=2)
     provisional = fill(batch)
     for k in range(2):
-        batch.replay_kwargs(k)  # what the replay used
+        batch.replay_kwargs(k, batch.advantages(k))  # what the replay used
         batch.record(k, ls.GRPOStepResult(**_result(loss=1.0)))
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.full((3,), 2.0)
@@ -70,14 +70,14 @@ def test_provisional_shares_times_the_correction_are_the_batch_weights(loss_type
     ]
     assert final == pytest.approx(batch_weights, rel=1e-12)
     assert batch.step_loss() == pytest.approx(sum(s.loss_scale for s in provisional) * factor)
-    kwargs = batch.replay_kwargs(1)
+    kwargs = batch.replay_kwargs(1, batch.advantages(1))
     assert kwargs["loss_scale"] == batch.share(1).loss_scale and kwargs["old_logps"] == [None]
 
 
 def test_one_prompt_needs_no_correction():
     batch = ls.GenerationBatch(ls.GRPOConfig(scale_rewards="batch"), prompts=1)
     share = batch.add(torch.zeros(4, dtype=torch.long), responses([3, 5]), [1.0, 0.0], [False] * 2)
-    batch.replay_kwargs(0)
+    batch.replay_kwargs(0, batch.advantages(0))
     batch.record(0, ls.GRPOStepResult(**_result(loss=1.0)))
     assert batch.finish([]) == 1.0 and batch.share(0) == share
 
@@ -86,7 +86,7 @@ def test_batch_std_with_kl_makes_replays_wait_the_last_first():
     batch = ls.GenerationBatch(ls.GRPOConfig(scale_rewards="batch", beta=0.04), prompts=2)
     assert batch.defers_replay and fill(batch) == [None, None]
     with pytest.raises(RuntimeError, match="after finish"):
-        batch.replay_kwargs(0)
+        batch.replay_kwargs(0, batch.advantages(0))
     assert batch.finish([]) == 1.0 and batch.waiting() == [1, 0]
     with pytest.raises(RuntimeError, match="once"):
         batch.finish([])
@@ -101,7 +101,7 @@ def test_unscorable_step_gives_zero_advantages_as_trl():
     for k, rewards in enumerate(([math.nan, 1.0], [math.nan, math.nan])):
         share = batch.add(torch.zeros(2, dtype=torch.long), responses([2, 2]), rewards, [False] * 2)
         assert share.reward_std == 1.0  # a stand-in: one scorable reward has no std
-        batch.replay_kwargs(k)
+        batch.replay_kwargs(k, batch.advantages(k))
         batch.record(k, ls.GRPOStepResult(**_result(loss=1.0)))
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.ones(2)
@@ -137,3 +137,13 @@ def _result(loss: float) -> dict:
          "state_grad_bytes", "attention_output_bytes", "peak_memory_bytes"], 0,
     )  # fmt: skip
     return {"loss": loss, "advantages": [], **zero, **counts, "logps": [None], "ref_logps": [None]}
+
+
+def test_a_replay_takes_one_advantage_per_response():
+    """``replay_kwargs`` carries the caller's advantages (so no replay goes without them);
+    a list of another length is refused, naming both counts."""
+    batch = ls.GenerationBatch(ls.GRPOConfig(scale_rewards="batch"), prompts=1)
+    batch.add(torch.zeros(4, dtype=torch.long), responses([3, 5]), [1.0, 0.0], [False] * 2)
+    assert batch.replay_kwargs(0, [0.5, -0.5])["advantages"] == [0.5, -0.5]
+    with pytest.raises(ValueError, match="group 0: 3 advantages for 2 responses"):
+        batch.replay_kwargs(0, [0.0, 0.0, 0.0])

@@ -137,8 +137,8 @@ def train_generation(
         if batch.add(group.prompt, group.responses, group.rewards, flags) is not None:
             result = ls.grpo_step(
                 adapter, group.prompt, group.responses, group.rewards, config=config,
-                advantages=batch.advantages(k), state=state, chunk_size=CHUNK_SIZE,
-                **batch.replay_kwargs(k),
+                state=state, chunk_size=CHUNK_SIZE,
+                **batch.replay_kwargs(k, batch.advantages(k)),
             )  # fmt: skip
             batch.record(k, result)
     batch.finish(model.parameters())

@@ -327,11 +327,11 @@ def test_generation_batch_with_loss_masks_equals_trl_over_both_prompts(
     for k, (prompt, responses, tool) in enumerate(groups):
         state = adapter.prefill(prompt, chunk_size=CHUNK, **config.prefill_options())
         assert batch.add(prompt, responses, rewards[k], [False] * G, loss_masks=tool)
-        kwargs = batch.replay_kwargs(k)
+        kwargs = batch.replay_kwargs(k, batch.advantages(k))
         assert kwargs["loss_masks"] is batch.groups[k].loss_masks
         result = ls.grpo_step(
             adapter, prompt, responses, rewards[k], config=config, state=state,
-            advantages=batch.advantages(k), chunk_size=CHUNK, **kwargs,
+            chunk_size=CHUNK, **kwargs,
         )  # fmt: skip
         batch.record(k, result)
     batch.finish(model.parameters())

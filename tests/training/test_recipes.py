@@ -136,7 +136,7 @@ def test_both_recipes_show_the_same_loop_in_plain_formatted_code():
         loop = text[text.index("class Recipe(") : text.index("def main(")]
         for call in ("self.rollout(", "self.score(", "ls.group_advantages(", "ls.grpo_step("):
             assert call in loop, (recipe, call)
-        assert "advantages=advantages" in loop, recipe
+        assert "batch.replay_kwargs(k, advantages)" in loop, recipe  # the replay takes them
         loops[recipe] = loop
     assert loops["grpo_qwen36.py"] == loops["grpo_glm52.py"]
 

@@ -210,7 +210,7 @@ def longstraw_generation(model, config, groups, *, updates_before=(), reference_
         prompt, responses, rewards, _ = groups[k]
         result = ls.grpo_step(
             adapter, prompt, responses, rewards, config=config, ref_adapter=ref, state=state,
-            advantages=batch.advantages(k), chunk_size=CHUNK, **batch.replay_kwargs(k),
+            chunk_size=CHUNK, **batch.replay_kwargs(k, batch.advantages(k)),
         )  # fmt: skip
         batch.record(k, result)
         return result
