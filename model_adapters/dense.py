@@ -79,7 +79,7 @@ PROBE = FamilyProbe(
 FAMILY = ModelFamily(
     name="dense",
     model_types=("qwen3", "qwen2", "llama"),
-    layer_kinds={AttentionKV.kind: "attention"},
+    layer_kinds=(AttentionKV.kind,),
     lora_targets={
         "qwen3": ATTENTION_TARGETS + MLP_TARGETS,
         "qwen2": ATTENTION_TARGETS + MLP_TARGETS,

@@ -6,8 +6,7 @@ Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``f
 (``default_lora_targets``, ``tiny_configs``, ``presets``, ``kernel_budget``). A layer kind
 declares itself, in its own module (``longstraw_core.kinds.registry``); a family names the
 kinds its layers keep.
-This module imports nothing of LongStraw when it loads but ``adapters.probe`` (which imports
-nothing; a family declared by a mapping of kinds reads ``kinds.registry`` when it is made):
+This module imports nothing of LongStraw but ``adapters.probe`` (which imports nothing):
 anything may import it.
 """
 
@@ -37,8 +36,8 @@ class ModelFamily:
 
     - ``model_types``: the transformers ``config.model_type`` values the adapter serves.
     - ``layer_kinds``: the record kinds (``LayerState.kind``) its layers keep, each a
-      registered layer kind (``kinds.registry``: the kind declares its offload field). A
-      mapping is read by its keys; its values, if given, must be the kinds' offload fields.
+      registered layer kind (``kinds.registry``: the kind declares where it is placed, the
+      family does not repeat it).
     - ``lora_targets``: model type -> module names LoRA adapts when ``lora.target_modules``
       is null.
     - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
@@ -84,13 +83,8 @@ class ModelFamily:
                     f"family {self.name!r}: preset {preset_name!r} has model type "
                     f"{preset.model_type!r}, not one of {self.model_types}"
                 )
-        if isinstance(self.layer_kinds, Mapping):
-            from longstraw_core.kinds.registry import offload_fields
-
-            fields = set(offload_fields().values())
-            bad = sorted(set(self.layer_kinds.values()) - fields)
-            if bad:
-                raise ValueError(
-                    f"family {self.name!r}: layer kinds placed by {bad}; offload "
-                    f"fields are {sorted(fields)}"
-                )
+        if isinstance(self.layer_kinds, (str, Mapping)):
+            raise ValueError(
+                f"family {self.name!r}: layer_kinds is a collection of record kinds (each "
+                f"kind declares its own placement), got {self.layer_kinds!r}"
+            )

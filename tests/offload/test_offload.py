@@ -22,7 +22,7 @@ from longstraw_core.kinds import registry as kinds
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.offload.policy import PLACEMENT_FIELDS
+from longstraw_core.offload.policy import placement_fields
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
@@ -40,7 +40,7 @@ def _policies(model_type: str) -> list[OffloadPolicy]:
     policies = [OffloadPolicy.cpu(resident_layers=max(1, layers // 2))]
     placed = set(kinds.offload_fields()[k] for k in registry.family_of(model_type).layer_kinds)
     if len(placed) > 1:
-        alone = [name for name in PLACEMENT_FIELDS if name in placed]
+        alone = [name for name in placement_fields() if name in placed]
         policies += [OffloadPolicy(**{name: "cpu"}, resident_layers=1) for name in alone]
     return policies
 
