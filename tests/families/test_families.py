@@ -40,6 +40,7 @@ def test_the_tables_hold_every_familys_declarations() -> None:
         "full_attention": "attention",
         "linear_attention": "recurrent",
         "mla_dsa": "latent",
+        "sliding_attention": "attention",
     }
     assert all(isinstance(p, Preset) for p in registry.presets().values())
 

@@ -331,7 +331,8 @@ def test_bad_policies_are_refused(value, message: str) -> None:
 def test_unknown_layer_types_are_refused() -> None:
     policy = OffloadPolicy.cpu()
     assert policy.placement("attention") == policy.placement("full_attention") == "cpu"
-    with pytest.raises(ValueError, match="unknown layer type 'sliding_attention'"):
-        policy.placement("sliding_attention")
+    assert policy.placement("sliding_attention") == "cpu"  # a window's K/V: ``attention``
+    with pytest.raises(ValueError, match="unknown layer type 'paged_attention'"):
+        policy.placement("paged_attention")
     with pytest.raises(ValueError, match="resident_layers=0"):
         OffloadPolicy(resident_layers=0)
