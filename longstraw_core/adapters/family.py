@@ -37,7 +37,8 @@ class ModelFamily:
     - ``model_types``: the transformers ``config.model_type`` values the adapter serves.
     - ``layer_kinds``: the record kinds (``LayerState.kind``) its layers keep, each a
       registered layer kind (``kinds.registry``: the kind declares where it is placed, the
-      family does not repeat it).
+      family does not repeat it: a mapping is read by its keys, which may map to nothing
+      but ``None``).
     - ``lora_targets``: model type -> module names LoRA adapts when ``lora.target_modules``
       is null.
     - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
@@ -83,8 +84,16 @@ class ModelFamily:
                     f"family {self.name!r}: preset {preset_name!r} has model type "
                     f"{preset.model_type!r}, not one of {self.model_types}"
                 )
-        if isinstance(self.layer_kinds, (str, Mapping)):
+        if isinstance(self.layer_kinds, str):
             raise ValueError(
-                f"family {self.name!r}: layer_kinds is a collection of record kinds (each "
-                f"kind declares its own placement), got {self.layer_kinds!r}"
+                f"family {self.name!r}: layer_kinds is a collection of record kinds, got "
+                f"{self.layer_kinds!r}"
             )
+        if isinstance(self.layer_kinds, Mapping):
+            placed = sorted(k for k, v in self.layer_kinds.items() if v is not None)
+            if placed:
+                raise ValueError(
+                    f"family {self.name!r}: layer kinds {placed} given a placement; each kind "
+                    "declares its own placement where it registers (kinds.registry): list "
+                    "the kinds only"
+                )
