@@ -120,16 +120,19 @@ def test_detached_gradients_equal_the_transformers_cache(model_type: str) -> Non
 
 
 @pytest.mark.parametrize("model_type", list(CASES))
-@pytest.mark.parametrize(("chunk_size", "offload"), [(4, None), (9, None), (4, "cpu")])
-def test_exact_step_equals_full_graph(model_type: str, chunk_size: int, offload) -> None:
+@pytest.mark.parametrize(
+    ("chunk_size", "offload", "keep"), [(4, None, False), (9, None, False), (4, "cpu", True)]
+)
+def test_exact_step_equals_full_graph(model_type: str, chunk_size: int, offload, keep) -> None:
     """Exact mode: ``grpo_step`` against the whole group through the transformers model with
     autograd over prompt and responses (``tests/grpo/test_exact.py``'s reference), with
-    chunks shorter and longer than the window, and the window records offloaded."""
+    chunks shorter and longer than the window, and the window records offloaded while the
+    full-attention layers keep their attention outputs (the window layers keep none)."""
     model = _model(model_type)
     adapter = ls.adapt(model)
     prompt = _ids(29, 0)
     responses = [_ids(n, 10 + i) for i, n in enumerate([6, 3, 8])]
-    cfg = ls.GRPOConfig(gradient="exact", max_completion_length=16)
+    cfg = ls.GRPOConfig(gradient="exact", max_completion_length=16, keep_attention_outputs=keep)
     metrics, grads = step_grads(
         model, adapter, prompt, responses, REWARDS, cfg, chunk_size=chunk_size, offload=offload
     )
