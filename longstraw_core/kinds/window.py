@@ -263,11 +263,18 @@ class WindowExactView(ExactViewBase):
 
 
 class WindowPlan(AttentionPlan):
-    """Sliding-window attention as the memory planner sees it: full attention's formulas
-    (an upper bound: the window's own, a fixed state and ``W`` keys per query, are not
-    written yet)."""
+    """Sliding-window attention as the memory planner sees it. Its state's bytes the planner
+    reads from the record (a fixed size: ``W - 1`` positions); the attention's working sets
+    and FLOPs are full attention's for now (an upper bound: ``W`` keys per query are not
+    written into the formulas yet)."""
 
     offload_label = "sliding-window K/V"
+    full_attention = False  # a query reads W keys, not every prefix position
+    reuses_kept_outputs = False  # the window keeps no attention outputs
+
+    def checkpoint_bytes(self, state_fixed: int) -> int:
+        return state_fixed  # the whole window at every chunk start (an upper bound: the first
+        # chunks start with fewer positions)
 
 
 SLIDING_ATTENTION = register_kind(
