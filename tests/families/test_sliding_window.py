@@ -180,3 +180,34 @@ def test_ragged_decode_steps_equal_the_full_sequence_forward(model_type: str) ->
             sequence = torch.cat([prompt[:-1], streams[row]])
             expected = model(input_ids=sequence[None]).logits[0][len(prompt) - 1 :]
             torch.testing.assert_close(torch.cat(logits_of[row]), expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_activation_checkpointing_changes_no_exact_gradient(monkeypatch, offload) -> None:
+    """Checkpointed layers run their window reads again in backward (the writes are not
+    handed over twice): bit-identical exact-mode gradients, streamed from CPU memory too."""
+    from longstraw_core.adapters import base
+
+    replays = []
+    replaying = base.LayerRecord.replaying
+
+    def counted(self, tensors):
+        replays.append(self)
+        return replaying(self, tensors)
+
+    monkeypatch.setattr(base.LayerRecord, "replaying", counted)
+    model = _model("qwen2")
+    prompt = _ids(29, 0)
+    responses = [_ids(n, 10 + i) for i, n in enumerate([6, 3, 8])]
+    cfg = ls.GRPOConfig(gradient="exact", max_completion_length=16)
+    results = []
+    for checkpointing in (False, True):
+        adapter = ls.adapt(model)
+        adapter.activation_checkpointing = checkpointing
+        _, grads = step_grads(
+            model, adapter, prompt, responses, REWARDS, cfg, chunk_size=4, offload=offload
+        )
+        results.append(grads)
+    assert replays  # the checkpointed run recomputed its layers
+    for name, want in results[0].items():
+        assert torch.equal(results[1][name], want), name
