@@ -31,7 +31,7 @@ from longstraw_core.adapters.probe import (
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import segmented_attention
 from longstraw_core.kinds.attention import AttentionKV, BranchKV
-from longstraw_core.kinds.window import WindowKV
+from longstraw_core.kinds.window import WindowKV, WindowReads
 from longstraw_core.offload import OffloadPolicy, home_options
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -204,7 +204,7 @@ def attend_in_window(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    record: WindowKV,
+    record: WindowReads,
     span: Span,
     scale: float,
     branch: BranchKV | None = None,

@@ -29,7 +29,7 @@ with ``dS`` (cleared, then refilled by the chunk's backward with the gradient at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -41,11 +41,25 @@ from longstraw_core.kinds.base import (
     RecordBase,
     Seed,
     attach_grad_sink,
-    store,
     tensor_nbytes,
 )
 from longstraw_core.kinds.registry import LayerKind, register_kind
 from longstraw_core.offload.pinned import empty_buffers, pinned_copy
+
+
+class WindowReads(Protocol):
+    """What the sliding-window attention code (``model_adapters/dense.py``,
+    ``attend_in_window``) calls on its layer: the record, its exact view, an offloaded
+    record's ``StreamedRecord`` or a checkpointed ``LayerRecord`` (their declared reads,
+    ``kinds.forwarding``, already include both)."""
+
+    length: int
+
+    def read(self, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's keys/values before ``start`` (``None``: after the whole prompt)."""
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fold (or, recomputed, hand to the sweep) one prefill chunk's keys and values."""
 
 
 def _last(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -132,7 +146,9 @@ class WindowKV(RecordBase):
             )
         for target, old, new in ((self.keys, old_keys, keys), (self.values, old_values, values)):
             window = _last(torch.cat([old.to(new), new], dim=1), self.capacity)
-            store(target[:, : window.shape[1]], window)
+            # A blocking copy, as the recurrent state's: the next chunk's checkpoint reads it
+            # on the host (an asynchronous copy into pinned memory could still be running).
+            target[:, : window.shape[1]].copy_(window)
         self.length = start + keys.shape[1]
 
     def window(self, position: int | None) -> WindowKV:
