@@ -216,9 +216,10 @@ def attend_in_window(
 
     The stored window before the span (at most ``window - 1`` positions: the record's
     ``read``, with gradient sinks in exact mode) goes at the head of the span's (or the
-    branches') keys and values, and ``segmented_attention(window=)`` hides from each query
-    the keys ``window`` or more positions before it. A prefill chunk then folds its keys
-    and values into the record (after the read: the record shifts in place).
+    branches') keys and values (those the first query can still see), and
+    ``segmented_attention(window=)`` hides from each query the keys ``window`` or more
+    positions before it. A prefill chunk then folds its keys and values into the record
+    (after the read: the record shifts in place).
     """
     stored_keys, stored_values = record.read(span.start if span.write else None)
     if span.write and state_only:
@@ -226,6 +227,11 @@ def attend_in_window(
         return None
     if branch is not None:
         keys, values = branch.append(keys, values, ragged=span.rows)
+    if span.rows is None:  # only the stored keys the first query still sees (none once the
+        # branch has run ``window - 1`` positions): decoding copies less, then nothing
+        first = keys.shape[2] - queries.shape[2]  # the first query's branch position
+        hidden = min(max(first + stored_keys.shape[1] - window + 1, 0), stored_keys.shape[1])
+        stored_keys, stored_values = stored_keys[:, hidden:], stored_values[:, hidden:]
     batch, ahead = queries.shape[0], stored_keys.shape[1]
     all_keys, all_values = (
         torch.cat([stored.to(own).expand(batch, -1, -1, -1), own], dim=2)
