@@ -211,3 +211,24 @@ def test_activation_checkpointing_changes_no_exact_gradient(monkeypatch, offload
     assert replays  # the checkpointed run recomputed its layers
     for name, want in results[0].items():
         assert torch.equal(results[1][name], want), name
+
+
+def test_a_window_record_keeps_the_last_positions_and_its_chunk_starts() -> None:
+    """The record alone: after each chunk it holds the last ``W - 1`` positions, oldest
+    first; with checkpoints, the window before every chunk (what the sweep restarts from)."""
+    record = WindowKV.empty(1, 4, 1, dtype=torch.float64, device=torch.device("cpu"))
+    record.keep_checkpoints(torch.device("cpu"))
+    positions = torch.arange(10, dtype=torch.float64).reshape(1, 10, 1)
+    for start, stop in [(0, 2), (2, 7), (7, 8), (8, 10)]:
+        record.write(start, positions[:, start:stop], -positions[:, start:stop])
+        keys, values = record.read(None)
+        assert keys.flatten().tolist() == list(range(max(stop - 3, 0), stop))
+        assert torch.equal(values, -keys)
+    assert sorted(record.checkpoints) == [0, 2, 7, 8]
+    assert record.read(7)[0].flatten().tolist() == [4, 5, 6]
+    assert record.read(2)[0].flatten().tolist() == [0, 1]
+    assert record.window(8).read(8)[0].flatten().tolist() == [5, 6, 7]
+    with pytest.raises(RuntimeError, match="chunks must be written in order"):
+        record.write(3, positions[:, :1], positions[:, :1])
+    with pytest.raises(RuntimeError, match="no sliding window at position 5"):
+        record.read(5)
