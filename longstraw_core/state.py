@@ -1,9 +1,10 @@
 """The prefix state: what later tokens read of a prompt that was run once without autograd.
 
 Each layer keeps a record of its own kind: ``AttentionKV`` (full-attention keys/values),
-``RecurrentState`` (Gated DeltaNet conv and recurrent state) or ``LatentKV`` (MLA latent and
-DSA indexer keys). Each kind lives in one module of ``longstraw_core.kinds`` (``attention``,
-``recurrent``, ``latent``) with its branch record, exact-mode gradient buffer and view, behind
+``WindowKV`` (a sliding window's last keys/values), ``RecurrentState`` (Gated DeltaNet conv
+and recurrent state) or ``LatentKV`` (MLA latent and DSA indexer keys). Each kind lives in
+one module of ``longstraw_core.kinds`` (``attention``, ``window``, ``recurrent``,
+``latent``) with its branch record, exact-mode gradient buffer and view, behind
 the protocols of ``longstraw_core.kinds.base`` (import them from there). This module holds
 what spans the layers: ``PrefixState`` and ``BranchCache``. Each adapter's
 ``new_layer_states`` picks the records
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 
 from longstraw_core.fake import is_fake
-from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.base import BranchState, LayerState, Pieces, Produced
 from longstraw_core.kinds.rows import Rows
 from longstraw_core.offload import OffloadPolicy, Residency
@@ -91,16 +91,14 @@ class PrefixState:
     def keeps_attention_outputs(self) -> bool:
         """Whether every full-attention layer that attends during prefill (all but the last
         layer, which only writes its state) keeps its outputs."""
-        return all(
-            layer.keeps_outputs for layer in self.layers[:-1] if isinstance(layer, AttentionKV)
-        )
+        return all(layer.keeps_outputs for layer in self.layers[:-1] if layer.can_keep_outputs)
 
     def keep_attention_outputs(self) -> None:
         """Make full-attention records keep each prefill chunk's attention output, which
         exact mode's sweep then reuses instead of recomputing it. An offloaded record keeps
         them beside its keys and values, in CPU memory."""
         for layer in self.layers:
-            if isinstance(layer, AttentionKV):
+            if layer.can_keep_outputs:
                 layer.keeps_outputs = True
 
     def offloaded(self, layer: LayerState) -> bool:

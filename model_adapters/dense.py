@@ -1,6 +1,9 @@
-"""Dense decoder-only models with full (GQA) attention: Qwen3, Qwen2, Llama.
+"""Dense decoder-only models with full (GQA) attention: Qwen3, Qwen2, Llama; Qwen3 and Qwen2
+configs may make some layers sliding-window attention (``layer_types``, ``sliding_window``).
 
-Each layer keeps its keys (after ``k_norm`` and RoPE) and values over the prompt. The layer
+Each full-attention layer keeps its keys (after ``k_norm`` and RoPE) and values over the
+prompt; a sliding-window layer keeps those of the last ``sliding_window - 1`` positions
+(``kinds.window``) and attends to them and the span under the window. The layer
 computation is the model's own, module by module (norms, projections, RoPE function, MLP),
 with attention replaced by ``segmented_attention`` over the stored prefix plus the span.
 Decoding runs the same code on ``B`` branches: the span's keys/values are appended to each
@@ -10,6 +13,7 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +31,7 @@ from longstraw_core.adapters.probe import (
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.attention import segmented_attention
 from longstraw_core.kinds.attention import AttentionKV, BranchKV
+from longstraw_core.kinds.window import WindowKV, WindowReads
 from longstraw_core.offload import OffloadPolicy, home_options
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -79,7 +84,7 @@ PROBE = FamilyProbe(
 FAMILY = ModelFamily(
     name="dense",
     model_types=("qwen3", "qwen2", "llama"),
-    layer_kinds={AttentionKV.kind: "attention"},
+    layer_kinds=(AttentionKV.kind, WindowKV.kind),
     lora_targets={
         "qwen3": ATTENTION_TARGETS + MLP_TARGETS,
         "qwen2": ATTENTION_TARGETS + MLP_TARGETS,
@@ -105,6 +110,7 @@ def run_full_attention(
     state_only: bool = False,
     *,
     gated: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """One full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
@@ -114,7 +120,9 @@ def run_full_attention(
     (a writing span's last layer): write the keys/values, attend to nothing, return None.
     ``gated`` (Qwen3.5's gated attention, ``qwen36.run_gated_attention``): ``q_proj`` yields
     each head's query and its output gate side by side, and the attention output is
-    multiplied by ``sigmoid(gate)`` before ``o_proj``, as the model does.
+    multiplied by ``sigmoid(gate)`` before ``o_proj``, as the model does. ``window``: a
+    sliding-window layer of that width, whose ``record`` is a ``WindowKV``
+    (``attend_in_window``).
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -133,9 +141,8 @@ def run_full_attention(
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-    output = attend_with_state(
-        queries, keys, values, record, span, attention.scaling, branch, state_only
-    )
+    attend = attend_with_state if window is None else partial(attend_in_window, window=window)
+    output = attend(queries, keys, values, record, span, attention.scaling, branch, state_only)
     if output is None:
         return None
     output = output.transpose(1, 2).reshape(batch, length, -1)
@@ -193,6 +200,53 @@ def attend_with_state(
     return output
 
 
+def attend_in_window(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    record: WindowReads,
+    span: Span,
+    scale: float,
+    branch: BranchKV | None = None,
+    state_only: bool = False,
+    *,
+    window: int,
+) -> torch.Tensor | None:
+    """``attend_with_state`` for a sliding-window layer of width ``window``.
+
+    The stored window before the span (at most ``window - 1`` positions: the record's
+    ``read``, with gradient sinks in exact mode) goes at the head of the span's (or the
+    branches') keys and values (those the first query can still see), and
+    ``segmented_attention(window=)`` hides from each query the keys ``window`` or more
+    positions before it. A prefill chunk then folds its keys and values into the record
+    (after the read: the record shifts in place).
+    """
+    stored_keys, stored_values = record.read(span.start if span.write else None)
+    if span.write and state_only:
+        record.write(span.start, keys[0], values[0])
+        return None
+    if branch is not None:
+        keys, values = branch.append(keys, values, ragged=span.rows)
+    if span.rows is None:  # only the stored keys the first query still sees (none once the
+        # branch has run ``window - 1`` positions): decoding copies less, then nothing
+        first = keys.shape[2] - queries.shape[2]  # the first query's branch position
+        hidden = min(max(first + stored_keys.shape[1] - window + 1, 0), stored_keys.shape[1])
+        stored_keys, stored_values = stored_keys[:, hidden:], stored_values[:, hidden:]
+    batch, ahead = queries.shape[0], stored_keys.shape[1]
+    all_keys, all_values = (
+        torch.cat([stored.to(own).expand(batch, -1, -1, -1), own], dim=2)
+        for stored, own in ((stored_keys, keys), (stored_values, values))
+    )
+    if span.write:
+        record.write(span.start, keys[0], values[0])
+    positions = None
+    if span.rows is not None:
+        positions = span.rows.query_positions(span.length) + ahead
+    return segmented_attention(
+        queries, all_keys, all_values, scale=scale, window=window, branch_positions=positions
+    )
+
+
 @register_adapter
 class DenseAdapter(ModelAdapter):
     """Qwen3 / Qwen2 / Llama: pre-norm decoder layers of full attention and a gated MLP."""
@@ -202,21 +256,36 @@ class DenseAdapter(ModelAdapter):
     def check_model(self) -> None:
         config = self.config
         layer_types = getattr(config, "layer_types", None) or []
-        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-        if sliding:
+        known = ("full_attention", "sliding_attention")
+        other = [i for i, kind in enumerate(layer_types) if kind not in known]
+        if other:
             raise ValueError(
-                f"layers {sliding} of this {config.model_type} model use "
-                f"{layer_types[sliding[0]]!r}; only full attention is supported "
-                "(set use_sliding_window=False in the model config)"
+                f"layers {other} of this {config.model_type} model use "
+                f"{layer_types[other[0]]!r}; the dense adapter runs {list(known)}"
             )
+        sliding = [kind == "sliding_attention" for kind in layer_types]
+        width = getattr(config, "sliding_window", None)
+        if any(sliding) and (not isinstance(width, int) or width < 1):
+            raise ValueError(
+                f"this {config.model_type} model has sliding-window layers but "
+                f"sliding_window={width!r}; it must be an int >= 1"
+            )
+        # The window of each layer (None: full attention), as the model's own mask has it.
+        self.windows = [width if slides else None for slides in sliding] or [None] * len(
+            self.decoder.layers
+        )
         self.apply_rotary = model_rotary_function(self.decoder.layers[0].self_attn)
 
     def new_layer_state(
         self, index: int, layer: nn.Module, capacity: int, offload: OffloadPolicy | None
-    ) -> AttentionKV:
-        home = home_options(offload, AttentionKV.kind, self.device)
+    ) -> AttentionKV | WindowKV:
         kv_heads = self.config.num_key_value_heads
         head_dim = layer.self_attn.head_dim
+        window = self.windows[index]
+        if window is not None:  # a fixed size, whatever the prompt's length
+            home = home_options(offload, WindowKV.kind, self.device)
+            return WindowKV.empty(kv_heads, window, head_dim, dtype=self.dtype, **home)
+        home = home_options(offload, AttentionKV.kind, self.device)
         return AttentionKV.empty(kv_heads, capacity, head_dim, dtype=self.dtype, **home)
 
     def layer_work(
@@ -243,6 +312,7 @@ class DenseAdapter(ModelAdapter):
                 self.apply_rotary,
                 branch_record,
                 state_only,
+                window=self.windows[index],
             )
             if attended is None:
                 return None

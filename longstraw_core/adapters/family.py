@@ -6,8 +6,7 @@ Each adapter module defines one ``ModelFamily`` and sets it as its adapter's ``f
 (``default_lora_targets``, ``tiny_configs``, ``presets``, ``kernel_budget``). A layer kind
 declares itself, in its own module (``longstraw_core.kinds.registry``); a family names the
 kinds its layers keep.
-This module imports nothing of LongStraw when it loads but ``adapters.probe`` (which imports
-nothing; a family declared by a mapping of kinds reads ``kinds.registry`` when it is made):
+This module imports nothing of LongStraw but ``adapters.probe`` (which imports nothing):
 anything may import it.
 """
 
@@ -37,8 +36,9 @@ class ModelFamily:
 
     - ``model_types``: the transformers ``config.model_type`` values the adapter serves.
     - ``layer_kinds``: the record kinds (``LayerState.kind``) its layers keep, each a
-      registered layer kind (``kinds.registry``: the kind declares its offload field). A
-      mapping is read by its keys; its values, if given, must be the kinds' offload fields.
+      registered layer kind (``kinds.registry``: the kind declares where it is placed, the
+      family does not repeat it: a mapping is read by its keys, which may map to nothing
+      but ``None``).
     - ``lora_targets``: model type -> module names LoRA adapts when ``lora.target_modules``
       is null.
     - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
@@ -84,13 +84,16 @@ class ModelFamily:
                     f"family {self.name!r}: preset {preset_name!r} has model type "
                     f"{preset.model_type!r}, not one of {self.model_types}"
                 )
+        if isinstance(self.layer_kinds, str):
+            raise ValueError(
+                f"family {self.name!r}: layer_kinds is a collection of record kinds, got "
+                f"{self.layer_kinds!r}"
+            )
         if isinstance(self.layer_kinds, Mapping):
-            from longstraw_core.kinds.registry import offload_fields
-
-            fields = set(offload_fields().values())
-            bad = sorted(set(self.layer_kinds.values()) - fields)
-            if bad:
+            placed = sorted(k for k, v in self.layer_kinds.items() if v is not None)
+            if placed:
                 raise ValueError(
-                    f"family {self.name!r}: layer kinds placed by {bad}; offload "
-                    f"fields are {sorted(fields)}"
+                    f"family {self.name!r}: layer kinds {placed} given a placement; each kind "
+                    "declares its own placement where it registers (kinds.registry): list "
+                    "the kinds only"
                 )

@@ -16,7 +16,6 @@ are not a family's: each declares itself (``longstraw_core.kinds.registry``); a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
@@ -67,18 +66,12 @@ def unregister_adapter(cls: type) -> None:
 
 def _check_new_family(family: ModelFamily) -> None:
     """No two families may claim the same family name or preset name; the layer kinds a
-    family names are registered, and placed as it says, if it says (a mapping)."""
+    family names are registered (each declares its own placement)."""
     for name in family.layer_kinds:
         try:
-            kind = kinds.kind(name)
+            kinds.kind(name)
         except KeyError as exc:
             raise ValueError(f"family {family.name!r}: {exc.args[0]}") from None
-        said = family.layer_kinds.get(name) if isinstance(family.layer_kinds, Mapping) else None
-        if said is not None and said != kind.offload:
-            raise ValueError(
-                f"family {family.name!r}: layer kind {name!r} is placed by {kind.offload!r} "
-                f"(its own declaration), not {said!r}"
-            )
     for other in _FAMILIES:
         if other.name == family.name:
             raise ValueError(f"model family {family.name!r} is already registered")

@@ -94,6 +94,7 @@ def segmented_attention(
     reuse: AttentionOutput | None = None,
     keep: list[AttentionOutput] | None = None,
     branch_positions: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of branch queries over prefix segments (fully visible) and the branch (causal).
 
@@ -122,6 +123,11 @@ def segmented_attention(
             row's queries at their own branch positions, seeing that row's branch keys up to
             them (keys past them, e.g. stale slots of a row that fell behind, are masked).
             ``None``: bottom-right causal, as above. Forward only (under ``no_grad``).
+        window: a sliding window (``None``: none): query ``i`` at branch position ``p`` sees
+            only branch keys at positions ``> p - window`` (its own and the ``window - 1``
+            before it: transformers' ``sliding_window``, flash-attn's ``window_size=(window -
+            1, 0)``). Only with no prefix segments: a sliding-window layer passes the
+            window's stored keys at the head of ``k``/``v`` (``kinds.window``).
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -129,21 +135,34 @@ def segmented_attention(
     """
     segments = tuple((ks, vs) for ks, vs in prefix)
     _check_shapes(q, k, v, segments)
+    _check_window(window, segments)
     chosen = _choose_backend(backend, q, k, v, segments)
     flat = [t for segment in segments for t in segment]
     if branch_positions is not None:
         check_ragged(q, k, branch_positions)
         if chosen == "torch":
             out, _ = torch_backend._torch_attention(
-                q, k, v, scale, block_size, flat, branch_positions
+                q, k, v, scale, block_size, flat, branch_positions, window
             )
             return out
-        return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions)
+        return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions, window)
     function = _FUNCTIONS[chosen]
     sinks = _check_sinks(prefix_grads, segments)
     if reuse is not None:
         _check_reuse(reuse, q, v)
-    return function.apply(q, k, v, float(scale), block_size, sinks, reuse, keep, *flat)
+    return function.apply(q, k, v, float(scale), block_size, window, sinks, reuse, keep, *flat)
+
+
+def _check_window(window: int | None, segments: Sequence[Segment]) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    if segments:
+        raise ValueError(
+            "a sliding window takes no prefix segments: pass the window's keys and values at "
+            "the head of the branch's k/v"
+        )
 
 
 def _check_reuse(reuse: AttentionOutput, q: torch.Tensor, v: torch.Tensor) -> None:

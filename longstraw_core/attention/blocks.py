@@ -62,12 +62,16 @@ def block_scores(
     scale: float,
     query_positions: torch.Tensor | None,
     start: int,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``scale * q @ k^T`` for one key block, causally masked when positions are given."""
+    """``scale * q @ k^T`` for one key block, causally masked when positions are given;
+    with ``window`` also every key ``window`` or more positions before its query."""
     scores = (q @ k_block.transpose(-1, -2)) * scale
     if query_positions is not None:
         key_positions = torch.arange(start, start + k_block.shape[-2], device=q.device)
         hidden = key_positions[None, :] > query_positions[:, None]
+        if window is not None:
+            hidden |= key_positions[None, :] <= query_positions[:, None] - window
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 

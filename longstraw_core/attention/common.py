@@ -11,7 +11,7 @@ import torch
 Segment = tuple[torch.Tensor, torch.Tensor]
 
 # Number of non-tensor arguments before the flat prefix tensors in ``Function.apply``.
-N_LEADING_ARGS = 8
+N_LEADING_ARGS = 9
 
 
 @dataclass(frozen=True)

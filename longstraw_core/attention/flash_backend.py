@@ -68,13 +68,33 @@ def unsupported_version_reason() -> str | None:
     )
 
 
+def _window_size(causal: bool, window: int | None) -> tuple[int, int]:
+    """flash-attn's ``window_size``: query ``i`` sees keys ``[i + Tk - Tq - left, i + Tk - Tq
+    + right]`` (bottom-right aligned, -1: unbounded). A sliding window of ``window`` keys,
+    the query's own included, is ``(window - 1, 0)`` on the causal branch segment, which is
+    transformers' ``kv_idx > q_idx - sliding_window``."""
+    if window is None:
+        return (-1, -1)
+    if not causal:
+        raise ValueError("a sliding window applies to the causal branch segment only")
+    return (window - 1, 0)
+
+
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flash-attn forward in [B, T, H, D] layout: ``(out, lse [B, H, T] float32)``."""
+    """One flash-attn forward in [B, T, H, D] layout: ``(out, lse [B, H, T] float32)``.
+    ``window``: a sliding window over the causal positions (``_window_size``)."""
+    windowed = {} if window is None else {"window_size": _window_size(causal, window)}
     out, lse, _ = flash_interface().flash_attn_func(
-        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
-    )
+        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True,
+        **windowed,
+    )  # fmt: skip
     return out, lse[..., : q.shape[1]]  # never padded in 2.6-2.8; sliced to be sure
 
 
@@ -88,6 +108,7 @@ def backward(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> None:
     """One flash-attn backward against the given (merged) ``out``/``lse``, writing into
     ``grads = (dq, dk, dv)``. The kernel reads ``lse`` as a dense ``[B, H, T]`` array and
@@ -96,7 +117,9 @@ def backward(
     if reason is not None:
         raise RuntimeError(f"segmented_attention backend='flash': {reason}")
     d_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (d_out, out))
-    _private_backward(d_out, q, k, v, out, lse.contiguous(), grads, scale, causal)
+    _private_backward(
+        d_out, q, k, v, out, lse.contiguous(), grads, scale, causal, _window_size(causal, window)
+    )
 
 
 def _private_backward(
@@ -109,12 +132,14 @@ def _private_backward(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> None:
     """The one private flash-attn call (see the module): ``_flash_attn_backward`` with the
-    signature of the versions in ``SUPPORTED``, no dropout, window, softcap or ALiBi."""
-    window = {"window_size": (-1, -1)}
+    signature of the versions in ``SUPPORTED``, no dropout, softcap or ALiBi; the forward's
+    ``window_size``."""
+    window = {"window_size": window_size}
     if flash_version() != (2, 6):
-        window = {"window_size_left": -1, "window_size_right": -1}
+        window = {"window_size_left": window_size[0], "window_size_right": window_size[1]}
     flash_interface()._flash_attn_backward(
         d_out, q, k, v, out, lse, *grads, dropout_p=0.0, softmax_scale=scale, causal=causal,
         **window, softcap=0.0, alibi_slopes=None, deterministic=False,

@@ -37,8 +37,9 @@ def _as_flash_segment(x: torch.Tensor) -> torch.Tensor:
 
 class _FusedKernels(NamedTuple):
     """A fused kernel pair in flash-attn's ``[B, T, H, D]`` layout: ``forward(q, k, v, scale,
-    causal) -> (out, lse [B, H, T])`` and ``backward(d_out, q, k, v, out, lse, (dq, dk, dv),
-    scale, causal)`` writing the gradients into the given tensors."""
+    causal, window) -> (out, lse [B, H, T])`` and ``backward(d_out, q, k, v, out, lse, (dq,
+    dk, dv), scale, causal, window)`` writing the gradients into the given tensors
+    (``window``: a sliding window on the causal branch segment, or None)."""
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., None]
@@ -80,7 +81,7 @@ def _flash_segment_backward(
         grads += (_as_flash_segment(d_keys), _as_flash_segment(d_values))
         kernels.backward(
             d_out, q, _as_flash_segment(keys), _as_flash_segment(values), out, lse, grads,
-            scale, False,
+            scale, False, None,
         )  # fmt: skip
         d_q += grads[0]
         for sink, grad in zip(sinks, (d_keys, d_values), strict=True):
@@ -97,17 +98,21 @@ def _flash_attention(
     scale: float,
     flat_prefix: Sequence[torch.Tensor],
     branch_positions: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused backends' forward: merged ``out [B, Tq, H, D]`` and ``lse [B, H, Tq]``.
     ``branch_positions``: a ragged decode step, whose (short) branch segment is attended
-    with an explicit mask (``ragged``) and merged with the kernels' prefix segments."""
+    with an explicit mask (``ragged``) and merged with the kernels' prefix segments.
+    ``window``: the branch segment's sliding window (the kernels' own ``window_size``)."""
     batch, heads, tq, dim = q.shape
     q_flash = q.transpose(1, 2)
     if branch_positions is None:
-        out, lse = kernels.forward(q_flash, k.transpose(1, 2), v.transpose(1, 2), scale, True)
+        k_flash, v_flash = k.transpose(1, 2), v.transpose(1, 2)
+        out, lse = kernels.forward(q_flash, k_flash, v_flash, scale, True, window)
         out, lse = out.float(), lse.transpose(1, 2)  # merged as [B, Tq, H, D] and [B, Tq, H]
     else:
-        out, lse = ragged_branch(group_rows(q, k.shape[1]), k, v, scale, branch_positions)
+        rows = group_rows(q, k.shape[1])
+        out, lse = ragged_branch(rows, k, v, scale, branch_positions, window)
         out = out.reshape(batch, heads, tq, -1).transpose(1, 2).float()
         lse = lse.reshape(batch, heads, tq).transpose(1, 2).float()
     q_folded = q_flash.reshape(1, batch * tq, heads, dim)
@@ -115,7 +120,7 @@ def _flash_attention(
         if k_seg.shape[1] == 0:
             continue
         seg_out, seg_lse = kernels.forward(
-            q_folded, _as_flash_segment(k_seg), _as_flash_segment(v_seg), scale, False
+            q_folded, _as_flash_segment(k_seg), _as_flash_segment(v_seg), scale, False, None
         )
         seg_lse = seg_lse[..., : batch * tq].reshape(heads, batch, tq).permute(1, 2, 0)
         out, lse = merge(out, lse, seg_out.view(batch, tq, heads, dim).float(), seg_lse)
@@ -130,10 +135,11 @@ def ragged_forward(
     scale: float,
     flat_prefix: Sequence[torch.Tensor],
     branch_positions: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A ragged decode step (forward only) on fused ``backend``: ``[B, H, Tq, Dv]``."""
     kernels = _FLASH_ATTN if backend == "flash" else _SDPA_FLASH
-    out, _ = _flash_attention(kernels, q, k, v, scale, flat_prefix, branch_positions)
+    out, _ = _flash_attention(kernels, q, k, v, scale, flat_prefix, branch_positions, window)
     return out.transpose(1, 2)
 
 
@@ -145,6 +151,7 @@ def _fused_forward(
     v: torch.Tensor,
     scale: float,
     block_size: int | None,
+    window: int | None,
     sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
     reuse: AttentionOutput | None,
     keep: list[AttentionOutput] | None,
@@ -157,11 +164,11 @@ def _fused_forward(
         )
         lse = reuse.lse.to(torch.float32, memory_format=torch.contiguous_format)
     else:
-        out, lse = _flash_attention(kernels, q, k, v, scale, flat_prefix)
+        out, lse = _flash_attention(kernels, q, k, v, scale, flat_prefix, None, window)
     if keep is not None:
         keep.append(AttentionOutput(out.transpose(1, 2).detach(), lse))
     ctx.save_for_backward(q, k, v, out, lse, *flat_prefix)
-    ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
+    ctx.scale, ctx.block_size, ctx.sinks, ctx.window = scale, block_size, sinks, window
     return out.transpose(1, 2)
 
 
@@ -175,7 +182,7 @@ def _fused_backward(
     q_flash, d_out = q.transpose(1, 2), d_result.transpose(1, 2).contiguous()
     k_flash, v_flash = k.transpose(1, 2), v.transpose(1, 2)
     grads = (torch.empty_like(out), torch.empty_like(k_flash), torch.empty_like(v_flash))
-    kernels.backward(d_out, q_flash, k_flash, v_flash, out, lse, grads, scale, True)
+    kernels.backward(d_out, q_flash, k_flash, v_flash, out, lse, grads, scale, True, ctx.window)
     d_q = grads[0].float()
 
     folded = (
@@ -219,13 +226,14 @@ def _fused_attention_function(
         v: torch.Tensor,
         scale: float,
         block_size: int | None,
+        window: int | None,
         sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
         reuse: AttentionOutput | None,
         keep: list[AttentionOutput] | None,
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
         return _fused_forward(
-            kernels, ctx, q, k, v, scale, block_size, sinks, reuse, keep, flat_prefix
+            kernels, ctx, q, k, v, scale, block_size, window, sinks, reuse, keep, flat_prefix
         )
 
     def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -18,12 +18,18 @@ from longstraw_core.attention.common import accumulation_dtype
 
 
 def ragged_branch(
-    q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, positions: torch.Tensor
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, KVH, R, Dv], lse [B, KVH, R])`` of grouped queries ``q_rows``
     ``[B, KVH, R, Dk]`` (``R = n_rep * Tq``, ``blocks.group_rows``) over each row's branch keys
     ``k``/``v`` ``[B, KVH, K, D]``; ``positions`` ``[B, Tq]``: a query sees keys ``<=`` its
-    position. Every query must see at least one key (its own). Keys are visited in blocks
+    position (and, with ``window``, ``> position - window``). Every query must see at least
+    one key (its own). Keys are visited in blocks
     under the torch backend's score budget (``blocks.block_length``) with an online softmax,
     so a long tool result prefilled against a long branch builds no ``[R, K]`` matrix."""
     dtype = accumulation_dtype(q_rows.dtype)
@@ -38,7 +44,10 @@ def ragged_branch(
         keys = k[:, :, start : start + block].to(dtype)
         scores = (q @ keys.transpose(-1, -2)) * scale
         index = torch.arange(start, start + keys.shape[2], device=q.device)
-        scores = scores.masked_fill(index > visible_to, float("-inf"))
+        hidden = index > visible_to
+        if window is not None:
+            hidden |= index <= visible_to - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         new_max = torch.maximum(row_max, scores.amax(-1))
         shift = new_max.masked_fill(new_max == float("-inf"), 0.0)  # no key seen yet
         decay = torch.exp(row_max - shift)

@@ -92,17 +92,33 @@ def _packed(
     return (*packed, steps * tq, steps * tk)
 
 
+def _window_left(causal: bool, window: int | None) -> int:
+    """The kernels' left window: ``window - 1`` keys before the query's own (a sliding
+    window, causal only), or -1 (unbounded)."""
+    if window is None:
+        return -1
+    if not causal:
+        raise ValueError("a sliding window applies to the causal branch segment only")
+    return window - 1
+
+
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward in ``[B, T, H, D]`` layout: ``(out [B, T, H, D], lse [B, H, T] float32)``."""
+    """One forward in ``[B, T, H, D]`` layout: ``(out [B, T, H, D], lse [B, H, T] float32)``.
+    ``window``: each query sees its own key and the ``window - 1`` before it (causal)."""
     from torch.nn.attention.varlen import AuxRequest
 
     batch, tq, heads, _ = q.shape
     q_, k_, v_, cu_q, cu_k = _packed(q, k, v)
     out, lse = _ops()[0](
         q_, k_, v_, cu_q, cu_k, tq, k.shape[1], return_aux=AuxRequest(lse=True), scale=scale,
-        window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True,
+        window_size=(_window_left(causal, window), 0 if causal else -1), enable_gqa=True,
     )  # fmt: skip
     return out.reshape(batch, tq, heads, -1), lse.reshape(heads, batch, tq).transpose(0, 1)
 
@@ -117,6 +133,7 @@ def backward(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> None:
     """One backward in ``[B, T, H, D]`` layout, writing into ``grads = (dq, dk, dv)``.
 
@@ -128,7 +145,7 @@ def backward(
     d_out_, out_ = (x.reshape(batch * tq, heads, -1).contiguous() for x in (d_out, out))
     lse_ = lse.transpose(0, 1).reshape(heads, batch * tq).contiguous()  # the kernel's [H, BT]
     results = _private_backward(d_out_, q_, k_, v_, out_, lse_, cu_q, cu_k, tq, k.shape[1],
-                                scale, causal)  # fmt: skip
+                                scale, causal, _window_left(causal, window))  # fmt: skip
     for grad, value in zip(grads, results[:3], strict=True):
         grad.copy_(value.reshape(grad.shape))
 
@@ -146,6 +163,7 @@ def _private_backward(
     max_k: int,
     scale: float,
     causal: bool,
+    window_left: int = -1,
 ) -> tuple[torch.Tensor, ...]:
     """The one private op (see the module), called as ``varlen_attn``'s backward calls it:
     no dropout, so the random state it takes is a placeholder it never reads."""
@@ -153,5 +171,5 @@ def _private_backward(
     unused = torch.empty(0, device=q.device)
     return _ops()[1](
         d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, unused,
-        scale=scale, window_size_left=-1, window_size_right=0 if causal else -1,
+        scale=scale, window_size_left=window_left, window_size_right=0 if causal else -1,
     )  # fmt: skip

@@ -39,20 +39,24 @@ def _segment_forward(
     scale: float,
     block_size: int | None,
     query_positions: torch.Tensor | None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online-softmax attention of ``q [..., R, Dk]`` over one non-empty segment.
+    """Online-softmax attention of ``q [..., R, Dk]`` over one non-empty segment
+    (``window``: a sliding window over the causal positions, ``block_scores``).
 
     Returns ``(out [..., R, Dv], lse [..., R])`` in the dtype of ``q``.
     """
-    fast = cpu_flash.forward(q, k, v, scale, query_positions, block_size)
-    if fast is not None:
-        return fast
+    if window is None:  # PyTorch's fused CPU kernels take no window
+        fast = cpu_flash.forward(q, k, v, scale, query_positions, block_size)
+        if fast is not None:
+            return fast
     block = block_length(block_size, q, k, v)
     row_max = q.new_full(q.shape[:-1], float("-inf"))
     row_sum = q.new_zeros(q.shape[:-1])
     acc = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     for start in key_blocks(k.shape[-2], block):
-        scores = block_scores(q, load_block(k, start, block, q), scale, query_positions, start)
+        k_block = load_block(k, start, block, q)
+        scores = block_scores(q, k_block, scale, query_positions, start, window)
         new_max = torch.maximum(row_max, scores.amax(-1))
         # NOTE: a row with no visible key yet keeps max -inf; shift by 0 to avoid inf - inf.
         shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
@@ -78,6 +82,7 @@ def _segment_backward(
     need_k: bool,
     need_v: bool,
     sinks: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """FlashAttention backward over one segment, recomputing probabilities per key block.
 
@@ -87,7 +92,7 @@ def _segment_backward(
     ``out``/``lse`` are the *merged* results over every segment, so each segment's share
     of the gradients is exact (the ring-attention identity).
     """
-    if cpu_flash.usable(q, k, v, query_positions, block_size):
+    if window is None and cpu_flash.usable(q, k, v, query_positions, block_size):
         return cpu_flash.backward(
             q, k, v, d_out, out, lse, scale, query_positions, need_k, need_v, sinks
         )
@@ -98,7 +103,7 @@ def _segment_backward(
     sink_k, sink_v = sinks
     for start in key_blocks(k.shape[-2], block):
         k_block = load_block(k, start, block, q)
-        scores = block_scores(q, k_block, scale, query_positions, start)
+        scores = block_scores(q, k_block, scale, query_positions, start, window)
         probs = torch.exp(scores - lse.unsqueeze(-1))
         if d_v is not None or sink_v is not None:
             store(d_v, sink_v, start, block, probs.transpose(-1, -2) @ d_out)
@@ -118,17 +123,19 @@ def _torch_attention(
     block_size: int | None,
     flat_prefix: Sequence[torch.Tensor],
     branch_positions: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend's forward: ``out [B, H, Tq, Dv]`` in the dtype of ``q`` and the
     merged ``lse`` in grouped rows ``[B, KVH, n_rep * Tq]`` (accumulation dtype).
-    ``branch_positions``: a ragged decode step's (``ragged``)."""
+    ``branch_positions``: a ragged decode step's (``ragged``); ``window``: the branch's
+    sliding window (``segmented_attention``)."""
     batch, heads, tq, _ = q.shape
     q_rows = group_rows(q, k.shape[1]).to(accumulation_dtype(q.dtype))
     if branch_positions is None:
         positions = branch_query_positions(q, k)
-        out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions)
+        out, lse = _segment_forward(q_rows, k, v, scale, block_size, positions, window)
     else:
-        out, lse = ragged_branch(q_rows, k, v, scale, branch_positions)
+        out, lse = ragged_branch(q_rows, k, v, scale, branch_positions, window)
     q_folded = fold_batch(q_rows)
     for k_seg, v_seg in unflatten_segments(flat_prefix):
         if k_seg.shape[1] == 0:
@@ -149,6 +156,7 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         v: torch.Tensor,
         scale: float,
         block_size: int | None,
+        window: int | None,
         sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
         reuse: AttentionOutput | None,
         keep: list[AttentionOutput] | None,
@@ -159,11 +167,11 @@ class _TorchSegmentedAttention(torch.autograd.Function):
             result = reuse.out.to(q.dtype, copy=True)
             lse = group_rows(reuse.lse[..., None], k.shape[1])[..., 0]
         else:
-            result, lse = _torch_attention(q, k, v, scale, block_size, flat_prefix)
+            result, lse = _torch_attention(q, k, v, scale, block_size, flat_prefix, None, window)
         if keep is not None:
             keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
         ctx.save_for_backward(q, k, v, result, lse, *flat_prefix)
-        ctx.scale, ctx.block_size, ctx.sinks = scale, block_size, sinks
+        ctx.scale, ctx.block_size, ctx.sinks, ctx.window = scale, block_size, sinks, window
         return result
 
     @staticmethod
@@ -180,7 +188,7 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         positions = branch_query_positions(q, k)
         d_q, d_k, d_v = _segment_backward(
             q_rows, k, v, d_out, out, lse, d_sum, scale, block_size, positions,
-            needs[1], needs[2],
+            needs[1], needs[2], window=ctx.window,
         )  # fmt: skip
         q_f, d_out_f, out_f, lse_f, d_sum_f = (
             fold_batch(x) for x in (q_rows, d_out, out, lse, d_sum)

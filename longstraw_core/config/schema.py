@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.offload.policy import placement_fields
 from longstraw_core.tokenizer import BUILTIN_SPECIAL_TOKENS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -326,19 +327,29 @@ class DistributedSection:
     timeout_minutes: float = 60.0
 
 
-@dataclass
-class OffloadSection:
+def _offload_section() -> type:
     """Where the prefix state lives, per layer type (``longstraw_core.offload.OffloadPolicy``).
 
-    ``cpu`` keeps that layer type's state (and exact mode's gradient buffer for it) in host
-    memory and streams it to the GPU layer by layer: less GPU memory, more host-device traffic.
+    One key per placement the layer kinds declare (``kinds.registry.placements``: ``attention``
+    for full-attention and sliding-window K/V, ``recurrent`` for Gated DeltaNet states,
+    ``latent`` for the MLA latent and DSA index keys), each ``device`` (the default) or
+    ``cpu``: that layer type's state (and exact mode's gradient buffer for it) in host memory,
+    streamed to the GPU layer by layer (less GPU memory, more host-device traffic).
+    ``resident_layers``: offloaded layers on the GPU at once (2 overlaps copy and compute);
+    ``pin_memory``: pinned host memory on CUDA (asynchronous copies).
+    Built from the registered kinds, so a placement is named once, where its kind registers.
     """
+    spec: list[tuple[str, Any, Any]] = [
+        (name, str, field(default="device")) for name in placement_fields()
+    ]
+    spec += [("resident_layers", int, field(default=2)), ("pin_memory", bool, field(default=True))]
+    section = dataclasses.make_dataclass("OffloadSection", spec)
+    section.__doc__ = _offload_section.__doc__
+    section.__module__ = __name__
+    return section
 
-    attention: str = "device"  # full-attention K/V: the state that grows with the prompt
-    recurrent: str = "device"  # Gated DeltaNet conv + recurrent states (constant per layer)
-    latent: str = "device"  # MLA latent + index keys (GLM-5.2)
-    resident_layers: int = 2  # offloaded layers on the GPU at once: 2 overlaps copy and compute
-    pin_memory: bool = True  # pinned host memory on CUDA: asynchronous copies
+
+OffloadSection = _offload_section()
 
 
 @dataclass

@@ -56,7 +56,7 @@ from longstraw_core.config.schema import (
     TrainSection,
 )
 from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
-from longstraw_core.offload import PLACEMENT_FIELDS, PLACEMENTS, OffloadPolicy
+from longstraw_core.offload import PLACEMENTS, OffloadPolicy, placement_fields
 from longstraw_core.quantization import (
     COMPUTE_DTYPES,
     INSTALL_HINT,
@@ -578,7 +578,7 @@ def _check_memory(memory: MemorySection) -> None:
 
 
 def _check_offload(offload: OffloadSection) -> None:
-    for name in PLACEMENT_FIELDS:
+    for name in placement_fields():
         _check_choice(f"offload.{name}", getattr(offload, name), PLACEMENTS)
     count = offload.resident_layers
     _check_range("offload.resident_layers", count, count >= 1, "an int >= 1")

@@ -4,6 +4,8 @@ its record, branch record, exact-mode gradient buffer and exact view (``docs/des
 planner's formulas for its layers; it registers them last (``registry.register_kind``).
 
 - ``attention``: full attention (GQA) K/V, ``AttentionKV``, ``AttentionPlan``;
+- ``window``: sliding-window attention, the last ``W - 1`` positions' K/V, ``WindowKV``,
+  ``WindowPlan`` (full attention's formulas for now);
 - ``recurrent``: Gated DeltaNet conv + recurrent state, ``RecurrentState``, ``RecurrentPlan``;
 - ``latent``: MLA latent + DSA indexer keys, ``LatentKV``, ``LatentPlan``;
 - ``registry``: ``LayerKind`` and the lookups (``kind``, ``kinds``, ``offload_fields``) the

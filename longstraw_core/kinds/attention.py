@@ -48,6 +48,7 @@ class AttentionKV(RecordBase):
 
     kind: ClassVar[str] = "full_attention"
     grows_with_prompt: ClassVar[bool] = True
+    can_keep_outputs: ClassVar[bool] = True
 
     keys: torch.Tensor
     values: torch.Tensor

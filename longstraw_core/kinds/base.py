@@ -105,6 +105,9 @@ class LayerState(Protocol):
 
     kind: ClassVar[str]  # the record kind: ``OffloadPolicy`` and ``summary()`` key on it
     grows_with_prompt: ClassVar[bool]
+    # Whether its records can keep each prefill chunk's attention output for exact mode's
+    # sweep (``keeps_outputs``, set by ``PrefixState.keep_attention_outputs``).
+    can_keep_outputs: ClassVar[bool]
     length: int  # prompt positions stored so far
 
     def nbytes(self) -> int:
@@ -240,6 +243,7 @@ class RecordBase:
 
     kind: ClassVar[str]
     grows_with_prompt: ClassVar[bool]
+    can_keep_outputs: ClassVar[bool] = False
 
     def new_grad(self, dtype: torch.dtype) -> GradBuffer:
         raise NotImplementedError(

@@ -29,7 +29,8 @@ class LayerKind:
 
     - ``name``: the record kind (``LayerState.kind``; ``LayerSpec.record`` in the planner).
     - ``record``: the prefix record class (``kinds.base.LayerState``).
-    - ``offload``: the ``OffloadPolicy`` field that places its records.
+    - ``offload``: the placement that places its records (``OffloadPolicy``'s placement of
+      that name, the run config's ``offload.<name>``): declared here only (``placements``).
     - ``plan``: its planner formulas (``kinds.planning.KindPlan``: memory, FLOPs, reads).
     """
 
@@ -87,3 +88,11 @@ def kind(name: str) -> LayerKind:
 def offload_fields() -> dict[str, str]:
     """Record kind -> the ``OffloadPolicy`` field placing it, sorted by kind."""
     return {k.name: k.offload for k in kinds()}
+
+
+def placements() -> tuple[str, ...]:
+    """The placement names the registered kinds declare (``LayerKind.offload``), each once,
+    in the order of the kinds' names: the ``OffloadPolicy`` placements and the run config's
+    ``offload`` keys. The one place a placement is named is its kind's registration; a kind
+    sharing another's placement (a bounded window of K/V: ``attention``) adds none."""
+    return tuple(dict.fromkeys(k.offload for k in kinds()))

@@ -42,10 +42,10 @@ Import from here; the modules hold one job each:
 """
 
 from longstraw_core.offload.policy import (
-    PLACEMENT_FIELDS,
     PLACEMENTS,
     OffloadPolicy,
     home_options,
+    placement_fields,
 )
 from longstraw_core.offload.residency import Residency
 from longstraw_core.offload.stream import LayerStream, StreamedRecord, stream_layers
@@ -53,12 +53,12 @@ from longstraw_core.offload.transfer import copy_rows
 
 __all__ = [
     "PLACEMENTS",
-    "PLACEMENT_FIELDS",
     "LayerStream",
     "OffloadPolicy",
     "Residency",
     "StreamedRecord",
     "copy_rows",
     "home_options",
+    "placement_fields",
     "stream_layers",
 ]

@@ -2,14 +2,14 @@
 memory) and how many offloaded layers may be on the device at once; ``home_options`` turns
 it into where a new record is allocated. Plain configuration: no tensors move here.
 
-Each layer kind names the field that places it (``kinds.registry.LayerKind.offload``); the
-placement fields are the dataclass's fields marked ``placement`` (``PLACEMENT_FIELDS``)."""
+The placements (``"attention"``, ``"recurrent"``, ``"latent"``, ...) are not named here: each
+layer kind declares the one that places it when it registers (``kinds.registry.LayerKind
+.offload``), and the policy has one placement per name the registered kinds declare
+(``placement_fields``, ``kinds.registry.placements``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,69 +17,103 @@ import torch
 from longstraw_core.kinds import registry
 
 PLACEMENTS = ("device", "cpu")
+_OPTIONS = ("resident_layers", "pin_memory")
 
 
-def _placement() -> Any:
-    """A placement field: ``"device"`` (the default) or ``"cpu"``."""
-    return field(default="device", metadata={"placement": True})
+def placement_fields() -> tuple[str, ...]:
+    """The placement names, in the registry's order (``kinds.registry.placements``)."""
+    return registry.placements()
 
 
-@dataclass(frozen=True)
 class OffloadPolicy:
     """Where each layer type keeps its prefix state, and how much of it may be on the device.
 
-    ``attention`` (full-attention K/V), ``recurrent`` (Gated DeltaNet conv and recurrent
-    states, and their chunk-start checkpoints) and ``latent`` (MLA latent and DSA indexer keys)
-    are each ``"device"`` (kept on the compute device) or ``"cpu"`` (kept in CPU memory and
-    streamed in layer by layer). ``resident_layers``: the most offloaded layers on the device at
-    once during a pass (1: no overlap of copy and compute; 2: the next layer is copied while the
-    current one computes). ``pin_memory``: pin the CPU copies when the model runs on CUDA
-    (asynchronous copies need it).
+    One placement per name the layer kinds declare (``placement_fields``): ``attention``
+    (full-attention K/V, and a sliding window's), ``recurrent`` (Gated DeltaNet conv and
+    recurrent states, and their chunk-start checkpoints), ``latent`` (MLA latent and DSA index
+    keys); each ``"device"`` (the default: kept on the compute device) or ``"cpu"`` (kept in
+    CPU memory and streamed in layer by layer), given by keyword and read as an attribute
+    (``policy.attention``). ``resident_layers``: the most offloaded layers on the device at
+    once during a pass (1: no overlap of copy and compute; 2: the next layer is copied while
+    the current one computes). ``pin_memory``: pin the CPU copies when the model runs on CUDA
+    (asynchronous copies need it). Immutable, compared and hashed by value.
     """
 
-    attention: str = _placement()
-    recurrent: str = _placement()
-    latent: str = _placement()
-    resident_layers: int = 2
-    pin_memory: bool = True
+    __slots__ = ("pin_memory", "placements", "resident_layers")
 
-    def __post_init__(self) -> None:
-        for name in PLACEMENT_FIELDS:
-            value = getattr(self, name)
+    def __init__(self, resident_layers: int = 2, pin_memory: bool = True, **placed: str):
+        fields = placement_fields()
+        unknown = sorted(set(placed) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"offload has unknown keys {unknown}; known: {sorted((*fields, *_OPTIONS))} "
+                f"(layer types: {list(fields)})"
+            )
+        placements = {name: placed.get(name, "device") for name in fields}
+        for name, value in placements.items():
             if value not in PLACEMENTS:
                 raise ValueError(f"offload {name}={value!r}: a placement is 'device' or 'cpu'")
-        count = self.resident_layers
+        count = resident_layers
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(
                 f"offload resident_layers={count!r}: at least one layer must fit on the device"
             )
-        if not isinstance(self.pin_memory, bool):
-            raise ValueError(f"offload pin_memory={self.pin_memory!r}: must be True or False")
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"offload pin_memory={pin_memory!r}: must be True or False")
+        object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "resident_layers", resident_layers)
+        object.__setattr__(self, "pin_memory", pin_memory)
+
+    def __getattr__(self, name: str) -> str:
+        if not name.startswith("_"):
+            try:
+                return object.__getattribute__(self, "placements")[name]
+            except (AttributeError, KeyError):
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"OffloadPolicy is immutable (setting {name!r})")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The keyword arguments that build this policy again (the config's keys)."""
+        return {**self.placements, "resident_layers": self.resident_layers,
+                "pin_memory": self.pin_memory}  # fmt: skip
+
+    def replace(self, **changes: Any) -> OffloadPolicy:
+        """This policy with ``changes`` (placements or options) made."""
+        return OffloadPolicy(**{**self.as_dict(), **changes})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.as_dict(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OffloadPolicy) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.as_dict().items()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"OffloadPolicy({fields})"
 
     @classmethod
     def cpu(cls, resident_layers: int = 2, pin_memory: bool = True) -> OffloadPolicy:
         """Every layer type in CPU memory."""
-        placed = dict.fromkeys(PLACEMENT_FIELDS, "cpu")
+        placed = dict.fromkeys(placement_fields(), "cpu")
         return cls(**placed, resident_layers=resident_layers, pin_memory=pin_memory)
 
     @classmethod
     def parse(cls, value: OffloadPolicy | str | Mapping[str, Any] | None) -> OffloadPolicy | None:
         """A policy from config: ``None``, a policy, ``"device"``/``"cpu"`` for every layer
-        type, or a mapping of the dataclass's fields (``{"attention": "cpu", ...}``)."""
+        type, or a mapping of its keyword arguments (``{"attention": "cpu", ...}``)."""
         if value is None or isinstance(value, OffloadPolicy):
             return value
         if isinstance(value, str):
             if value not in PLACEMENTS:
                 raise ValueError(f"offload={value!r}: a placement is 'device' or 'cpu'")
-            return cls(**dict.fromkeys(PLACEMENT_FIELDS, value))
+            return cls(**dict.fromkeys(placement_fields(), value))
         if isinstance(value, Mapping):
-            known = {field.name for field in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(
-                    f"offload has unknown keys {unknown}; known: {sorted(known)} "
-                    f"(layer types: {list(PLACEMENT_FIELDS)})"
-                )
             return cls(**value)
         raise ValueError(
             f"offload must be None, 'device', 'cpu', a mapping or an OffloadPolicy, got {value!r}"
@@ -87,18 +121,18 @@ class OffloadPolicy:
 
     def placement(self, kind: str) -> str:
         """``"device"`` or ``"cpu"`` for a layer type (``"attention"``, ...) or record kind."""
-        if kind in PLACEMENT_FIELDS:
-            return getattr(self, kind)
+        if kind in self.placements:
+            return self.placements[kind]
         try:
             name = registry.kind(kind).offload
         except KeyError:
             name = None
-        if name not in PLACEMENT_FIELDS:
+        if name not in self.placements:
             raise ValueError(
-                f"unknown layer type {kind!r}; layer types: {list(PLACEMENT_FIELDS)}, record "
+                f"unknown layer type {kind!r}; layer types: {list(self.placements)}, record "
                 f"kinds: {list(registry.offload_fields())}"
             )
-        return getattr(self, name)
+        return self.placements[name]
 
     def offloads(self, kind: str) -> bool:
         return self.placement(kind) == "cpu"
@@ -106,17 +140,15 @@ class OffloadPolicy:
     @property
     def active(self) -> bool:
         """Whether any layer type is kept in CPU memory."""
-        return any(getattr(self, name) == "cpu" for name in PLACEMENT_FIELDS)
+        return "cpu" in self.placements.values()
 
     def offloaded_fields(self) -> list[str]:
-        """The placement fields set to ``"cpu"``, in field order."""
-        return [name for name in PLACEMENT_FIELDS if getattr(self, name) == "cpu"]
+        """The placements set to ``"cpu"``, in the registry's order."""
+        return [name for name, value in self.placements.items() if value == "cpu"]
 
 
-# The fields that place a layer type ("attention", ...), in declaration order.
-PLACEMENT_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(OffloadPolicy) if f.metadata.get("placement")
-)
+def _rebuild(options: dict[str, Any]) -> OffloadPolicy:
+    return OffloadPolicy(**options)
 
 
 def home_options(policy: OffloadPolicy | None, kind: str, device: torch.device) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from longstraw_core.kinds.registry import kind, kinds
-from longstraw_core.offload import PLACEMENT_FIELDS, OffloadPolicy
+from longstraw_core.offload import OffloadPolicy, placement_fields
 from longstraw_core.plan.chunking import auto_chunk
 from longstraw_core.plan.core import MemoryPlan, compute_plan
 from longstraw_core.plan.model import ModelSpec, Workload
@@ -136,11 +136,11 @@ def _offload_options(spec: ModelSpec, work: Workload) -> list[tuple[OffloadPolic
     growing = {layer.record for layer in spec.layers if layer.state_per_token}
     changes = {kind(name).offload: "cpu" for name in sorted(growing)}
     checkpoints = work.gradient == "exact" and any(layer.checkpoint for layer in spec.layers)
-    options = [(dataclasses.replace(base, **changes, resident_layers=2), work.checkpoints)]
+    options = [(base.replace(**changes, resident_layers=2), work.checkpoints)]
     if checkpoints:
         options.append((options[0][0], "cpu"))
     last = "cpu" if checkpoints else work.checkpoints
-    options.append((dataclasses.replace(base, **changes, resident_layers=1), last))
+    options.append((base.replace(**changes, resident_layers=1), last))
     options.append((OffloadPolicy.cpu(resident_layers=1), last))
     return [option for option in options if _offloads_more(option, work)]
 
@@ -244,7 +244,7 @@ def _checkpointing_fix(plan: MemoryPlan) -> list[Fix]:
 
 
 def _all_cpu(policy: OffloadPolicy) -> bool:
-    return len(policy.offloaded_fields()) == len(PLACEMENT_FIELDS)
+    return len(policy.offloaded_fields()) == len(placement_fields())
 
 
 def _offloaded_state(policy: OffloadPolicy) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from longstraw_core.adapters import registry
-from longstraw_core.offload import PLACEMENT_FIELDS, OffloadPolicy
+from longstraw_core.offload import OffloadPolicy, placement_fields
 from longstraw_core.plan.advice import error_message, plan_memory
 from longstraw_core.plan.calibration import (
     DEFAULT_GPU_CHECK_JSON,
@@ -171,7 +171,7 @@ def _offload_arg(args: argparse.Namespace) -> OffloadPolicy | None:
     fields: dict[str, Any] = {}
     for item in args.offload:
         kind, _, place = item.partition("=")
-        kinds = PLACEMENT_FIELDS if kind == "all" else (kind,)
+        kinds = placement_fields() if kind == "all" else (kind,)
         for name in kinds:
             fields[name] = place or "cpu"
     if args.resident_layers is not None:

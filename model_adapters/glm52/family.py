@@ -90,7 +90,7 @@ PROBE = FamilyProbe(
 FAMILY = ModelFamily(
     name="glm52",
     model_types=("glm_moe_dsa", "deepseek_v32"),
-    layer_kinds={LatentKV.kind: "latent"},
+    layer_kinds=(LatentKV.kind,),
     lora_targets={
         "glm_moe_dsa": _MLA_TARGETS + MLP_TARGETS,
         "deepseek_v32": _MLA_TARGETS + MLP_TARGETS,

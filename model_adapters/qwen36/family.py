@@ -111,7 +111,7 @@ PROBE = FamilyProbe(
 FAMILY = ModelFamily(
     name="qwen36",
     model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
-    layer_kinds={RecurrentState.kind: "recurrent", AttentionKV.kind: "attention"},
+    layer_kinds=(RecurrentState.kind, AttentionKV.kind),
     lora_targets={
         "qwen3_5": _HYBRID_TARGETS,
         "qwen3_5_text": _HYBRID_TARGETS,

@@ -22,7 +22,7 @@ from longstraw_core.kinds import registry as kinds
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.recurrent import RecurrentState
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.offload.policy import PLACEMENT_FIELDS
+from longstraw_core.offload.policy import placement_fields
 from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
@@ -40,7 +40,7 @@ def _policies(model_type: str) -> list[OffloadPolicy]:
     policies = [OffloadPolicy.cpu(resident_layers=max(1, layers // 2))]
     placed = set(kinds.offload_fields()[k] for k in registry.family_of(model_type).layer_kinds)
     if len(placed) > 1:
-        alone = [name for name in PLACEMENT_FIELDS if name in placed]
+        alone = [name for name in placement_fields() if name in placed]
         policies += [OffloadPolicy(**{name: "cpu"}, resident_layers=1) for name in alone]
     return policies
 
@@ -331,7 +331,8 @@ def test_bad_policies_are_refused(value, message: str) -> None:
 def test_unknown_layer_types_are_refused() -> None:
     policy = OffloadPolicy.cpu()
     assert policy.placement("attention") == policy.placement("full_attention") == "cpu"
-    with pytest.raises(ValueError, match="unknown layer type 'sliding_attention'"):
-        policy.placement("sliding_attention")
+    assert policy.placement("sliding_attention") == "cpu"  # a window's K/V: ``attention``
+    with pytest.raises(ValueError, match="unknown layer type 'paged_attention'"):
+        policy.placement("paged_attention")
     with pytest.raises(ValueError, match="resident_layers=0"):
         OffloadPolicy(resident_layers=0)
