@@ -11,6 +11,9 @@
   sampled rollout equals one process for the same seed. With FSDP2 sharding each stage over
   the replicas (S=2 x D=2, ``*-fsdp`` cases), where the replicas' prompts, branches and
   response lengths differ and the shorter ones pad with idle passes, the same holds.
+- Sliding-window layers (``kinds.window``, width 6 under chunks of 8): a tiny qwen3 with full
+  attention between window layers (exact) and a qwen2 whose first layer is full (LoRA,
+  detached) on S=2 train like one process (``qwen3-sliding-exact``, ``qwen2-sliding-*``).
 - In-process: the layout's balance and its checks, and the refusals of ``stage_model``.
 """
 

@@ -76,7 +76,19 @@ class Case:
     temperature: float = 1.0  # GRPOConfig.temperature: the last stage's head divides by it
     pieces: int | None = None  # pieces per replayed branch (None: the schedule's choice)
     loss_masks: bool = False  # tool masks (TRL's tool_mask) inside the responses
+    config: tuple[tuple[str, object], ...] = ()  # the tiny config's overrides (tiny_model)
 
+
+WINDOW = 6
+SLIDING_QWEN3 = (
+    ("use_sliding_window", True),
+    ("sliding_window", WINDOW),
+    (
+        "layer_types",
+        ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+    ),
+)
+SLIDING_QWEN2 = (("use_sliding_window", True), ("sliding_window", WINDOW), ("max_window_layers", 1))
 
 CASES = {
     "qwen3-detached": Case("qwen3", "detached"),
@@ -109,6 +121,11 @@ CASES = {
     "glm_moe_dsa-lora-kl-detached-fsdp": Case(
         "glm_moe_dsa", "detached", lora=True, beta=0.04, fsdp=True, temperature=0.7
     ),
+    # Sliding-window layers (``kinds.window``) of width 6, shorter than a chunk (8): a fixed
+    # window per layer on each stage, its chunk-start checkpoints in the exact sweep; qwen3
+    # with full attention between window layers, qwen2 with its first layer full.
+    "qwen3-sliding-exact": Case("qwen3", "exact", config=SLIDING_QWEN3),
+    "qwen2-sliding-lora-detached": Case("qwen2", "detached", lora=True, config=SLIDING_QWEN2),
 }
 # Every other registered family (one declared since, or in a test): exact and LoRA-detached
 # runs on S=2 (``test_pipeline.TOPOLOGIES[2, 2]`` runs every case).
@@ -144,7 +161,12 @@ def loss_tokens(case: Case, group: Group) -> list[int]:
 
 def build(case: Case) -> tuple[torch.nn.Module, ls.ModelAdapter]:
     """The tiny model of ``case`` in float64 (the same weights in every process)."""
-    model = tiny_model(case.model_type, dtype=torch.float64, seed=0, num_hidden_layers=case.layers)
+    overrides = {
+        key: list(value) if isinstance(value, tuple) else value for key, value in case.config
+    }
+    model = tiny_model(
+        case.model_type, dtype=torch.float64, seed=0, num_hidden_layers=case.layers, **overrides
+    )
     model.train()
     if case.lora:
         model = with_lora(model, _lora_targets(case.model_type), std=0.05, seed=1)
