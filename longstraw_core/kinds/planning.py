@@ -14,6 +14,7 @@ attention kernels' scratch formulas as ``act.kernels``, ``plan.kernels``) and ``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 FP32 = 4  # bytes of a float32 (as ``plan.units``)
@@ -50,6 +51,28 @@ class KindPlan:
         """Bytes of one chunk-start checkpoint exact mode keeps (``state_fixed``: the
         record's bytes at capacity 0); 0 for kinds that keep none."""
         return 0
+
+    def checkpoints_bytes(self, layer: Any, stored: int, chunk: int) -> int:
+        """Bytes of all the chunk-start checkpoints exact mode keeps of ``layer``'s record
+        over a prompt of ``stored`` positions prefilled in chunks of ``chunk``: one
+        ``LayerSpec.checkpoint`` per chunk start (a kind whose checkpoints grow with the
+        position says so)."""
+        return math.ceil(stored / chunk) * layer.checkpoint if stored > 0 else 0
+
+    def branch_bytes(self, layer: Any, positions: float) -> float:
+        """Bytes of one rollout branch's own record after ``positions`` decoded tokens (its
+        preallocated K/V, or a copy of a fixed-size state)."""
+        if layer.state_per_token:
+            return layer.state_per_token * positions
+        return layer.state_fixed
+
+    def branch_read_bytes(self, layer: Any, positions: float) -> float:
+        """Bytes of its own record one branch's decode step reads (and writes) after
+        ``positions`` decoded tokens: its K/V so far, or its fixed-size state read and
+        written."""
+        if layer.state_per_token:
+            return layer.state_per_token * positions
+        return 2 * layer.state_fixed
 
     def kept_positions(self, layer: Any, positions: float) -> float:
         """How many of ``positions`` prompt positions ``layer``'s record keeps

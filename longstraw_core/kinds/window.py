@@ -29,7 +29,7 @@ with ``dS`` (cleared, then refilled by the chunk's backward with the gradient at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -43,6 +43,7 @@ from longstraw_core.kinds.base import (
     attach_grad_sink,
     tensor_nbytes,
 )
+from longstraw_core.kinds.planning import FP32, causal_pairs
 from longstraw_core.kinds.registry import LayerKind, register_kind
 from longstraw_core.offload.pinned import empty_buffers, pinned_copy
 
@@ -279,18 +280,127 @@ class WindowExactView(ExactViewBase):
 
 
 class WindowPlan(AttentionPlan):
-    """Sliding-window attention as the memory planner sees it. Its state's bytes the planner
-    reads from the record (a fixed size: ``W - 1`` positions); the attention's working sets
-    and FLOPs are full attention's for now (an upper bound: ``W`` keys per query are not
-    written into the formulas yet)."""
+    """Sliding-window attention as the memory planner sees it (dense GQA's widths, plus the
+    window ``W``: ``LayerSpec.dims["window"]``).
 
+    Its state is a fixed ``W - 1`` positions (the record's bytes, read from it); a query sees
+    at most ``W`` keys: the stored window's last rows and the span's own. So every formula
+    that reads the prefix reads ``min(prefix, W - 1)`` stored rows instead: the rows copied
+    beside the span (saved for backward with it), the attention kernel's key blocks in
+    prefill, replay and the sweep, and the FLOPs (``causal_pairs`` with the window: at most
+    ``W`` pairs per query, a cost per token that does not grow with the context). A rollout
+    branch keeps its own K/V (``BranchWindowKV``, as full attention's) and a decode step
+    reads at most ``W - 1`` of them. Exact mode's checkpoint at a chunk start holds the
+    window there: ``min(start, W - 1)`` rows."""
+
+    cuda_kernels = "windowed attention in flash-attn (window_size)"
     offload_label = "sliding-window K/V"
     full_attention = False  # a query reads W keys, not every prefix position
     reuses_kept_outputs = False  # the window keeps no attention outputs
 
+    def mixer_dims(self, layer: Any) -> tuple[str, dict[str, int]]:
+        mixer, dims = super().mixer_dims(layer)
+        return mixer, {**dims, "window": int(layer.self_attn.sliding_window)}
+
+    @staticmethod
+    def seen(layer: Any, prefix: float) -> float:
+        """Stored rows a span after ``prefix`` positions reads: the window's, at most."""
+        return min(prefix, layer.dims["window"] - 1)
+
+    @staticmethod
+    def row_bytes(layer: Any) -> float:
+        """Bytes of one stored position (its key and value), from the record's bytes."""
+        capacity = layer.dims["window"] - 1
+        return layer.state_fixed / capacity if capacity else 0.0
+
+    def kept_positions(self, layer: Any, positions: float) -> float:
+        return self.seen(layer, positions)
+
     def checkpoint_bytes(self, state_fixed: int) -> int:
-        return state_fixed  # the whole window at every chunk start (an upper bound: the first
-        # chunks start with fewer positions)
+        return state_fixed  # at most the whole window (``checkpoints_bytes`` sums them)
+
+    def checkpoints_bytes(self, layer: Any, stored: int, chunk: int) -> int:
+        """The window at every chunk start ``k x chunk``: ``min(k x chunk, W - 1)`` rows."""
+        starts = range(0, stored, chunk)
+        return round(self.row_bytes(layer) * sum(self.seen(layer, start) for start in starts))
+
+    def branch_bytes(self, layer: Any, positions: float) -> float:
+        return self.row_bytes(layer) * positions  # its own K/V, preallocated
+
+    def branch_read_bytes(self, layer: Any, positions: float) -> float:
+        return self.row_bytes(layer) * self.seen(layer, positions)
+
+    def decode_read_bytes(self, layer: Any, context: float, group: int, cb: int) -> float:
+        """The stored window, shared by the branches (at most its ``W - 1`` rows)."""
+        return self.row_bytes(layer) * self.seen(layer, context)
+
+    # --- what autograd saves: the stored rows copied beside the span's keys
+
+    def saved(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        copied = 2 * act.b * layer.dims["kv_heads"] * layer.dims["head_dim"]
+        return super().saved(act, layer, tokens, prefix) + copied * int(self.seen(layer, prefix))
+
+    # --- working sets: one segment of at most ``W - 1`` stored rows and the span
+
+    def working(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        copied = 2 * act.b * kv * (int(self.seen(layer, prefix)) + tokens)  # keys beside
+        return (
+            tokens * act.b * (2 * q + 3 * kv)
+            + copied
+            + self.forward_scratch(act, layer, tokens, prefix)
+        )
+
+    @staticmethod
+    def window_path(act: Any, head_dim: int) -> str:
+        """``"flash"`` (flash-attn's ``window_size``) or ``"blocked"``: PyTorch's fused CPU
+        kernel takes no window."""
+        path = AttentionPlan.path(act, head_dim, head_dim)
+        return "blocked" if path == "fused" else path
+
+    def forward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+        keys = int(self.seen(layer, prefix)) + tokens
+        scratch = tokens * (4 * FP32 * q + 2 * act.b * q)
+        if act.b < FP32:
+            scratch += FP32 * (tokens * q + 2 * kv * keys)  # cast to the accumulation dtype
+        if self.window_path(act, d["head_dim"]) == "blocked":
+            rows = d["heads"] // d["kv_heads"] * tokens
+            dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
+            scratch += act.kernels.blocked_scratch(*dims, keys, act.b, backward=False)
+        return scratch
+
+    def prefix_backward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
+        d = layer.dims
+        kv, head = d["kv_heads"], d["head_dim"]
+        keys = int(self.seen(layer, prefix)) + tokens
+        if self.window_path(act, head) == "flash":
+            return act.kernels.flash_backward_scratch(kv, d["heads"] * tokens, head, keys, act.b)
+        group_rows = d["heads"] // kv * tokens
+        return act.kernels.blocked_scratch(kv, group_rows, head, head, keys, act.b, True)
+
+    def decode_scratch(self, act: Any, layer: Any, group: int, prefix: int) -> int:
+        d = layer.dims
+        if self.window_path(act, d["head_dim"]) != "blocked":
+            return 0
+        rows = group * d["heads"] // d["kv_heads"]
+        dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
+        keys = int(self.seen(layer, prefix)) + 1
+        return act.kernels.blocked_scratch(*dims, keys, act.b, backward=False)
+
+    # --- FLOPs: at most ``W`` keys per query
+
+    def pair_flops(self, layer: Any) -> float:
+        return 0.0  # nothing grows with a long context
+
+    def token_flops(self, layer: Any) -> float:
+        return super().pair_flops(layer) * layer.dims["window"]
+
+    def mixing_flops(self, layer: Any, tokens: float, prefix: float) -> tuple[float, float]:
+        pairs = causal_pairs(tokens, prefix, layer.dims["window"])
+        return super().pair_flops(layer) * pairs, 0.0
 
 
 SLIDING_ATTENTION = register_kind(

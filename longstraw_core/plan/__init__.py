@@ -22,7 +22,8 @@ Where the numbers come from (so the plan cannot drift from the code):
 - **State.** The adapter's own ``new_layer_states`` builds the records (on ``meta``) at
   capacity 0 and 1: their tensors give the fixed and per-position bytes of every layer, in
   the dtype the layers compute in. ``dS`` comes from each record's ``new_grad`` the same way,
-  recurrent checkpoints are one record-sized copy per prefill chunk.
+  chunk-start checkpoints are one copy of the record per prefill chunk (a sliding window's
+  holds the ``min(start, W - 1)`` rows it has there: ``KindPlan.checkpoints_bytes``).
 - **Transients.** Activation memory is derived from tensor shapes, module by module, following
   the code that runs (``Activations``): what autograd saves in one branch (or one recomputed
   chunk), the LM head's float32 logits and ``log_softmax`` in row chunks
@@ -54,7 +55,7 @@ boundaries (the runtime calls it too), ``estimate_time`` the seconds per phase o
 GPU.
 
 What depends on a layer's kind (its token mixer's widths, saved bytes, working sets, FLOPs,
-decode reads) is the kind's own: ``LayerSpec.kind.plan``, defined in the kind's module of
+decode reads, a rollout branch's own record) is the kind's own: ``LayerSpec.kind.plan``, defined in the kind's module of
 ``longstraw_core.kinds`` (``kinds.planning.KindPlan``); no module here names a kind.
 
 Modules, each importing only those before it: ``units`` (byte sizes, number formats),

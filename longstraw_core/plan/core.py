@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
 from longstraw_core.pipeline.layout import StageLayout
@@ -171,11 +170,11 @@ class MemoryParts(WeightParts, InFlight):
     def checkpoints(self) -> tuple[int, int]:
         if not self.exact:
             return 0, 0
-        chunks = math.ceil(self.work.stored / self.work.chunk_size)
+        work = self.work
         device = cpu = 0
-        for layer in self.spec.layers:  # the kinds that keep checkpoints (recurrent)
-            size = chunks * layer.checkpoint
-            if self.work.checkpoints == "cpu" or self.work.offloads(layer.record):
+        for layer in self.spec.layers:  # the kinds that keep checkpoints (recurrent, window)
+            size = layer.kind.plan.checkpoints_bytes(layer, work.stored, work.chunk_size)
+            if work.checkpoints == "cpu" or work.offloads(layer.record):
                 cpu += size  # an offloaded record keeps them beside it
             else:
                 device += size
@@ -286,10 +285,7 @@ class MemoryParts(WeightParts, InFlight):
         """Rollout: the G branches' own caches and one decoding step's logits."""
         work = self.work
         group, new = work.group, work.response_tokens
-        caches = sum(
-            group * (layer.state_per_token * new + layer.state_fixed * (not layer.state_per_token))
-            for layer in self.spec.layers
-        )
+        caches = sum(group * layer.kind.plan.branch_bytes(layer, new) for layer in self.spec.layers)
         logits = 3 * group * self.spec.vocab * FP32 if self.spec.has_head else 0
         step = max(self.act.decode_scratch(layer, group, work.stored) for layer in self.spec.layers)
         tokens = 2 * group * new * INT64  # sampled tokens, behaviour log-probs

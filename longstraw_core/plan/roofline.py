@@ -227,6 +227,5 @@ class StageCosts:
                 pcie += size
             else:
                 hbm += size
-            cache = layer.state_per_token * mean_new if layer.state_per_token else 0
-            hbm += group * (cache + 2 * layer.state_fixed * (not layer.state_per_token))
+            hbm += group * layer.kind.plan.branch_read_bytes(layer, mean_new)
         return hbm, pcie
