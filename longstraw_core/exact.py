@@ -60,10 +60,12 @@ class StateGrad:
 
 def new_state_grad(state: PrefixState, dtype: torch.dtype | None = None) -> StateGrad:
     """Zero ``dS`` for ``state``, accumulated in ``dtype`` (default: float32 or wider)."""
-    if state.needs_checkpoints():
+    lacking = state.lacking_checkpoints()
+    if lacking:
         raise ValueError(
-            "exact gradients through recurrent layers need their state at every chunk start: "
-            "prefill with adapter.prefill(..., checkpoints='device') (or 'cpu')"
+            f"exact gradients through {' and '.join(lacking)} layers need their state at every "
+            "chunk start, which this state was prefilled without: prefill with "
+            "adapter.prefill(..., checkpoints='device') (or 'cpu')"
         )
     layers: list[GradBuffer] = [
         record.new_grad(dtype or gradient_dtype(record)) for record in state.layers

@@ -103,8 +103,8 @@ class GRPOConfig:
       token of the group, which is not known before the branches are replayed).
     - ``gradient``: ``"detached"`` (prompt state is a constant) or ``"exact"`` (gradients
       also flow through the prompt state; ``docs/design.md``, "Exact mode").
-    - ``recurrent_checkpoints``: where exact mode keeps recurrent layers' state at each
-      prefill chunk start (``"device"``, or ``"cpu"`` to save accelerator memory).
+    - ``recurrent_checkpoints``: where exact mode keeps the state at each prefill chunk start
+      of the layers whose kinds need it (recurrent states, sliding windows) (``"device"``, or ``"cpu"`` to save accelerator memory).
     - ``keep_attention_outputs``: exact mode only. Prefill keeps every full-attention
       layer's output and log-sum-exp, so the sweep's recompute skips the attention forward:
       a faster sweep for ``heads x value_dim`` (plus ``heads`` fp32) per prompt token per

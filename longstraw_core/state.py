@@ -81,7 +81,7 @@ class PrefixState:
         return sum(layer.nbytes() for layer in self.layers)
 
     def checkpoint_nbytes(self) -> int:
-        """Bytes of recurrent-state checkpoints at chunk boundaries (exact mode)."""
+        """Bytes of the chunk-start checkpoints (recurrent states, sliding windows; exact mode)."""
         return sum(layer.checkpoint_nbytes() for layer in self.layers)
 
     def output_nbytes(self) -> int:
@@ -106,15 +106,23 @@ class PrefixState:
         return self.offload is not None and self.offload.offloads(layer.kind)
 
     def keep_checkpoints(self, device: torch.device | str) -> None:
-        """Make recurrent records keep their state at every chunk start, on ``device``
+        """Make the records of kinds that need it (recurrent states, sliding windows) keep
+        their state at every chunk start, on ``device``
         (offloaded records: in CPU memory, whatever ``device`` says)."""
         for layer in self.layers:
             home = torch.device("cpu") if self.offloaded(layer) else torch.device(device)
             layer.keep_checkpoints(home)  # a no-op for kinds without checkpoints
 
     def needs_checkpoints(self) -> bool:
-        """Whether exact mode needs checkpoints this state lacks (recurrent layers only)."""
-        return any(layer.needs_checkpoints() for layer in self.layers)
+        """Whether exact mode needs checkpoints this state lacks (``lacking_checkpoints``)."""
+        return bool(self.lacking_checkpoints())
+
+    def lacking_checkpoints(self) -> list[str]:
+        """The kinds of the records that need chunk-start checkpoints for exact mode and were
+        prefilled without them (each record says, ``LayerState.needs_checkpoints``), each
+        once, in layer order: recurrent states, sliding windows."""
+        lacking = (layer.kind for layer in self.layers if layer.needs_checkpoints())
+        return list(dict.fromkeys(lacking))
 
     def holds_prompt(self, prompt_ids: torch.Tensor) -> bool:
         """Whether this state was prefilled from exactly ``prompt_ids``."""

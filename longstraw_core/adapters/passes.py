@@ -108,11 +108,11 @@ class PublicPasses:
         All prompt tokens but the last are stored; the last is kept as ``state.last_token``
         and replayed at the head of every branch (see ``score``). ``progress=None`` shows a
         progress bar only on a terminal. ``checkpoints`` (``"device"`` or ``"cpu"``) keeps
-        recurrent layers' state at every chunk start, which exact mode needs; attention-only
-        models keep nothing extra. ``offload`` (an ``OffloadPolicy``, or what
+        the state of recurrent and sliding-window layers at every chunk start, which exact
+        mode needs; full-attention-only models keep nothing extra. ``offload`` (an ``OffloadPolicy``, or what
         ``OffloadPolicy.parse`` takes) keeps chosen layer types in CPU memory: each chunk's
         state is copied there, and every later pass streams it in layer by layer (offloaded
-        recurrent layers keep their checkpoints in CPU memory too).
+        records keep their checkpoints in CPU memory too).
         ``keep_attention_outputs`` also keeps each full-attention layer's output, which exact
         mode's sweep reuses (``PrefixState.keep_attention_outputs``).
         """

@@ -232,3 +232,19 @@ def test_a_window_record_keeps_the_last_positions_and_its_chunk_starts() -> None
         record.write(3, positions[:, :1], positions[:, :1])
     with pytest.raises(RuntimeError, match="no sliding window at position 5"):
         record.read(5)
+
+
+def test_exact_mode_names_the_kinds_a_state_lacks_checkpoints_of() -> None:
+    """A state prefilled without checkpoints: the error names the kinds that need them (the
+    window layers'), read from the records, and how to prefill; with them the step runs."""
+    adapter = ls.adapt(_model("qwen2"))
+    prompt, responses = _ids(20, 5), [_ids(3, 6), _ids(4, 7)]
+    config = ls.GRPOConfig(gradient="exact")
+    state = adapter.prefill(prompt, chunk_size=6)
+    assert state.lacking_checkpoints() == [WindowKV.kind]
+    match = r"through sliding_attention layers .*checkpoints='device'"
+    with pytest.raises(ValueError, match=match):
+        ls.grpo_step(adapter, prompt, responses, [1.0, 0.0], config=config, state=state)
+    state = adapter.prefill(prompt, chunk_size=6, checkpoints="cpu")
+    assert state.lacking_checkpoints() == [] and not state.needs_checkpoints()
+    ls.grpo_step(adapter, prompt, responses, [1.0, 0.0], config=config, state=state)
