@@ -59,8 +59,18 @@ class Case:
     )
     keep_outputs: bool = False  # GRPOConfig.keep_attention_outputs
     bf16: bool = False  # bf16 working weights over float32 masters (mixed_precision.py)
+    config: tuple[tuple[str, object], ...] = ()  # the tiny config's overrides
 
 
+SLIDING = (
+    ("use_sliding_window", True),
+    ("sliding_window", 64),
+    ("num_hidden_layers", 4),
+    (
+        "layer_types",
+        ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+    ),
+)
 CASES = [
     Case("qwen3", "detached", 4096, 4, 48, 1024),
     Case("qwen3", "exact", 4096, 2, 64, 512),
@@ -81,6 +91,9 @@ CASES = [
     # bf16 working weights: a bf16 state, the bf16 copy and one backward's bf16 gradients.
     Case("qwen3", "exact", 4096, 2, 64, 512, bf16=True),
     Case("qwen3_5_text", "detached", 3072, 3, 32, 512, bf16=True),
+    # Sliding-window layers (width 64) around a full-attention one: a fixed window per layer.
+    Case("qwen3", "exact", 1024, 2, 64, 256, config=SLIDING),
+    Case("qwen3", "detached", 1024, 3, 48, 256, config=SLIDING),
 ]
 
 
@@ -128,6 +141,7 @@ def _case_id(case: Case) -> str:
     name = f"{case.model_type}-{case.gradient}" + ("-checkpointed" if case.checkpointing else "")
     name += "-kept-outputs" if case.keep_outputs else ""
     name += "-bf16" if case.bf16 else ""
+    name += "-sliding" if case.config else ""
     return name + ("-head-chunks" if case.head_chunk else "")
 
 
@@ -138,6 +152,7 @@ def test_prediction_within_15_percent_of_measured_peak(case: Case, monkeypatch) 
         monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMENTS", case.head_chunk)
     positions = case.prompt + case.response + 8
     overrides = {"vocab_size": case.vocab} if case.vocab != 512 else {}
+    overrides |= {k: list(v) if isinstance(v, tuple) else v for k, v in case.config}
     model = tiny_model(case.model_type, max_position_embeddings=positions, **overrides).train()
     memory, metrics = measure_step(model, case)
     # The planner reads the state's records from a model in the compute dtype (as
