@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from longstraw_core.adapters import registry
 
@@ -54,9 +55,17 @@ def tiny_model(
         settings["experts_implementation"] = "eager"
     settings |= overrides
     config = AutoConfig.for_model(model_type, **settings)
+    if attn_implementation == "sdpa" and not _supports_sdpa(config):
+        attn_implementation = "eager"  # gpt-oss: its sinks have no SDPA path in transformers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=dtype
     )
     slow_gated_deltanet_decay(model, seed)  # no-op for models without Gated DeltaNet layers
     return model.eval()
+
+
+def _supports_sdpa(config: Any) -> bool:
+    """Whether the causal LM class of ``config`` runs under ``attn_implementation="sdpa"``."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return model_class is None or getattr(model_class, "_supports_sdpa", True)
