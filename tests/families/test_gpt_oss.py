@@ -193,3 +193,33 @@ def test_ragged_decode_steps_equal_the_full_sequence_forward() -> None:
             sequence = torch.cat([prompt[:-1], streams[row]])
             expected = model(input_ids=sequence[None]).logits[0][len(prompt) - 1 :]
             torch.testing.assert_close(torch.cat(logits_of[row]), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_lora_on_the_experts_through_peft_target_parameters() -> None:
+    """peft reaches the experts' fused 3-D weights through ``target_parameters`` (its
+    ``ParamWrapper``, rank ``r`` per expert); the adapter runs the wrapped module as it is:
+    exact mode's gradients of those adapters equal the full graph's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("gpt_oss", dtype=torch.float64, seed=4, sliding_window=WINDOW)
+    config = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], target_parameters=gpt_oss.EXPERT_PARAMETERS
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # B off zero, so the adapters change the output and A learns
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(6))
+    adapter = ls.adapt(peft_model)
+    prompt = _ids(29, 0)
+    responses = [_ids(n, 10 + i) for i, n in enumerate([6, 3, 8])]
+    cfg = ls.GRPOConfig(gradient="exact", max_completion_length=16)
+    metrics, grads = step_grads(peft_model, adapter, prompt, responses, REWARDS, cfg, chunk_size=4)
+    loss, expected = group_reference(
+        peft_model, full_sequence_logps, prompt, responses, REWARDS, cfg
+    )
+    experts = [name for name in expected if "mlp.experts" in name]
+    assert len(experts) == 4 * 4  # A and B of gate_up_proj and down_proj, every layer
+    assert all(expected[name].abs().max() > 0 for name in experts)
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
+    assert_grads_close(grads, expected, rtol=1e-6)
