@@ -44,8 +44,9 @@ from model_adapters.dense import ATTENTION_TARGETS, TINY_DENSE, DenseAdapter
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # The tiny model: the dense one's widths, four layers (sliding, full, sliding, full), four
-# experts of which each token takes two, a window far shorter than the tests' prompts, and a
-# swiglu clamp the tiny activations reach (transformers' 7.0 would never clamp here).
+# experts of which each token takes two, a window far shorter than the tests' prompts, a
+# swiglu clamp the tiny activations reach (transformers' 7.0 would never clamp here), and
+# gpt-oss' own YaRN RoPE (transformers' default rope_parameters).
 TINY_GPT_OSS: dict[str, Any] = {
     **TINY_DENSE,
     "intermediate_size": 32,
@@ -54,6 +55,7 @@ TINY_GPT_OSS: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "sliding_window": 8,
     "swiglu_limit": 1.0,
+    "max_position_embeddings": 131072,  # gpt-oss' own: YaRN's factor 32 x its original 4096
 }
 
 # The cross-cutting tests it runs (checked: tests/families/test_gpt_oss.py and those tests
