@@ -72,6 +72,7 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora_targets(lora, model.config.model_type),
+        target_parameters=list(lora.target_parameters) if lora.target_parameters else None,
     )
     with _targets_as_written(), _without_peft_deprecation():
         return get_peft_model(model, config)

@@ -6,6 +6,8 @@ experts must get the full graph's gradients."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from reference import (
@@ -19,10 +21,13 @@ from reference import (
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
+from longstraw_core.config import load_config
 from longstraw_core.kinds.window import WindowKV
 from longstraw_core.tiny_models import tiny_model
 from model_adapters import gpt_oss
 
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs/gpt_oss/tiny_grpo_cpu.yaml"
 VOCAB = 512
 WINDOW = 6
 PROMPT_LENGTH = 45  # seven windows
@@ -223,3 +228,20 @@ def test_lora_on_the_experts_through_peft_target_parameters() -> None:
     assert all(expected[name].abs().max() > 0 for name in experts)
     assert metrics.loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
     assert_grads_close(grads, expected, rtol=1e-6)
+
+
+def test_lora_target_parameters_in_the_config() -> None:
+    """``lora.target_parameters`` reaches peft (``models.add_lora``); with a dropout, which
+    peft's parameter adapters do not take, the config is refused."""
+    from longstraw_core import models
+    from longstraw_core.config import ConfigError, LoraSection
+
+    section = LoraSection(enabled=True, r=4, target_parameters=gpt_oss.EXPERT_PARAMETERS)
+    wrapped = models.add_lora(tiny_model("gpt_oss", seed=1), section)
+    trainable = [name for name, p in wrapped.named_parameters() if p.requires_grad]
+    assert sum("mlp.experts" in name for name in trainable) == 4 * 4
+    assert sum("self_attn" in name for name in trainable) == 4 * 4 * 2  # q/k/v/o, A and B
+    overrides = ["lora.enabled=true", "lora.dropout=0.1", "grpo.gradient=detached"]
+    overrides.append("lora.target_parameters=[mlp.experts.gate_up_proj]")
+    with pytest.raises(ConfigError, match="take no dropout"):
+        load_config(CONFIG, overrides)
