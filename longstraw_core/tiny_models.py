@@ -55,8 +55,7 @@ def tiny_model(
         settings["experts_implementation"] = "eager"
     settings |= overrides
     config = AutoConfig.for_model(model_type, **settings)
-    if attn_implementation == "sdpa" and not _supports_sdpa(config):
-        attn_implementation = "eager"  # gpt-oss: its sinks have no SDPA path in transformers
+    attn_implementation = reference_attention(config, attn_implementation)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=dtype
@@ -65,7 +64,11 @@ def tiny_model(
     return model.eval()
 
 
-def _supports_sdpa(config: Any) -> bool:
-    """Whether the causal LM class of ``config`` runs under ``attn_implementation="sdpa"``."""
+def reference_attention(config: Any, attn_implementation: str) -> str:
+    """The ``attn_implementation`` transformers' own forward (the reference, ``generate``)
+    runs for ``config``: the one asked for, but ``"eager"`` for ``"sdpa"`` where the causal LM
+    class has no SDPA path (gpt-oss: its attention sinks). The adapters attend themselves."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return model_class is None or getattr(model_class, "_supports_sdpa", True)
+    if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
+    return attn_implementation

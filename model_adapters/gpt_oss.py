@@ -30,7 +30,7 @@ from torch import nn
 
 from longstraw_core.adapters.family import ModelFamily
 from longstraw_core.adapters.model_functions import model_function
-from longstraw_core.adapters.probe import DEMO, OFFLOAD, PREFILL_OPTIONS, TOOL_MASK, FamilyProbe
+from longstraw_core.adapters.probe import TEST_CAPABILITIES, FamilyProbe
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.window import WindowKV
@@ -38,9 +38,9 @@ from model_adapters.dense import ATTENTION_TARGETS, TINY_DENSE, DenseAdapter
 
 # LoRA targets when ``lora.target_modules`` is null: the attention projections. The experts
 # are fused 3-D parameters (``GptOssExperts.gate_up_proj`` / ``down_proj``), not
-# ``nn.Linear``: ``target_modules`` cannot reach them, and the router is left as the other
-# MoE family leaves it (peft's ``target_parameters`` reaches the experts: see
-# ``EXPERT_PARAMETERS``).
+# ``nn.Linear``: ``target_modules`` cannot reach them; peft's ``target_parameters`` does
+# (``lora.target_parameters: EXPERT_PARAMETERS``, rank r per expert, no dropout). The router
+# stays frozen, as the other MoE family leaves it.
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # The tiny model: the dense one's widths, four layers (sliding, full, sliding, full), four
@@ -58,13 +58,12 @@ TINY_GPT_OSS: dict[str, Any] = {
     "max_position_embeddings": 131072,  # gpt-oss' own: YaRN's factor 32 x its original 4096
 }
 
-# The cross-cutting tests it runs (checked: tests/families/test_gpt_oss.py and those tests
-# with -k gpt_oss). Left out: PIPELINE (its stages are not run for it), QLORA, LOADING and
-# MIXED_PRECISION (not run for its experts' 3-D parameters and fp32-kept norms), and the GPU
-# benchmarks (its sinks run on the torch backend only).
+# Every CPU test of the family matrix (offload, QLoRA, loading, mixed precision, pipeline,
+# TRL's losses, the demo): checked with -k gpt_oss. No GPU benchmark: its sinks run on the
+# torch backend (no fused kernel takes them), which gpu_check would fail as a fallback.
 PROBE = FamilyProbe(
     model_type="gpt_oss",
-    capabilities=frozenset({OFFLOAD, TOOL_MASK, DEMO, PREFILL_OPTIONS}),
+    capabilities=TEST_CAPABILITIES,
     expected_kernels=("attention",),
 )
 
