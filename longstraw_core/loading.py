@@ -50,6 +50,7 @@ from transformers.core_model_loading import WeightRenaming, apply_renamings
 import longstraw_core as ls
 from longstraw_core import hub, models, quantization
 from longstraw_core.pipeline.cut import move_stage
+from longstraw_core.tiny_models import reference_attention
 
 if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
@@ -134,7 +135,7 @@ def build_on_meta(section: ModelSection) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_config(
             config,
             dtype=getattr(torch, section.dtype),
-            attn_implementation=section.attn_implementation,
+            attn_implementation=reference_attention(config, section.attn_implementation),
             trust_remote_code=section.trust_remote_code,
         )
     if (path / "generation_config.json").exists():

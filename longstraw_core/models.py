@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     PreTrainedModel,
     get_constant_schedule_with_warmup,
@@ -23,7 +24,7 @@ from transformers import (
 from longstraw_core import hub
 from longstraw_core.config import LoraSection, ModelSection, OptimSection, lora_targets
 from longstraw_core.quantization import quantize_nf4
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tiny_models import reference_attention, tiny_model
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -49,10 +50,13 @@ def build_model(model: ModelSection, seed: int) -> PreTrainedModel:
         )
     else:
         hub.fetch_weights(model.path)  # a Hub id's snapshot: its weights, same commit
+        config = AutoConfig.from_pretrained(
+            model.path, trust_remote_code=model.trust_remote_code, local_files_only=True
+        )
         built = AutoModelForCausalLM.from_pretrained(
             model.path,
             dtype=dtype,
-            attn_implementation=model.attn_implementation,
+            attn_implementation=reference_attention(config, model.attn_implementation),
             trust_remote_code=model.trust_remote_code,
             local_files_only=True,
         )
@@ -72,6 +76,7 @@ def add_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel | PreTraine
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora_targets(lora, model.config.model_type),
+        target_parameters=list(lora.target_parameters) if lora.target_parameters else None,
     )
     with _targets_as_written(), _without_peft_deprecation():
         return get_peft_model(model, config)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from longstraw_core.adapters import registry
 
@@ -54,9 +55,20 @@ def tiny_model(
         settings["experts_implementation"] = "eager"
     settings |= overrides
     config = AutoConfig.for_model(model_type, **settings)
+    attn_implementation = reference_attention(config, attn_implementation)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=dtype
     )
     slow_gated_deltanet_decay(model, seed)  # no-op for models without Gated DeltaNet layers
     return model.eval()
+
+
+def reference_attention(config: Any, attn_implementation: str) -> str:
+    """The ``attn_implementation`` transformers' own forward (the reference, ``generate``)
+    runs for ``config``: the one asked for, but ``"eager"`` for ``"sdpa"`` where the causal LM
+    class has no SDPA path (gpt-oss: its attention sinks). The adapters attend themselves."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
+    return attn_implementation

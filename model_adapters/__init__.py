@@ -6,8 +6,8 @@ which registers the families in the order the tables list them (hence the import
 """
 
 # isort: off
-from model_adapters import dense, qwen36, glm52
+from model_adapters import dense, qwen36, glm52, gpt_oss
 
 # isort: on
 
-__all__ = ["dense", "glm52", "qwen36"]
+__all__ = ["dense", "glm52", "gpt_oss", "qwen36"]

@@ -111,6 +111,7 @@ def run_full_attention(
     *,
     gated: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One full-attention block over ``hidden`` ``[B, T, hidden]``, reading/writing ``record``.
 
@@ -122,7 +123,8 @@ def run_full_attention(
     each head's query and its output gate side by side, and the attention output is
     multiplied by ``sigmoid(gate)`` before ``o_proj``, as the model does. ``window``: a
     sliding-window layer of that width, whose ``record`` is a ``WindowKV``
-    (``attend_in_window``).
+    (``attend_in_window``). ``sink``: per-head attention sinks (gpt-oss,
+    ``segmented_attention(sink=)``).
     """
     batch, length, _ = hidden.shape
     head_dim = attention.head_dim
@@ -142,7 +144,9 @@ def run_full_attention(
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
     attend = attend_with_state if window is None else partial(attend_in_window, window=window)
-    output = attend(queries, keys, values, record, span, attention.scaling, branch, state_only)
+    output = attend(
+        queries, keys, values, record, span, attention.scaling, branch, state_only, sink=sink
+    )
     if output is None:
         return None
     output = output.transpose(1, 2).reshape(batch, length, -1)
@@ -160,6 +164,8 @@ def attend_with_state(
     scale: float,
     branch: BranchKV | None = None,
     state_only: bool = False,
+    *,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Attention of a span over the stored prefix and itself; a prefill chunk is stored.
 
@@ -194,6 +200,7 @@ def attend_with_state(
         reuse=reuse,
         keep=keep,
         branch_positions=span.rows.query_positions(span.length) if ragged else None,
+        sink=sink,
     )
     if keep:
         record.write_output(span.start, keep[0])
@@ -211,6 +218,7 @@ def attend_in_window(
     state_only: bool = False,
     *,
     window: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``attend_with_state`` for a sliding-window layer of width ``window``.
 
@@ -243,7 +251,13 @@ def attend_in_window(
     if span.rows is not None:
         positions = span.rows.query_positions(span.length) + ahead
     return segmented_attention(
-        queries, all_keys, all_values, scale=scale, window=window, branch_positions=positions
+        queries,
+        all_keys,
+        all_values,
+        scale=scale,
+        window=window,
+        branch_positions=positions,
+        sink=sink,
     )
 
 
@@ -313,10 +327,19 @@ class DenseAdapter(ModelAdapter):
                 branch_record,
                 state_only,
                 window=self.windows[index],
+                sink=self.attention_sink(layer),
             )
             if attended is None:
                 return None
             hidden = hidden + attended
-            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            return hidden + self.run_mlp(layer, layer.post_attention_layernorm(hidden))
 
         return work
+
+    def attention_sink(self, layer: nn.Module) -> torch.Tensor | None:
+        """The layer's per-head attention sinks (``segmented_attention(sink=)``): none here."""
+        return None
+
+    def run_mlp(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over the normed ``hidden``."""
+        return layer.mlp(hidden)

@@ -59,7 +59,7 @@ from longstraw_core.attention.common import AttentionOutput, Segment, accumulati
 # The autograd Functions keep their names, which autograd graphs show (``grad_fn``).
 from longstraw_core.attention.fused import _FlashSegmentedAttention, _SdpaSegmentedAttention
 from longstraw_core.attention.ragged import check_ragged
-from longstraw_core.attention.torch_backend import _TorchSegmentedAttention
+from longstraw_core.attention.torch_backend import _TorchSegmentedAttention, _TorchSinkAttention
 
 __all__ = [
     "AttentionOutput",
@@ -95,6 +95,7 @@ def segmented_attention(
     keep: list[AttentionOutput] | None = None,
     branch_positions: torch.Tensor | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of branch queries over prefix segments (fully visible) and the branch (causal).
 
@@ -128,6 +129,11 @@ def segmented_attention(
             before it: transformers' ``sliding_window``, flash-attn's ``window_size=(window -
             1, 0)``). Only with no prefix segments: a sliding-window layer passes the
             window's stored keys at the head of ``k``/``v`` (``kinds.window``).
+        sink: ``[H]`` attention sinks (gpt-oss' ``sinks``), or ``None``: every softmax row of
+            query head ``h`` gets one more logit, ``sink[h]``, of a key with no value, which
+            takes probability mass and adds nothing to the output (transformers'
+            ``eager_attention_forward`` of gpt-oss). Gradients flow to it when it requires
+            grad. Torch backend only (``_check_sink``).
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -136,13 +142,14 @@ def segmented_attention(
     segments = tuple((ks, vs) for ks, vs in prefix)
     _check_shapes(q, k, v, segments)
     _check_window(window, segments)
-    chosen = _choose_backend(backend, q, k, v, segments)
+    _check_sink(sink, q, backend)
+    chosen = _choose_backend("torch" if sink is not None else backend, q, k, v, segments)
     flat = [t for segment in segments for t in segment]
     if branch_positions is not None:
         check_ragged(q, k, branch_positions)
         if chosen == "torch":
             out, _ = torch_backend._torch_attention(
-                q, k, v, scale, block_size, flat, branch_positions, window
+                q, k, v, scale, block_size, flat, branch_positions, window, sink
             )
             return out
         return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions, window)
@@ -150,7 +157,28 @@ def segmented_attention(
     sinks = _check_sinks(prefix_grads, segments)
     if reuse is not None:
         _check_reuse(reuse, q, v)
+    if sink is not None:
+        return _TorchSinkAttention.apply(
+            sink, q, k, v, float(scale), block_size, window, sinks, reuse, keep, *flat
+        )
     return function.apply(q, k, v, float(scale), block_size, window, sinks, reuse, keep, *flat)
+
+
+def _check_sink(sink: torch.Tensor | None, q: torch.Tensor, backend: str) -> None:
+    if sink is None:
+        return
+    if sink.shape != (q.shape[1],):
+        raise ValueError(f"sink must be [heads] = [{q.shape[1]}], got {tuple(sink.shape)}")
+    if backend in ("flash", "sdpa"):
+        # NOTE: flash-attn 2's flash_attn_func and PyTorch's flash kernels take no sink
+        # logit. The sink could still be folded in after them (out * exp(lse - lse'), lse' =
+        # logaddexp(lse, sink)) since their backward takes the merged out/lse, but that path
+        # has not been written or run on a GPU; flash-attn 3 / 4 kernels with sinks are not
+        # wired in either.
+        raise ValueError(
+            f"attention sinks run on the torch backend only; backend={backend!r} has no sink "
+            "logit (flash-attn 2 and PyTorch's flash kernels take none): use 'torch' or 'auto'"
+        )
 
 
 def _check_window(window: int | None, segments: Sequence[Segment]) -> None:

@@ -59,6 +59,9 @@ class LoraSection:
     alpha: float = 32.0
     dropout: float = 0.0  # must be 0 with grpo.gradient=exact or on kv_b_proj (see validate)
     target_modules: list[str] | None = None  # null: the family's default for model_type
+    # peft's target_parameters: nn.Parameters LoRA adapts in place, such as the fused 3-D
+    # expert weights of gpt-oss ([mlp.experts.gate_up_proj, mlp.experts.down_proj]); null: none
+    target_parameters: list[str] | None = None
 
 
 @dataclass

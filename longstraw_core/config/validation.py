@@ -157,6 +157,14 @@ def _check_lora(cfg: RunConfig, facts: ModelFacts) -> None:
     _check_range("lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "a float in [0, 1)")
     if lora.target_modules is not None and not lora.target_modules:
         raise ConfigError("lora.target_modules", "empty; list modules, or null for the default")
+    if lora.target_parameters is not None and not lora.target_parameters:
+        raise ConfigError("lora.target_parameters", "empty; list parameters, or null for none")
+    if lora.target_parameters and lora.dropout > 0:
+        raise ConfigError(
+            "lora.dropout",
+            f"{lora.dropout} with lora.target_parameters: peft's adapters on parameters "
+            "(ParamWrapper) take no dropout; use 0.0",
+        )
     targets = lora_targets(lora, facts.model_type) if facts.model_type else lora.target_modules
     if lora.dropout > 0 and cfg.grpo.gradient == "exact":
         raise ConfigError(

@@ -193,11 +193,13 @@ def _mlp_dims(mlp: nn.Module) -> tuple[str, dict[str, int]]:
     if hasattr(mlp, "experts"):
         experts = mlp.experts
         shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
-        top_k = getattr(mlp.gate, "top_k", None) or mlp.config.num_experts_per_tok
+        router = getattr(mlp, "gate", None) or mlp.router  # gpt-oss: ``router``
+        top_k = getattr(router, "top_k", None) or mlp.config.num_experts_per_tok
+        expert_dim = getattr(experts, "intermediate_dim", None) or experts.intermediate_size
         return "moe", {
             "experts": experts.num_experts,
             "top_k": top_k,
-            "expert_dim": experts.intermediate_dim,
+            "expert_dim": expert_dim,
             "shared_dim": shared.down_proj.in_features if shared is not None else 0,
         }
     return "dense", {"intermediate": mlp.down_proj.in_features}

@@ -101,6 +101,7 @@ def test_run_configs_open_with_the_command_that_runs_them(path: Path) -> None:
     first = path.read_text().splitlines()[0]
     recipe = {"qwen36": "recipes/grpo_qwen36.py", "glm52": "recipes/grpo_glm52.py"}
     recipe["smollm2"] = recipe["qwen36"]  # a dense llama: the Qwen3.6 recipe trains it
+    recipe["gpt_oss"] = recipe["qwen36"]  # so does it gpt-oss (any registered family)
     assert first.startswith("# ")
     assert f"{recipe[path.parent.name]} --config {path.relative_to(ROOT)}" in first
     if "gpu" in path.name:

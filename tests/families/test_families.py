@@ -10,16 +10,17 @@ from longstraw_core.adapters import registry
 from longstraw_core.adapters.base import ModelAdapter
 from longstraw_core.adapters.family import ModelFamily, Preset
 from longstraw_core.kinds import registry as kinds
-from model_adapters import dense, glm52, qwen36
+from model_adapters import dense, glm52, gpt_oss, qwen36
 
 
 def test_each_shipped_family_is_declared_by_its_adapter_module() -> None:
     families = registry.families()
-    assert [f.name for f in families] == ["dense", "qwen36", "glm52"]
+    assert [f.name for f in families] == ["dense", "qwen36", "glm52", "gpt_oss"]
     for module, adapter in [
         (dense, dense.DenseAdapter),
         (qwen36, qwen36.Qwen36Adapter),
         (glm52, glm52.GlmMoeDsaAdapter),
+        (gpt_oss, gpt_oss.GptOssAdapter),
     ]:
         assert adapter.family is module.FAMILY
         assert adapter.model_types == module.FAMILY.model_types

@@ -98,7 +98,7 @@ def test_the_throwaway_family_leaves_no_trace(throwaway) -> None:
 
 
 def test_the_shipped_families_run_every_cpu_test() -> None:
-    assert matrix.probe_types() == ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
+    assert matrix.probe_types() == ["qwen3", "qwen3_5_text", "glm_moe_dsa", "gpt_oss"]
     for capability in TEST_CAPABILITIES:
         assert matrix.probe_types(capability) == matrix.probe_types()
 

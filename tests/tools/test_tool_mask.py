@@ -20,6 +20,8 @@ logged metrics are compared:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from reference import assert_grads_close, float32_sum_rtol
@@ -241,7 +243,9 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
     if gradient == "detached":  # train the head only: its gradient never reaches the prompt
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("lm_head.weight", "model.norm.weight"))
-    trainer = trl_trainer(model, tokenizer, tmp_path, **dict(args))
+    # LongStraw adds no MoE load-balancing loss; TRL adds one for configs that have
+    # ``output_router_logits`` (gpt-oss, coefficient 0.001): turned off on TRL's side.
+    trainer = trl_trainer(model, tokenizer, tmp_path, **dict(args), router_aux_loss_coef=0.0)
     config = ls.GRPOConfig(**args, num_generations=G, gradient=gradient)
     prompt, responses, gen = branches(seed=5)
     old, ref = drifted(model, prompt, responses, gen)
@@ -264,7 +268,11 @@ def test_grpo_step_with_loss_masks_equals_trl_on_every_family(
     # model's dtype, and four layers amplify it: measured <= 4.2e-6 of the largest gradient
     # entry (as far off unmasked), so 2e-5.
     rtol = 2e-5 if family == "qwen3_5_text" else HEAD_RTOL
-    assert result.loss == pytest.approx(expected_loss.item(), rel=rtol, abs=1e-9)
+    # Each float32 log-prob of TRL's is off by up to ~rtol x |log p| (~log V), and the loss
+    # sums them with weights of order one whatever its own size (its terms cancel): gpt-oss'
+    # cispo case measured 2.8e-6 of a loss of 0.17, 4.8e-7 absolute.
+    loss_floor = rtol * math.log(VOCAB)
+    assert result.loss == pytest.approx(expected_loss.item(), rel=rtol, abs=loss_floor)
     assert_grads_close(grads, expected, rtol=rtol)
     skip = ("vespo/phi_seq_mean",) if mask_truncated else ()
     assert_metrics_equal_trl(result.branch_stats, expected_metrics, skip=skip, rel=1e-5, abs_=1e-6)
