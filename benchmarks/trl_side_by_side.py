@@ -32,6 +32,11 @@ Each finished side and seed is kept under ``OUT/runs/`` and reused by a later co
 same config and overrides: run ``--seeds 0`` and ``--seeds 1`` side by side (one thread each),
 then ``--seeds 0 1`` combines them.
 
+``--paired-sampling`` takes the sampling noise out of the comparison: TRL's ``generate`` draws
+from the global generator seeded as LongStraw seeds the same sample's rollout, so both sides
+sample the same completions for as long as their policies agree (a float-level difference
+flips a near-tie token now and then, and that branch goes its own way from there on).
+
 Overrides go before the options. Output: ``benchmarks/results/trl_side_by_side.{json,csv,png}``
 (``--out``); the timing mode writes ``trl_side_by_side_timing.json``.
 """
@@ -63,6 +68,7 @@ from longstraw_core.evaluation import is_correct
 from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.rewards.inputs import sample_columns
 from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.training.session import rollout_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/smollm2/learn_real_cpu.yaml"
@@ -104,8 +110,11 @@ def run_longstraw(cfg: lsc.RunConfig) -> dict[str, Any]:
     return out
 
 
-def run_trl(cfg: lsc.RunConfig, checkpointing: bool) -> dict[str, Any]:
-    """TRL's GRPOTrainer with the run's settings, timed and evaluated by a callback."""
+def run_trl(cfg: lsc.RunConfig, checkpointing: bool, paired: bool = False) -> dict[str, Any]:
+    """TRL's GRPOTrainer with the run's settings, timed and evaluated by a callback.
+    ``paired``: its ``generate`` draws from the global generator seeded as LongStraw seeds
+    the same sample's rollout, so both sides sample the same completions while their
+    policies agree (one prompt per step: TRL generates a step's prompts in one batch)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
@@ -198,6 +207,16 @@ def run_trl(cfg: lsc.RunConfig, checkpointing: bool) -> dict[str, Any]:
         train_dataset=Dataset.from_list(rows), callbacks=[Timed()],
         peft_config=lora if cfg.lora.enabled else None,
     )  # fmt: skip
+    if paired:
+        generate = trainer.model.generate
+
+        def seeded_generate(*args: Any, **kwargs: Any) -> Any:
+            rounds = trainer.state.global_step // cfg.grpo.num_iterations
+            index = rounds * per_step  # the sample LongStraw rolls out now
+            torch.manual_seed(rollout_seed(cfg.train.seed, index))
+            return generate(*args, **kwargs)
+
+        trainer.model.generate = seeded_generate
     trainer.train()
     return out
 
@@ -229,7 +248,14 @@ def trl_checkpointing(cfg: lsc.RunConfig, mode: str) -> tuple[bool, str | None]:
 
 
 def run_side(
-    side: str, config: str, overrides: list[str], seed: int, ckpt: bool, *, may_fail: bool = False
+    side: str,
+    config: str,
+    overrides: list[str],
+    seed: int,
+    ckpt: bool,
+    *,
+    may_fail: bool = False,
+    paired: bool = False,
 ) -> dict:
     """One side in a fresh process: its JSON record (the child's output goes to ours).
     ``may_fail``: a side that dies (killed out of memory) gives ``{"failed": why}``."""
@@ -238,6 +264,7 @@ def run_side(
         command = [sys.executable, __file__, config, *overrides, f"train.output_dir={tmp}/run",
                    "--side", side, "--seed", str(seed), "--side-json", str(record),
                    "--trl-checkpointing", "on" if ckpt else "off"]  # fmt: skip
+        command += ["--paired-sampling"] if paired else []
         started = time.perf_counter()
         code = subprocess.run(command, cwd=ROOT).returncode
         if code and may_fail:
@@ -249,16 +276,16 @@ def run_side(
 
 
 def kept_run(
-    out: Path, side: str, config: str, overrides: list[str], seed: int, ckpt: bool
+    out: Path, side: str, config: str, overrides: list[str], seed: int, ckpt: bool, paired: bool
 ) -> dict:
     """One side's run for one seed, kept under ``out/runs`` once finished: an interrupted race
     resumes where it stopped, and seeds can run as separate commands (then one to combine)."""
-    key = json.dumps([config, overrides, ckpt])  # a changed setting is a different run
-    path = out / "runs" / f"{side}_seed{seed}.json"
+    key = json.dumps([config, overrides, ckpt, paired])  # a changed setting: another run
+    path = out / "runs" / f"{side}_seed{seed}{'_paired' if paired else ''}.json"
     if path.exists() and (kept := json.loads(path.read_text())).get("key") == key:
         print(f"{side}, seed {seed}: kept from {path}")
         return kept["run"]
-    run = run_side(side, config, overrides, seed, ckpt) | {"seed": seed}
+    run = run_side(side, config, overrides, seed, ckpt, paired=paired) | {"seed": seed}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "run": run}))
@@ -335,13 +362,21 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 
 def learning(args: argparse.Namespace, config: str, overrides: list[str], notes: list[str]) -> None:
+    per_step = read_config(config, overrides, 0).train.prompts_per_step
+    if args.paired_sampling and per_step != 1:
+        raise SystemExit(
+            f"--paired-sampling needs train.prompts_per_step=1, got {per_step}: TRL generates "
+            "a step's prompts in one batch, LongStraw each prompt from its own seed"
+        )
     ckpt, why = trl_checkpointing(read_config(config, overrides, 0), args.trl_checkpointing)
     notes += [why] if why else []
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for side in SIDES:
-            runs[side].append(kept_run(args.out, side, config, overrides, seed, ckpt))
+            runs[side].append(
+                kept_run(args.out, side, config, overrides, seed, ckpt, args.paired_sampling)
+            )
     summary = summarize(runs)
     stem = args.out / "trl_side_by_side"
     record = {"config": config, "overrides": overrides, "seeds": args.seeds, "notes": notes,
@@ -433,6 +468,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timing-lengths", type=int, nargs="+")
     parser.add_argument("--timing-steps", type=int, default=2)
     parser.add_argument("--trl-checkpointing", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument(
+        "--paired-sampling",
+        action="store_true",
+        help="TRL's generate draws from the seeds LongStraw's rollouts use: both sides sample "
+        "the same completions while their policies agree (train.prompts_per_step=1)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -444,7 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.side:  # a child: one side, one seed (train.output_dir is among the overrides)
         cfg = lsc.load_config(ROOT / config, [*FORCED, *overrides, f"train.seed={args.seed}"])
         trl = args.side == "trl"
-        record = run_trl(cfg, args.trl_checkpointing == "on") if trl else run_longstraw(cfg)
+        checkpointing = args.trl_checkpointing == "on"
+        record = run_trl(cfg, checkpointing, args.paired_sampling) if trl else run_longstraw(cfg)
         device = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         record |= {"peak_rss_bytes": rss, "peak_device_bytes": device}

@@ -65,6 +65,14 @@ from longstraw_core.tools.turns import ToolTurns
 from longstraw_core.training.step import Rollout, StepBookkeeping, state_bytes
 
 
+def rollout_seed(run_seed: int, index: int) -> int:
+    """The seed of the rollout of the sample at ``index`` (its position in the run's data
+    order): from the run's seed, and different for every sample, so ranks (each taking its
+    own samples) never share draws. A comparison that wants another sampler to draw what
+    LongStraw draws seeds it with this (``benchmarks/trl_side_by_side.py --paired-sampling``)."""
+    return run_seed * 1_000_003 + index
+
+
 class Session(StepBookkeeping):
     """setup -> train -> cleanup; ``save_checkpoint`` every ``train.save_every`` steps.
 
@@ -214,9 +222,8 @@ class Session(StepBookkeeping):
             )
 
     def rollout_seed(self, index: int) -> int:
-        """The rollout seed of the sample at ``index``: the run's seed, and differs between
-        ranks (each takes its own samples)."""
-        return self.cfg.train.seed * 1_000_003 + index
+        """The rollout seed of the sample at ``index`` (``rollout_seed``)."""
+        return rollout_seed(self.cfg.train.seed, index)
 
     def rollout(
         self, state: ls.PrefixState, index: int, turns: ToolTurns | None = None
