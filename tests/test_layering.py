@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,34 @@ def test_the_package_the_planner_and_the_config_checks_leave_peft_and_bitsandbyt
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _exists(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_the_floor_table_names_modules_that_exist() -> None:
+    """``FLOORS`` and the table in docs/design.md ("Layers") name only modules and packages
+    that exist: a renamed or removed module is taken out of both."""
+    graph = _import_graph()
+    named = [prefix for _, prefixes in graph.FLOORS for prefix in prefixes]
+    assert [m for m in named if not _exists(m)] == []
+    design = (ROOT / "docs/design.md").read_text()
+    table = design[design.index("| floor | what | modules |") :].split("\n\n")[0]
+    rows = [line.split("|")[3] for line in table.splitlines()[2:]]
+    cited = [name.strip("/") for row in rows for name in re.findall(r"`([^`]+)`", row)]
+    base = {"model_adapters/": "model_adapters"}
+    missing = [
+        name
+        for name in cited
+        if not _exists(base.get(name + "/", "longstraw_core." + name.replace("/", ".")))
+        and not _exists(name.replace("/", "."))
+    ]
+    assert missing == [], f"docs/design.md's floor table names modules that do not exist: {missing}"
+    # The floors listed module by module are the same in the table as in FLOORS.
+    for floor, prefixes in graph.FLOORS:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {floor} |"))
+        if floor in ("foundation", "algorithms"):
+            listed = {name.strip("/").replace("/", ".") for name in re.findall(r"`([^`]+)`", row)}
+            assert listed == {p.removeprefix("longstraw_core.") for p in prefixes}, floor

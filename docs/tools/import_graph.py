@@ -29,7 +29,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             for name in (
                 "attention", "config.schema", "exact", "exits", "failpoints", "fake",
                 "gpu_emulation", "grpo_config", "guard", "kinds", "memory", "metrics", "offload",
-                "peft_types", "progress", "quantization", "sdpa_flash", "state", "tokenizer", "units",
+                "peft_types", "progress", "quantization", "state", "tokenizer",
             )
         ),
     ),
