@@ -29,6 +29,7 @@ BUILTIN_NAME = "builtin:bytes"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ENDOFTEXT, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 BUILTIN_SPECIAL_TOKENS = (ENDOFTEXT, PAD, IM_START, IM_END)  # ids 256, 257, 258, 259
+BUILTIN_TOKENIZER_SIZE = 256 + len(BUILTIN_SPECIAL_TOKENS)  # bytes, then the special tokens
 
 # ChatML, as Qwen uses: a tiny model trained with the built-in tokenizer learns the same turn
 # structure a real Qwen checkpoint expects.

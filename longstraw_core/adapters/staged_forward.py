@@ -1,7 +1,7 @@
 """The adapter's passes without autograd on a pipeline stage, and what both kinds share:
 what crosses a stage boundary, and running this stage's program.
 
-``longstraw_core.pipeline.stage_model`` puts a ``Stage`` on ``ModelAdapter.stage``; the public
+``longstraw_core.pipeline.cut.stage_model`` puts a ``Stage`` on ``ModelAdapter.stage``; the public
 passes (``prefill``, ``score``, ``backprop_prompt``), rollout's decode steps and
 ``grpo_step``'s replay then run on the stage (the passes with autograd, replay and the exact
 sweep, are ``longstraw_core.adapters.staged_backward``'s). Each stage runs
@@ -62,7 +62,7 @@ class StagedForwardPasses:
     ``ModelAdapter``), and the boundary specs and program runner the passes with autograd
     (``StagedBackwardPasses``) share."""
 
-    # Set by ``longstraw_core.pipeline.stage_model``. None: every layer on this rank.
+    # Set by ``longstraw_core.pipeline.cut.stage_model``. None: every layer on this rank.
     stage: Stage | None = None
 
     # --- what crosses a stage boundary --------------------------------------------------

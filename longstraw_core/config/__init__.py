@@ -27,7 +27,6 @@ from longstraw_core.config.model_tables import (
 )
 from longstraw_core.config.schema import (
     ATTN_IMPLEMENTATIONS,
-    BUILTIN_TOKENIZER_SIZE,
     DTYPES,
     GRPO_FROM_ROLLOUT,
     MIXED_PRECISION,
@@ -59,6 +58,7 @@ from longstraw_core.config.validation import (
     offload_policy,
     validate,
 )
+from longstraw_core.tokenizer import BUILTIN_TOKENIZER_SIZE
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",

@@ -14,7 +14,6 @@ from omegaconf import MISSING
 
 from longstraw_core.grpo_config import GRPOConfig
 from longstraw_core.offload.policy import placement_fields
-from longstraw_core.tokenizer import BUILTIN_SPECIAL_TOKENS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -22,7 +21,6 @@ SCHEDULERS = ("constant", "cosine", "linear")
 TRACKING_MODES = ("online", "offline", "disabled")
 MIXED_PRECISION = ("bf16", "fp32")
 ROLLOUT_GATHER = ("auto", "once", "per_step")
-BUILTIN_TOKENIZER_SIZE = 256 + len(BUILTIN_SPECIAL_TOKENS)
 
 
 class ConfigError(ValueError):

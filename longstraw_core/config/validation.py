@@ -39,7 +39,6 @@ from longstraw_core.config.probes import (
 )
 from longstraw_core.config.schema import (
     ATTN_IMPLEMENTATIONS,
-    BUILTIN_TOKENIZER_SIZE,
     DTYPES,
     GRPO_FROM_ROLLOUT,
     MIXED_PRECISION,
@@ -64,7 +63,7 @@ from longstraw_core.quantization import (
     require_bitsandbytes,
 )
 from longstraw_core.tasks import TASKS
-from longstraw_core.tokenizer import tokenizer_source
+from longstraw_core.tokenizer import BUILTIN_TOKENIZER_SIZE, tokenizer_source
 from longstraw_core.tools import check_config as check_tools
 
 

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from longstraw_core.offload import StreamedRecord, copy_rows
+from longstraw_core.kinds.forwarding import StreamedRecord
+from longstraw_core.offload.transfer import copy_rows
 
 if TYPE_CHECKING:
     from longstraw_core.attention import AttentionOutput

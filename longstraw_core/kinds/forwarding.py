@@ -1,12 +1,12 @@
 """The reads of every layer kind, answered by another object: the base of the wrappers a
-pass hands adapters instead of a record (``longstraw_core.offload.StreamedRecord``, an
+pass hands adapters instead of a record (``StreamedRecord`` below, an
 offloaded record's device copy; ``longstraw_core.adapters.base.LayerRecord``, a record under
 activation checkpointing).
 
 Each method is declared (no ``__getattr__``): together they are the union of the kinds'
 read protocols (``AttentionReads``, ``RecurrentReads``, ``LatentReads`` in
 ``longstraw_core.kinds.base``), so a read an adapter starts to make must be added here.
-This module imports nothing of the package, so ``longstraw_core.offload`` can use it.
+This module imports nothing of the package: ``longstraw_core.offload`` and the kinds use it.
 """
 
 from __future__ import annotations
@@ -66,3 +66,37 @@ class ForwardedReads:
 
     def latent_grad(self, end: int) -> torch.Tensor | None:
         return self._reads_target().latent_grad(end)
+
+
+class StreamedRecord(ForwardedReads):
+    """An offloaded record during one layer of a pass: reads (the kinds' declared reads,
+    ``ForwardedReads``) come from its device copy, writes (a prefill chunk's) go to its home
+    in CPU memory."""
+
+    def __init__(self, local: Any, home: Any) -> None:
+        self._local, self._home = local, home
+
+    def _reads_target(self) -> Any:
+        if self._local is None:
+            raise RuntimeError(f"a streamed {type(self._home).__name__} was read after release")
+        return self._local
+
+    def reading(self) -> Any:
+        """The device copy this layer reads (``LayerState.reading``)."""
+        return self._reads_target()
+
+    def with_record(self, copy: Any) -> StreamedRecord:
+        """The same home reading ``copy`` instead (``LayerState.with_record``)."""
+        return StreamedRecord(copy, self._home)
+
+    def write(self, *args: Any) -> None:
+        self._home.write(*args)
+
+    def update(self, *args: Any) -> None:
+        self._home.update(*args)
+
+    def write_output(self, *args: Any) -> None:
+        self._home.write_output(*args)
+
+    def release(self) -> None:
+        self._local = None

@@ -34,13 +34,15 @@ Import from here; the modules hold one job each:
 
 - ``policy``: ``OffloadPolicy`` (where each layer type lives) and ``home_options``.
 - ``stream``: ``stream_layers``, ``LayerStream`` (forward window, saved-tensor hooks,
-  backward refetch and prefetch) and ``StreamedRecord``.
+  backward refetch and prefetch); ``StreamedRecord`` (an offloaded record during one
+  layer) is the kinds' (``kinds.forwarding``).
 - ``transfer``: the copies to the device (side stream, events, ``copy_rows``).
 - ``residency``: ``Residency``, the accounting of copies on the device.
 - ``pinned``: exactly sized pinned arenas for the records' CPU homes (``empty_buffers``),
   instead of the caching host allocator's power-of-two blocks.
 """
 
+from longstraw_core.kinds.forwarding import StreamedRecord
 from longstraw_core.offload.policy import (
     PLACEMENTS,
     OffloadPolicy,
@@ -48,7 +50,7 @@ from longstraw_core.offload.policy import (
     placement_fields,
 )
 from longstraw_core.offload.residency import Residency
-from longstraw_core.offload.stream import LayerStream, StreamedRecord, stream_layers
+from longstraw_core.offload.stream import LayerStream, stream_layers
 from longstraw_core.offload.transfer import copy_rows
 
 __all__ = [

@@ -15,44 +15,9 @@ from typing import Any
 
 import torch
 
-from longstraw_core.kinds.forwarding import ForwardedReads
 from longstraw_core.offload.policy import OffloadPolicy
 from longstraw_core.offload.residency import Residency
 from longstraw_core.offload.transfer import DeviceCopy, start_copy
-
-
-class StreamedRecord(ForwardedReads):
-    """An offloaded record during one layer of a pass: reads (the kinds' declared reads,
-    ``ForwardedReads``) come from its device copy, writes (a prefill chunk's) go to its home
-    in CPU memory."""
-
-    def __init__(self, local: Any, home: Any) -> None:
-        self._local, self._home = local, home
-
-    def _reads_target(self) -> Any:
-        if self._local is None:
-            raise RuntimeError(f"a streamed {type(self._home).__name__} was read after release")
-        return self._local
-
-    def reading(self) -> Any:
-        """The device copy this layer reads (``LayerState.reading``)."""
-        return self._reads_target()
-
-    def with_record(self, copy: Any) -> StreamedRecord:
-        """The same home reading ``copy`` instead (``LayerState.with_record``)."""
-        return StreamedRecord(copy, self._home)
-
-    def write(self, *args: Any) -> None:
-        self._home.write(*args)
-
-    def update(self, *args: Any) -> None:
-        self._home.update(*args)
-
-    def write_output(self, *args: Any) -> None:
-        self._home.write_output(*args)
-
-    def release(self) -> None:
-        self._local = None
 
 
 @dataclass(frozen=True)

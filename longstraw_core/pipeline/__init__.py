@@ -10,7 +10,8 @@
 - ``transport``: the exchanges (``batch_isend_irecv``, shapes from the plan, no tags);
 - ``stage``: what an adapter on a stage knows of its place (``Stage``), the stand-ins for
   the layers it does not hold;
-- ``cut``: an adapter cut down to its stage (``stage_model``);
+- ``cut``: an adapter cut down to its stage (``stage_model``; imported from its module:
+  it knows adapters, which this package's other modules do not);
 - ``gradients``: averaging over replicas, clipping by the whole model's norm;
 
 and two modules of the run's floor, which this ``__init__`` does not import (they read the
@@ -22,7 +23,6 @@ The adapter's passes on a stage are in ``longstraw_core.adapters.staged_forward`
 autograd) and ``longstraw_core.adapters.staged_backward`` (replay, exact sweep).
 """
 
-from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import (
     StageLayout,
@@ -43,5 +43,4 @@ __all__ = [
     "balanced_boundaries",
     "check_stage_count",
     "clip_grad_norm",
-    "stage_model",
 ]

@@ -27,7 +27,8 @@ from longstraw_core import gpu_emulation, models, quantization
 from longstraw_core.config import grpo_config, offload_policy
 from longstraw_core.fake import real_values
 from longstraw_core.memory import LiveTensorMemory
-from longstraw_core.pipeline import StageLayout, stage_model
+from longstraw_core.pipeline import StageLayout
+from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.scale_check.link import FakeStageLink
 
 DEVICE = torch.device("cpu")  # fake tensors on CPU: the CPU kernels' code paths run

@@ -36,8 +36,8 @@ from longstraw_core.pipeline import (
     StageLayoutError,
     balanced_boundaries,
     check_stage_count,
-    stage_model,
 )
+from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.pipeline.mesh import pipeline_mesh, stage_link
 from longstraw_core.tiny_models import tiny_model
 
