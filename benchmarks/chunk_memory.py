@@ -32,8 +32,8 @@ import torch
 
 import longstraw_core as ls
 from longstraw_core import plan
-from longstraw_core.memory import LiveTensorMemory
 from longstraw_core.plan.units import human_bytes
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 BASELINE = 4096  # grpo_step's and the old train.chunk_size default
 

@@ -67,7 +67,7 @@ def bench_family(family: str, device_name: str, quick: bool) -> dict[str, Any]:
     import torch
 
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -165,7 +165,8 @@ def helper_calls(device: Any) -> dict[str, Callable[[], Any]]:
 
     from longstraw_core.checkpoint import ranks
     from longstraw_core.distributed import collectives
-    from longstraw_core.pipeline import gradients, mesh
+    from longstraw_core.parallel import mesh
+    from longstraw_core.pipeline import gradients
 
     def params(with_grad: bool) -> list[torch.nn.Parameter]:
         parameter = torch.nn.Parameter(torch.ones(3, device=device))
@@ -315,11 +316,11 @@ def real_config(family: str, quick: bool) -> dict[str, Any]:
 def layers_probe(family: str, device: Any, quick: bool, work: Path) -> dict[str, Any]:
     import torch
 
+    from longstraw_core.models.tiny import tiny_model
     from longstraw_core.plan.calibration import datasheet
     from longstraw_core.plan.flops import layer_flops
     from longstraw_core.plan.model import ModelSpec
     from longstraw_core.plan.roofline import Hardware
-    from longstraw_core.tiny_models import tiny_model
 
     config = real_config(family, quick)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -58,7 +58,7 @@ def policy(device: Any, quick: bool) -> tuple[Any, Any, Any]:
     from peft import LoraConfig, get_peft_model
 
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # The recipes' GPU head dims (its family's ``probe.gpu.recipe_dims``): fla's minimum is 64.
@@ -143,7 +143,7 @@ def fsdp_probe(device: Any, quick: bool, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from longstraw_core.distributed.fsdp import shard_model
+    from longstraw_core.parallel.fsdp import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -113,7 +113,7 @@ def make_group(
 
 def build_model(positions: int) -> Any:
     """The benchmark's tiny float32 Qwen3, sized to hold ``positions`` positions."""
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     return tiny_model("qwen3", max_position_embeddings=positions, **MODEL)
 

@@ -70,7 +70,8 @@ class KernelTrace:
 def tracing(path: Path | None = None) -> Iterator[KernelTrace]:
     """Count the kernels chosen inside the block (written to ``path``, if given): the two
     choosing functions are wrapped, and restored after."""
-    from longstraw_core import attention, gpu_emulation
+    from longstraw_core import attention
+    from longstraw_core.tensors import gpu_emulation
     from model_adapters import qwen36
 
     trace = KernelTrace(path)

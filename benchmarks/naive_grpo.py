@@ -4,7 +4,7 @@ Every ``prompt + response`` sequence goes through the transformers model with au
 gradient checkpointing on, one sequence per micro-batch, and ``logits_to_keep`` set to the
 response length + 1 so logits are only built for the completion (TRL's
 ``_get_per_token_logps_and_entropies``). The loss is the same one LongStraw computes, from
-``longstraw_core.losses`` (pure tensor functions), so the two steps optimise the same
+``longstraw_core.grpo.losses`` (pure tensor functions), so the two steps optimise the same
 objective and their gradients can be compared directly. Not part of the library: it lives
 beside the benchmark that uses it.
 """
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from longstraw_core.grpo_config import GRPOConfig
-from longstraw_core.losses import branch_loss, group_advantages, loss_weights
+from longstraw_core.grpo.losses import branch_loss, group_advantages, loss_weights
+from longstraw_core.schema.grpo import GRPOConfig
 
 
 def prepare_naive(model: PreTrainedModel) -> PreTrainedModel:

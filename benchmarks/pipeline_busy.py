@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     model, adapter, world, rank = stage_runs.on_stages(
         lambda: tiny_model(
@@ -89,7 +89,7 @@ def schedules(stages: int, group: int) -> dict[str, float]:
         ring_program,
     )
     from longstraw_core.pipeline.simulate import replay_pieces, simulate
-    from longstraw_core.rollout import STOP_CHECK_EVERY
+    from longstraw_core.rollout.decode import STOP_CHECK_EVERY
 
     ring = Ring(stages, len(micro_groups(group, stages)), 64, check_every=STOP_CHECK_EVERY)
     pieces = replay_pieces(stages, group)

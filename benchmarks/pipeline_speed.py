@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     model, adapter, world, rank = stage_runs.on_stages(
         lambda: tiny_model("qwen3", seed=0, **MODEL).train()

@@ -43,7 +43,7 @@ def measure(
     import torch
 
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     shape = DENSE_MODEL if bench_families.full_attention_only(model_type) else {}
     model = tiny_model(

@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace, prompt_tokens: int) -> dict:
 
     torch.set_num_threads(args.threads)
     import longstraw_core as ls
-    from longstraw_core.tiny_models import tiny_model
+    from longstraw_core.models.tiny import tiny_model
 
     shape = DENSE_MODEL if bench_families.full_attention_only(args.model_type) else {}
     model = tiny_model(

@@ -32,7 +32,7 @@ from longstraw_core.pipeline.simulate import (
     replay_pieces,
     simulate,
 )
-from longstraw_core.rollout import STOP_CHECK_EVERY
+from longstraw_core.rollout.decode import STOP_CHECK_EVERY
 
 RING_STEPS = 4 * STOP_CHECK_EVERY
 

@@ -85,7 +85,7 @@ def on_stages(build: Callable[[], Any]) -> tuple[Any, Any, int, int]:
 
     import longstraw_core as ls
     from longstraw_core.config import DistributedSection
-    from longstraw_core.pipeline.topology import RunTopology
+    from longstraw_core.parallel.topology import RunTopology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -2,7 +2,7 @@
 
 Starts one busy process per core (another job sharing the machine), then times the same
 short run (the embedded tiny demo config, ``train.steps`` steps) with ``OMP_NUM_THREADS``
-unset (the run chooses: ``longstraw_core.threads``) and with ``OMP_NUM_THREADS=1``, in
+unset (the run chooses: ``longstraw_core.process.threads``) and with ``OMP_NUM_THREADS=1``, in
 alternating pairs so drift in the load falls on both. Reports each wall time and the ratio
 default / one thread (the target: at most 1.5x).
 

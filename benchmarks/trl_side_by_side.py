@@ -62,12 +62,12 @@ from typing import Any
 import torch
 
 import longstraw_core.config as lsc
-from longstraw_core import metrics as names
-from longstraw_core.data import sample_source
-from longstraw_core.evaluation import is_correct
+from longstraw_core.data.samples import sample_source
+from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.metrics import names as names
 from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.rewards.inputs import sample_columns
-from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.training.evaluation import is_correct
 from longstraw_core.training.session import rollout_seed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,20 +11,20 @@ result.loss, result.advantages, result.metrics()  # typed fields; the scalars to
 """
 
 # First: quiets a bitsandbytes import-time notice before peft imports it (see quantization).
-from longstraw_core import quantization as _quantization  # noqa: F401
 from longstraw_core.adapters.base import ModelAdapter
 from longstraw_core.adapters.lookup import adapt
 from longstraw_core.adapters.registry import supported_model_types
 from longstraw_core.attention import segmented_attention
-from longstraw_core.generation import GenerationBatch
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.grpo.generation import GenerationBatch
+from longstraw_core.grpo.losses import group_advantages
+from longstraw_core.grpo.reference_policy import lora_reference
+from longstraw_core.grpo.replay import GRPOStepResult, grpo_step
 from longstraw_core.kinds.attention import AttentionKV
-from longstraw_core.losses import group_advantages
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.reference_policy import lora_reference
-from longstraw_core.replay import GRPOStepResult, grpo_step
-from longstraw_core.rollout import RolloutOutput, rollout
-from longstraw_core.state import PrefixState, format_bytes
+from longstraw_core.rollout.decode import RolloutOutput, rollout
+from longstraw_core.schema.grpo import GRPOConfig
+from longstraw_core.state.prefix import PrefixState, format_bytes
+from longstraw_core.tensors import quantization as _quantization  # noqa: F401
 
 __all__ = [
     "AttentionKV",

@@ -33,7 +33,7 @@ Run it:
     accelerate launch --config_file configs/accelerate/32xgpu_fsdp2.yaml \\
         recipes/grpo_glm52.py --config configs/glm52/lora_grpo_32xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_glm52.py distributed.fsdp=true   # sharded CPU run
-    python -m longstraw_core.export OUTPUT_DIR/step-NNNNNN DIR  # serve: transformers, LoRA merged
+    python -m longstraw_core.models.export OUTPUT_DIR/step-NNNNNN DIR  # serve: transformers, LoRA merged
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Run it:
     accelerate launch --config_file configs/accelerate/8xgpu_fsdp2.yaml \\
         recipes/grpo_qwen36.py --config configs/qwen36/27b_lora_grpo_8xgpu.yaml
     torchrun --nproc_per_node 2 recipes/grpo_qwen36.py distributed.fsdp=true   # sharded CPU run
-    python -m longstraw_core.export OUTPUT_DIR/step-NNNNNN DIR  # serve: transformers, LoRA merged
+    python -m longstraw_core.models.export OUTPUT_DIR/step-NNNNNN DIR  # serve: transformers, LoRA merged
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 # Tiny models spend more time synchronising threads than computing; one thread is faster
 # and keeps timings steady when the 2-core CI machine is busy. OMP_NUM_THREADS too: a run
-# takes it over its own choice (longstraw_core.threads), in this process (recipes run
+# takes it over its own choice (longstraw_core.process.threads), in this process (recipes run
 # in-process) and in every process the tests start; a test of that choice unsets it.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,7 +69,7 @@ def float64_default():
 @pytest.fixture(scope="module")
 def tokenizer():
     """The built-in byte-level tokenizer."""
-    from longstraw_core.tokenizer import load_tokenizer
+    from longstraw_core.data.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

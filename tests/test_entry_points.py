@@ -34,7 +34,13 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
 
 @pytest.mark.parametrize("model_type", probe_types(DEMO))
 def test_demo_runs_and_checks_itself(model_type: str) -> None:
-    command = [sys.executable, "-m", "longstraw_core.demo", "--model-type", model_type]
+    command = [
+        sys.executable,
+        "-m",
+        "longstraw_core.training.state_demo",
+        "--model-type",
+        model_type,
+    ]
     command += ["--prompt-tokens", "600", "--response-tokens", "16", "--chunk-size", "256"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
     assert "Prefix state of a 600-token prompt" in out.stdout

@@ -22,10 +22,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw_core as ls
-from longstraw_core import attention, config, gpu_emulation, models
+from longstraw_core import attention, config
+from longstraw_core.models import build as models
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan.calibration import load_calibration, resolve_hardware
 from longstraw_core.plan.cli import main as plan_main
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tensors import gpu_emulation
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the check's modules import each other by name

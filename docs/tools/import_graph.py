@@ -3,12 +3,13 @@
     python docs/tools/import_graph.py --lazy     # circles, imports up a floor, core -> families
 
 The floors (``FLOORS``, lowest first; ``docs/design.md``, "Layers"): a module may import its
-own floor and those below. A module belongs to the floor of the longest prefix that names it.
+own floor and those below. ``FLOORS`` names top-level packages only, so a package's modules
+are all on its floor; the package-level graph (``package_graph``) has no circle either.
 
 Edges are the ``import``/``from ... import`` statements at module level (``TYPE_CHECKING``
 blocks excluded: they never run); ``--lazy`` adds the imports inside functions. A package's
 ``__init__`` counts as a module of its own. ``tests/test_layering.py`` holds the project to
-what this prints: no circles, and no module of ``longstraw_core`` importing ``model_adapters``.
+what this prints: no circles (between modules or packages), and no module of ``longstraw_core`` importing ``model_adapters``.
 """
 
 from __future__ import annotations
@@ -24,30 +25,25 @@ PACKAGES = ("longstraw_core", "model_adapters")
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundation",  # tensors, records and plain declarations: no model, no run
-        tuple(
-            f"longstraw_core.{name}"
-            for name in (
-                "attention", "config.schema", "exact", "exits", "failpoints", "fake",
-                "gpu_emulation", "grpo_config", "guard", "kinds", "memory", "metrics", "offload",
-                "peft_types", "progress", "quantization", "state", "tokenizer",
-            )
+        (
+            "longstraw_core.tensors", "longstraw_core.process", "longstraw_core.metrics",
+            "longstraw_core.attention", "longstraw_core.kinds", "longstraw_core.offload",
+            "longstraw_core.state", "longstraw_core.schema", "longstraw_core.distributed",
         ),
     ),
     ("adapters", ("longstraw_core.adapters", "longstraw_core.pipeline")),  # the contract
+    # GRPO over an adapter; the package's own module (``import longstraw_core as ls``) too
+    ("algorithms", ("longstraw_core.grpo", "longstraw_core.rollout", "longstraw_core")),
+    ("inputs", ("longstraw_core.data", "longstraw_core.rewards", "longstraw_core.tools")),
+    ("config", ("longstraw_core.config",)),  # loaded and checked against the inputs
     (
-        "algorithms",  # GRPO over an adapter: rollout, replay, losses, collectives
-        tuple(
-            f"longstraw_core.{name}"
-            for name in (
-                "distributed", "generation", "losses", "reference_policy", "replay", "replay_totals", "rollout",
-                "rollout_turns", "sampled_group", "sampling",
-            )
+        "run parts",  # what a run is made of: checkpoints, the plan, the ranks, the model
+        (
+            "longstraw_core.checkpoint", "longstraw_core.plan", "longstraw_core.parallel",
+            "longstraw_core.models", "longstraw_core.launch",
         ),
     ),
-    (
-        "run",  # config, data, rewards, planner, checkpoints, training: everything else
-        ("longstraw_core", "longstraw_core.pipeline.mesh", "longstraw_core.pipeline.topology"),
-    ),
+    ("run", ("longstraw_core.training", "longstraw_core.scale_check")),
     ("families", ("model_adapters",)),
 )  # fmt: skip
 
@@ -174,6 +170,21 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str) -> str:
+    """The top-level package ``module`` belongs to (``longstraw_core.grpo``, ``model_adapters``);
+    the package's own ``__init__`` (``longstraw_core``) is a package of its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "longstraw_core" else parts[0]
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports between top-level packages (a module's imports, its package's)."""
+    found: dict[str, set[str]] = {package_of(name): set() for name in edges}
+    for src, targets in edges.items():
+        found[package_of(src)] |= {package_of(dst) for dst in targets} - {package_of(src)}
+    return found
+
+
 def floor_of(module: str) -> int:
     """The index in ``FLOORS`` of the longest prefix naming ``module``."""
     best, length = -1, -1
@@ -205,7 +216,9 @@ def main() -> int:
     args = parser.parse_args()
     edges = graph(lazy=args.lazy)
     found = circles(edges)
-    print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports")
+    packages = package_graph(edges)
+    print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(packages)} packages")
+    found += circles(packages)
     for component in found:
         print(f"circle of {len(component)}: {', '.join(component)}")
     for src, dst in upward(edges):

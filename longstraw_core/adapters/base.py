@@ -7,7 +7,7 @@ decoder layers; subclasses give which state each layer keeps (``new_layer_state`
 decoder layer's work over a span of positions (``layer_work``, with ``layer_result`` when a
 layer passes something on to the next), and optional model checks (``check_model``).
 
-Decoding (``longstraw_core.rollout``) runs the same ``run_layers`` on a batch of branches
+Decoding (``longstraw_core.rollout.decode``) runs the same ``run_layers`` on a batch of branches
 with a ``BranchCache``: each layer reads the shared prefix record and its own branch record.
 Scoring is the one-branch case without a cache: the branch's positions are the span itself.
 
@@ -54,7 +54,7 @@ from longstraw_core.adapters.validation import (
 )
 from longstraw_core.kinds.base import LayerState, Produced
 from longstraw_core.offload import OffloadPolicy, stream_layers
-from longstraw_core.state import BranchCache, BranchRecord, PrefixState
+from longstraw_core.state.prefix import BranchCache, BranchRecord, PrefixState
 
 __all__ = [
     "Item",

@@ -43,7 +43,7 @@ class ModelFamily:
       is null.
     - ``tiny_configs``: model type -> the keyword arguments of its transformers config class
       (``AutoConfig.for_model(model_type, **kwargs)``) that make the toy model every test,
-      demo and benchmark builds (``longstraw_core.tiny_models``).
+      demo and benchmark builds (``longstraw_core.models.tiny``).
     - ``presets``: name -> ``Preset``, paper-scale models the memory planner knows by name.
     - ``kernel_budgets``: device type (``"cpu"``, ``"cuda"``) -> the block budgets of the
       family's own kernels as they are now (read when called: tests patch them), by name;

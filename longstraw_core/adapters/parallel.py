@@ -17,9 +17,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from longstraw_core.exact import StateGrad
 from longstraw_core.kinds.base import Produced
-from longstraw_core.state import PrefixState
+from longstraw_core.state.exact import StateGrad
+from longstraw_core.state.prefix import PrefixState
 
 Item = TypeVar("Item")
 

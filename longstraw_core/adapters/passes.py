@@ -24,11 +24,11 @@ from longstraw_core.adapters.validation import (
     check_prefill_options,
     check_temperature,
 )
-from longstraw_core.exact import StateGrad, exact_state
 from longstraw_core.kinds.base import Produced
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.progress import counter
-from longstraw_core.state import BranchCache, PrefixState
+from longstraw_core.process.progress import counter
+from longstraw_core.state.exact import StateGrad, exact_state
+from longstraw_core.state.prefix import BranchCache, PrefixState
 
 
 def token_progress(total: int, desc: str, progress: bool | None) -> tqdm:
@@ -80,7 +80,7 @@ class PublicPasses:
         if self.stage is not None:
             raise RuntimeError(
                 "on pipeline stages decoding runs the stages' ring schedule: call "
-                "longstraw_core.rollout (or ModelAdapter.ring_decode within its program)"
+                "longstraw_core.rollout.decode (or ModelAdapter.ring_decode within its program)"
             )
 
         def step() -> torch.Tensor:

@@ -23,7 +23,7 @@ LOADING = "loading"  # one-process load from a checkpoint equals the old path
 MIXED_PRECISION = "mixed_precision"  # bf16 working weights equal FSDP2's policy
 PIPELINE = "pipeline"  # pipeline stages train like one process
 TOOL_MASK = "tool_mask"  # grpo_step with loss masks equals TRL's loss
-DEMO = "demo"  # ``python -m longstraw_core.demo --model-type`` checks itself
+DEMO = "demo"  # ``python -m longstraw_core.training.state_demo --model-type`` checks itself
 PREFILL_OPTIONS = "prefill_options"  # a state prefilled with exact mode's options serves it
 TEST_CAPABILITIES: frozenset[str] = frozenset(
     {OFFLOAD, QLORA, LOADING, MIXED_PRECISION, PIPELINE, TOOL_MASK, DEMO, PREFILL_OPTIONS}

@@ -26,7 +26,6 @@ import torch
 
 from longstraw_core.adapters.lm_head import chunked_head_log_probs
 from longstraw_core.adapters.span import Span
-from longstraw_core.exact import StateGrad, exact_state
 from longstraw_core.kinds.base import Produced
 from longstraw_core.pipeline.schedule import (
     MAX_OPEN_SENDS,
@@ -37,10 +36,11 @@ from longstraw_core.pipeline.schedule import (
     split_pieces,
 )
 from longstraw_core.pipeline.transport import MessageSpec, Payload
-from longstraw_core.state import PieceCache
+from longstraw_core.state.exact import StateGrad, exact_state
+from longstraw_core.state.prefix import PieceCache
 
 if TYPE_CHECKING:
-    from longstraw_core.state import PrefixState
+    from longstraw_core.state.prefix import PrefixState
 
 # loss_of(branch index, log-probs, entropy) -> the loss to backpropagate (last stage only)
 BranchLoss = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]

@@ -1,7 +1,7 @@
 """The adapter's passes without autograd on a pipeline stage, and what both kinds share:
 what crosses a stage boundary, and running this stage's program.
 
-``longstraw_core.pipeline.cut.stage_model`` puts a ``Stage`` on ``ModelAdapter.stage``; the public
+``longstraw_core.adapters.stage_cut.stage_model`` puts a ``Stage`` on ``ModelAdapter.stage``; the public
 passes (``prefill``, ``score``, ``backprop_prompt``), rollout's decode steps and
 ``grpo_step``'s replay then run on the stage (the passes with autograd, replay and the exact
 sweep, are ``longstraw_core.adapters.staged_backward``'s). Each stage runs
@@ -19,7 +19,7 @@ every stage, NCCL-correct, and each message's shape comes from the pass's plan
 - **score** (no grad; the reference policy): one pass through the stages; the last stage
   computes the log-probabilities and every stage receives them.
 - **decode** (rollout, ``ring_decode``): one micro-group's decode step on this stage; the
-  ring schedule (``longstraw_core.rollout``) keeps every stage on a different micro-group.
+  ring schedule (``longstraw_core.rollout.decode``) keeps every stage on a different micro-group.
 
 Every stage must make the same calls in the same order (they pair up like collectives).
 
@@ -54,7 +54,7 @@ from longstraw_core.pipeline.transport import MessageSpec, Payload, TensorSpec
 
 if TYPE_CHECKING:
     from longstraw_core.pipeline.stage import Stage
-    from longstraw_core.state import BranchCache, PrefixState
+    from longstraw_core.state.prefix import BranchCache, PrefixState
 
 
 class StagedForwardPasses:
@@ -62,7 +62,7 @@ class StagedForwardPasses:
     ``ModelAdapter``), and the boundary specs and program runner the passes with autograd
     (``StagedBackwardPasses``) share."""
 
-    # Set by ``longstraw_core.pipeline.cut.stage_model``. None: every layer on this rank.
+    # Set by ``longstraw_core.adapters.stage_cut.stage_model``. None: every layer on this rank.
     stage: Stage | None = None
 
     # --- what crosses a stage boundary --------------------------------------------------

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from longstraw_core.fake import is_fake
-from longstraw_core.state import BranchCache, PrefixState
+from longstraw_core.state.prefix import BranchCache, PrefixState
+from longstraw_core.tensors.fake import is_fake
 
 
 def as_token_ids(ids: torch.Tensor | Sequence[int], name: str, vocab_size: int) -> torch.Tensor:

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
-from longstraw_core import gpu_emulation
 from longstraw_core.attention import flash_backend, sdpa_flash
 from longstraw_core.attention.common import Segment
 from longstraw_core.attention.flash_backend import FLASH_DTYPES
+from longstraw_core.tensors import gpu_emulation
 
 
 def fused_unsupported_reason(

@@ -24,8 +24,8 @@ from longstraw_core.checkpoint.reading import (
     weight_files,
 )
 from longstraw_core.checkpoint.resolution import earlier_hint
-from longstraw_core.peft_types import is_peft_model
 from longstraw_core.pipeline.stage import staged_model
+from longstraw_core.tensors.peft_types import is_peft_model
 
 if TYPE_CHECKING:
     from peft import PeftModel

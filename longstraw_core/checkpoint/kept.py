@@ -37,8 +37,8 @@ from longstraw_core.checkpoint.saving import _write_checkpoint, save_checkpoint
 from longstraw_core.checkpoint.sharded import gather_state
 from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
 from longstraw_core.distributed import any_rank
-from longstraw_core.guard import TrainingDiverged, first_non_finite, optimizer_tensors
-from longstraw_core.peft_types import is_peft_model
+from longstraw_core.process.guard import TrainingDiverged, first_non_finite, optimizer_tensors
+from longstraw_core.tensors.peft_types import is_peft_model
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -23,7 +23,7 @@ from longstraw_core.checkpoint.reading import (
 )
 from longstraw_core.checkpoint.sharded import is_sharded, load_sharded
 from longstraw_core.checkpoint.staged import is_staged, load_staged, save_staged_adapters
-from longstraw_core.peft_types import is_peft_model
+from longstraw_core.tensors.peft_types import is_peft_model
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -42,7 +42,7 @@ from longstraw_core.checkpoint.space import (
     no_space,
 )
 from longstraw_core.checkpoint.staged import gather_staged_state, is_staged
-from longstraw_core.failpoints import failpoint
+from longstraw_core.process.failpoints import failpoint
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -28,7 +28,7 @@ from longstraw_core.checkpoint.reading import (
     torch_load,
     untied_missing,
 )
-from longstraw_core.peft_types import is_peft_model
+from longstraw_core.tensors.peft_types import is_peft_model
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from longstraw_core.checkpoint.errors import CheckpointError
-from longstraw_core.peft_types import is_peft_model
-from longstraw_core.state import format_bytes
+from longstraw_core.state.prefix import format_bytes
+from longstraw_core.tensors.peft_types import is_peft_model
 
 # Files besides the tensors (RNG states, JSON, the manifest, safetensors headers).
 _SMALL_FILES = 1 << 20

@@ -19,13 +19,22 @@ Import from here; the modules hold:
 - ``model_tables``: ``lora_targets`` (defaults from the model families), ``model_facts``.
 """
 
-from longstraw_core.config.loading import config_from_dict, load_config, to_dict, to_yaml
-from longstraw_core.config.model_tables import (
+from longstraw_core.adapters.model_tables import (
     ModelFacts,
     lora_targets,
     model_facts,
 )
-from longstraw_core.config.schema import (
+from longstraw_core.config.loading import config_from_dict, load_config, to_dict, to_yaml
+from longstraw_core.config.validation import (
+    eval_data,
+    eval_generations,
+    eval_max_new_tokens,
+    grpo_config,
+    offload_policy,
+    validate,
+)
+from longstraw_core.data.tokenizer import BUILTIN_TOKENIZER_SIZE
+from longstraw_core.schema.run_config import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
     GRPO_FROM_ROLLOUT,
@@ -50,15 +59,6 @@ from longstraw_core.config.schema import (
     TrackingSection,
     TrainSection,
 )
-from longstraw_core.config.validation import (
-    eval_data,
-    eval_generations,
-    eval_max_new_tokens,
-    grpo_config,
-    offload_policy,
-    validate,
-)
-from longstraw_core.tokenizer import BUILTIN_TOKENIZER_SIZE
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",

@@ -24,10 +24,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from longstraw_core import hub, packaged_models
+from longstraw_core.config import hub, packaged_models
 from longstraw_core.config.relative_paths import anchor
-from longstraw_core.config.schema import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 from longstraw_core.config.validation import validate
+from longstraw_core.schema.run_config import GRPO_FROM_ROLLOUT, ConfigError, RunConfig
 
 
 def load_config(

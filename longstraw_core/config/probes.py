@@ -10,13 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from longstraw_core.config.schema import (
-    ConfigError,
-    DataSection,
-    RewardSpec,
-    RunConfig,
-    TrainSection,
-)
+from longstraw_core.data.tokenizer import has_tokenizer_files, is_builtin, model_without_tokenizer
 from longstraw_core.rewards import (
     TRL_ARGUMENTS,
     RewardNameError,
@@ -24,7 +18,13 @@ from longstraw_core.rewards import (
     signature_problem,
 )
 from longstraw_core.rewards.resolution import resolve_entry
-from longstraw_core.tokenizer import has_tokenizer_files, is_builtin, model_without_tokenizer
+from longstraw_core.schema.run_config import (
+    ConfigError,
+    DataSection,
+    RewardSpec,
+    RunConfig,
+    TrainSection,
+)
 
 # Where a relative path is taken from (config.relative_paths), said where one is not found.
 RELATIVE_RULE = (
@@ -122,9 +122,12 @@ def data_columns(data: DataSection, check_paths: bool) -> tuple[str, ...] | None
     """The dataset columns the reward functions will get: those of the run's first sample
     (``rewards.sample_columns``). None when they cannot be known yet: ``check_paths=False``
     with ``data.path``, or data the scan will refuse anyway (it names the record then)."""
-    from longstraw_core.data import DataError, first_sample  # lazily, as validation's data checks
-    from longstraw_core.tasks import sample_at
-    from longstraw_core.tokenizer import load_tokenizer
+    from longstraw_core.data.samples import (  # lazily, as validation's data checks
+        DataError,
+        first_sample,
+    )
+    from longstraw_core.data.tasks import sample_at
+    from longstraw_core.data.tokenizer import load_tokenizer
 
     try:
         if data.task is not None:

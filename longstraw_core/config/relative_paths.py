@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from longstraw_core.hub import looks_like_hub_id
+from longstraw_core.config.hub import looks_like_hub_id
 
 # (section, ..., key) of every path a run reads; ``hub`` marks those a Hub id may fill.
 READ_PATHS: dict[tuple[str, ...], bool] = {

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from longstraw_core.adapters import registry
-from longstraw_core.config.model_tables import ModelFacts, lora_targets, model_facts
+from longstraw_core.adapters.model_tables import ModelFacts, lora_targets, model_facts
 from longstraw_core.config.probes import (
     check_exists,
     check_reward_columns,
@@ -37,7 +37,11 @@ from longstraw_core.config.probes import (
     check_source_paths,
     check_train_paths,
 )
-from longstraw_core.config.schema import (
+from longstraw_core.data.tasks import TASKS
+from longstraw_core.data.tokenizer import BUILTIN_TOKENIZER_SIZE, tokenizer_source
+from longstraw_core.offload import PLACEMENTS, OffloadPolicy, placement_fields
+from longstraw_core.schema.grpo import GRPOConfig, GRPOConfigError
+from longstraw_core.schema.run_config import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
     GRPO_FROM_ROLLOUT,
@@ -54,16 +58,12 @@ from longstraw_core.config.schema import (
     RunConfig,
     TrainSection,
 )
-from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
-from longstraw_core.offload import PLACEMENTS, OffloadPolicy, placement_fields
-from longstraw_core.quantization import (
+from longstraw_core.tensors.quantization import (
     COMPUTE_DTYPES,
     INSTALL_HINT,
     QUANTIZATIONS,
     require_bitsandbytes,
 )
-from longstraw_core.tasks import TASKS
-from longstraw_core.tokenizer import BUILTIN_TOKENIZER_SIZE, tokenizer_source
 from longstraw_core.tools import check_config as check_tools
 
 
@@ -238,14 +238,14 @@ def _check_data_section(data: DataSection, key: str) -> None:
     elif data.task_kwargs:
         raise ConfigError(f"{key}.task_kwargs", f"only applies with {key}.task, not {key}.path")
     else:
-        from longstraw_core.data_files import path_problem  # no `datasets` import here
+        from longstraw_core.data.files import path_problem  # no `datasets` import here
 
         problem = path_problem(data.path)
         if problem:
             raise ConfigError(f"{key}.path", problem)
     if not data.split:
         raise ConfigError(f"{key}.split", 'empty; name a split ("train", as TRL scripts do)')
-    from longstraw_core.data import ON_OVERLONG  # the values data.scan_samples accepts
+    from longstraw_core.data.samples import ON_OVERLONG  # the values data.scan_samples accepts
 
     _check_choice(f"{key}.on_overlong", data.on_overlong, ON_OVERLONG)
     if data.task is not None and data.on_overlong != "error":
@@ -544,7 +544,7 @@ def _check_distributed(cfg: RunConfig) -> None:
 
 def _check_working_weights(cfg: RunConfig) -> None:
     """``distributed.mixed_precision=bf16`` without FSDP: bf16 working weights over float32
-    master weights in one process (``longstraw_core.mixed_precision``)."""
+    master weights in one process (``longstraw_core.models.mixed_precision``)."""
     key = "distributed.mixed_precision"
     if cfg.model.quantization is not None:
         raise ConfigError(
@@ -571,7 +571,7 @@ def _check_working_weights(cfg: RunConfig) -> None:
 
 
 def _check_memory(memory: MemorySection) -> None:
-    from longstraw_core.memory import parse_bytes
+    from longstraw_core.tensors.memory import parse_bytes
 
     if memory.gpu_mem is not None:
         try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from longstraw_core.config.schema import ConfigError
+from longstraw_core.schema.run_config import ConfigError
 
 if TYPE_CHECKING:
     from accelerate.utils import InitProcessGroupKwargs

@@ -9,7 +9,7 @@ by record class.
 
 The protocols below name every method called from outside a kind's module:
 
-- ``LayerState``: what ``PrefixState``, ``longstraw_core.exact``, ``longstraw_core.offload``
+- ``LayerState``: what ``PrefixState``, ``longstraw_core.state.exact``, ``longstraw_core.offload``
   and ``longstraw_core.adapters.base`` call on any record, whatever its kind (``RecordBase`` gives
   the defaults a kind without checkpoints, kept outputs or a compressed form inherits).
 - ``AttentionReads``, ``RecurrentReads``, ``LatentReads``: what the adapter of that kind
@@ -30,7 +30,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.kinds.forwarding import StreamedRecord
-from longstraw_core.offload.transfer import copy_rows
+from longstraw_core.tensors.device_copy import copy_rows
 
 if TYPE_CHECKING:
     from longstraw_core.attention import AttentionOutput

@@ -45,7 +45,7 @@ from longstraw_core.kinds.base import (
 )
 from longstraw_core.kinds.planning import FP32, causal_pairs
 from longstraw_core.kinds.registry import LayerKind, register_kind
-from longstraw_core.offload.pinned import empty_buffers, pinned_copy
+from longstraw_core.tensors.pinned import empty_buffers, pinned_copy
 
 
 class WindowReads(Protocol):

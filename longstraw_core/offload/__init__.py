@@ -51,7 +51,7 @@ from longstraw_core.offload.policy import (
 )
 from longstraw_core.offload.residency import Residency
 from longstraw_core.offload.stream import LayerStream, stream_layers
-from longstraw_core.offload.transfer import copy_rows
+from longstraw_core.tensors.device_copy import copy_rows
 
 __all__ = [
     "PLACEMENTS",

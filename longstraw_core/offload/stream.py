@@ -17,7 +17,7 @@ import torch
 
 from longstraw_core.offload.policy import OffloadPolicy
 from longstraw_core.offload.residency import Residency
-from longstraw_core.offload.transfer import DeviceCopy, start_copy
+from longstraw_core.tensors.device_copy import DeviceCopy, start_copy
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A rank's pipeline stage: what an adapter on one knows of its place, and the stand-ins for
 the modules it does not hold.
 
-``longstraw_core.pipeline.cut.stage_model`` cuts an adapter down to one stage and sets a
+``longstraw_core.adapters.stage_cut.stage_model`` cuts an adapter down to one stage and sets a
 ``Stage`` on it; the passes on the stage (``longstraw_core.adapters.staged_forward`` and ``staged_backward``) read it. The
 model keeps a ``StagedModel`` (``staged_model(model)``): the whole model's names and shapes,
 which checkpoints of the stage check and index by. This module knows nothing of adapters: the

@@ -15,7 +15,7 @@ and names what to change (chunk size, offload, GPUs) when it does not fit::
 Where the numbers come from (so the plan cannot drift from the code):
 
 - **Model.** The model is built from its transformers config on the ``meta`` device (no
-  weights, no memory): a tiny model from ``longstraw_core.tiny_models``, a checkpoint's
+  weights, no memory): a tiny model from ``longstraw_core.models.tiny``, a checkpoint's
   ``config.json`` through ``AutoConfig``, or a named paper-scale preset (a family's ``presets``).
   Parameter counts are read from its modules; LoRA counts ``r x (in + out)`` per targeted
   ``nn.Linear``.
@@ -39,7 +39,7 @@ kernels' internal scratch.
 Loading (phase ``load``, before the first step): the rank's own share of the parameters
 on the device (NF4: its 4-bit share) and one tensor of it on the host
 (``MemoryPlan.load_host``; NF4: the largest 4-bit weight as read, with its quantization's
-scratch), as ``longstraw_core.loading`` reads a checkpoint; never the whole model.
+scratch), as ``longstraw_core.models.sharded_loading`` reads a checkpoint; never the whole model.
 
 The chunk (``train.chunk_size: null``, the default): the largest power of two from 256 to
 8192 (no larger than the prompt needs) whose planned peak is within 25% of the leanest

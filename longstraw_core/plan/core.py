@@ -426,7 +426,7 @@ class MemoryParts(WeightParts, InFlight):
             phases["replay"] += self.replay.waiting + self.replay.written
             if "sweep" in phases:
                 phases["sweep"] += self.waiting_chunks()
-        # Loading (longstraw_core.loading): the rank's own share, allocated and read in place
+        # Loading (longstraw_core.models.sharded_loading): the rank's own share, allocated and read in place
         # (and the frozen reference model's, loaded after it).
         phases[LOAD] = self.parameters() + self.reference()
         return {name: phases[name] for name in (LOAD, *PHASES) if name in phases}

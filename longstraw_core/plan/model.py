@@ -14,8 +14,8 @@ from torch import nn
 
 from longstraw_core.kinds import registry as kinds
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.quantization import is_quantized, quantizable_in_layer
-from longstraw_core.rollout import STOP_CHECK_EVERY
+from longstraw_core.rollout.decode import STOP_CHECK_EVERY
+from longstraw_core.tensors.quantization import is_quantized, quantizable_in_layer
 
 PHASES = ("prefill", "rollout", "replay", "sweep", "optimizer")  # a step's, in recipe order
 LOAD = "load"  # the phase before the first step: loading the weights (``plan.phases`` first)
@@ -146,7 +146,7 @@ def _record_bytes(record: Any) -> int:
 
 def _grad_bytes(record: Any, length: int) -> int:
     """Bytes of the exact-mode buffer ``record.new_grad`` makes, holding ``length`` rows."""
-    from longstraw_core.exact import gradient_dtype
+    from longstraw_core.state.exact import gradient_dtype
 
     if record.grows_with_prompt:
         record = dataclasses.replace(record, length=length)

@@ -22,7 +22,7 @@ from longstraw_core.plan.flops import (
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.stages import root_split
 from longstraw_core.plan.units import FP32, dtype_bytes
-from longstraw_core.quantization import nf4_bytes
+from longstraw_core.tensors.quantization import nf4_bytes
 
 # flash-attn's backward: five matmuls (scores recomputed, dP, dV, dQ, dK) to the forward's two.
 ATTENTION_BACKWARD = 2.5

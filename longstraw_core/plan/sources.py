@@ -58,7 +58,7 @@ class Scenario:
 
 def scenario_workload(scenario: Scenario, group: int, gradient: str) -> Workload:
     """The shipped 8-/32-GPU configs' settings for a scenario (the ``--preset`` defaults)."""
-    from longstraw_core.memory import parse_bytes
+    from longstraw_core.tensors.memory import parse_bytes
 
     lora = scenario.lora_rank > 0
     return Workload(
@@ -184,7 +184,7 @@ def workload_from_config(
     (``plan_for_config`` resolves it: the choice needs the model).
     """
     from longstraw_core.config import lora_targets
-    from longstraw_core.memory import parse_bytes
+    from longstraw_core.tensors.memory import parse_bytes
 
     memory = getattr(cfg, "memory", None)
     gpu_mem = gpu_mem if gpu_mem is not None else getattr(memory, "gpu_mem", None)

@@ -57,7 +57,7 @@ from longstraw_core.plan.pieces import pieces_of
 from longstraw_core.plan.roofline import NF4_FUSED_ROWS, Hardware, StageCosts, Work
 from longstraw_core.plan.stages import layout_for
 from longstraw_core.plan.units import FP32, dtype_bytes
-from longstraw_core.quantization import nf4_bytes
+from longstraw_core.tensors.quantization import nf4_bytes
 
 ADAM_ACCESSES = 7  # AdamW reads parameter, gradient and both moments and writes three back
 # Microbatches (or decode steps) a pass is simulated with at most: a longer one is extended

@@ -21,7 +21,7 @@ def dtype_name(size: int) -> str:
 
 def human_bytes(value: int | None) -> str:
     """Human-readable bytes (``format_bytes``), ``-`` for an unknown budget."""
-    from longstraw_core.state import format_bytes
+    from longstraw_core.state.prefix import format_bytes
 
     return "-" if value is None else format_bytes(value)
 

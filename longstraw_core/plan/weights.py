@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from longstraw_core.plan.model import LayerSpec, ModelSpec, Workload
 from longstraw_core.plan.units import FP32, dtype_name, human_count
-from longstraw_core.quantization import nf4_bytes, nf4_load_bytes
+from longstraw_core.tensors.quantization import nf4_bytes, nf4_load_bytes
 
 
 class WeightParts:
@@ -61,7 +61,7 @@ class WeightParts:
 
     @property
     def working_weights(self) -> bool:
-        """bf16 compute over float32 masters without FSDP (``longstraw_core.mixed_precision``):
+        """bf16 compute over float32 masters without FSDP (``longstraw_core.models.mixed_precision``):
         frozen weights are cast to the compute dtype once, trained ones copied per step."""
         return not self.work.fsdp and self.cb < self.pb
 

@@ -16,7 +16,7 @@ ways of naming are resolved here (``rewards.resolve_reward`` adds the built-ins)
   soft_punish_cache)``, or a class whose instances are called). The product is kept, so the
   config check and the run share one object (a factory that loads a judge model loads it once).
 - ``callable:<name>``: a function registered in this process with ``register_callable``
-  (``longstraw_core.trainer.train`` does, for lambdas and closures); it exists only in the
+  (``longstraw_core.training.trainer.train`` does, for lambdas and closures); it exists only in the
   process that registered it.
 """
 
@@ -60,7 +60,7 @@ def registered(spec: str) -> Callable[..., Any]:
     name = spec.removeprefix(CALLABLE_PREFIX)
     if name not in _REGISTERED:
         raise RewardNameError(
-            f"reward {spec!r} is a function passed to longstraw_core.trainer.train in another "
+            f"reward {spec!r} is a function passed to longstraw_core.training.trainer.train in another "
             "process; pass it again through train(..., reward_funcs=[...]), or name a "
             "module:function here"
         )

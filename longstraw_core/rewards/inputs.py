@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from longstraw_core.tasks import Sample
+from longstraw_core.data.tasks import Sample
 
 __all__ = [
     "NOT_COLUMNS",

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from longstraw_core import metrics as metric_names
-from longstraw_core.grpo_config import normalize_scale_rewards
+from longstraw_core.metrics import names as metric_names
 from longstraw_core.rewards.inputs import Completion
+from longstraw_core.schema.grpo import normalize_scale_rewards
 
 # --------------------------------------------------------------------------- combination
 
@@ -48,7 +48,7 @@ class RewardResult:
         return {n: [row[i] for row in self.rewards_per_func] for i, n in enumerate(self.names)}
 
     def metrics(self) -> dict[str, float]:
-        """TRL's reward metrics (names in ``longstraw_core.metrics``), this batch taken as one
+        """TRL's reward metrics (names in ``longstraw_core.metrics.names``), this batch taken as one
         group: per-function nan-mean/std, the rewards' nan-mean/std (unscorable rows left
         out), whether the group's std is zero; LongStraw's counts; ``log_metric`` means."""
         m = metric_names

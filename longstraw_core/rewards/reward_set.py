@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from longstraw_core.data.tasks import Sample
 from longstraw_core.rewards.failures import FailureReport
 from longstraw_core.rewards.inputs import (
     TRL_ARGUMENTS,
@@ -42,12 +43,11 @@ from longstraw_core.rewards.running import (
     call_outcome,
     stop_error,
 )
-from longstraw_core.tasks import Sample
 
 if TYPE_CHECKING:
     from transformers import TrainerState
 
-    from longstraw_core.config.schema import RunConfig
+    from longstraw_core.schema.run_config import RunConfig
 
 # The package's name, as before the split: what log configurations and tests select.
 logger = logging.getLogger("longstraw_core.rewards")

@@ -23,13 +23,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw_core as ls
-from longstraw_core import gpu_emulation, models, quantization
+from longstraw_core.adapters.stage_cut import stage_model
 from longstraw_core.config import grpo_config, offload_policy
-from longstraw_core.fake import real_values
-from longstraw_core.memory import LiveTensorMemory
+from longstraw_core.models import build as models
 from longstraw_core.pipeline import StageLayout
-from longstraw_core.pipeline.cut import stage_model
 from longstraw_core.scale_check.link import FakeStageLink
+from longstraw_core.tensors import gpu_emulation, quantization
+from longstraw_core.tensors.fake import real_values
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 DEVICE = torch.device("cpu")  # fake tensors on CPU: the CPU kernels' code paths run
 

@@ -20,10 +20,10 @@ branch's turns. One job per module:
 - ``agents``: ``Agents``, a run's tools as its loop uses them, and ``AgentGroup``, a prompt's
   environments, turn handlers and their ``ToolOutcome`` (shared from the last stage).
 
-``tool_metrics`` (TRL's ``tools/*``) is ``longstraw_core.metrics``'.
+``tool_metrics`` (TRL's ``tools/*``) is ``longstraw_core.metrics.names``'.
 """
 
-from longstraw_core.metrics import tool_metrics
+from longstraw_core.metrics.names import tool_metrics
 from longstraw_core.tools.agents import AgentError, AgentGroup, Agents, ToolOutcome
 from longstraw_core.tools.branch import ToolBranch
 from longstraw_core.tools.callbacks import DEFAULT_ENVIRONMENT_TIMEOUT_SECONDS, call_environment

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
+from longstraw_core.data.tasks import Sample
 from longstraw_core.rewards.inputs import sample_columns
-from longstraw_core.tasks import Sample
 from longstraw_core.tools.branch import ToolBranch
 from longstraw_core.tools.callbacks import AgentError, call_environment
 from longstraw_core.tools.environments import reset_group, reward_function, with_observation
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     import torch
 
     from longstraw_core.adapters.base import ModelAdapter
-    from longstraw_core.config.schema import RunConfig
     from longstraw_core.pipeline.transport import StageLink
+    from longstraw_core.schema.run_config import RunConfig
 
 
 @dataclass

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw_core.config.schema import ConfigError
+from longstraw_core.schema.run_config import ConfigError
 from longstraw_core.tools.loading import ToolLoadError, ToolSet
 
 if TYPE_CHECKING:
-    from longstraw_core.config.schema import RunConfig
+    from longstraw_core.schema.run_config import RunConfig
 
 
 def check_config(

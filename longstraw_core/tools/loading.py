@@ -21,7 +21,7 @@ from longstraw_core.tools.environments import bound_tools, has_reward, method_na
 from longstraw_core.tools.schemas import Schema, ToolSchemaError, method_schema, tool_schema
 
 if TYPE_CHECKING:
-    from longstraw_core.config.schema import RolloutSection
+    from longstraw_core.schema.run_config import RolloutSection
 
 
 class ToolLoadError(ValueError):

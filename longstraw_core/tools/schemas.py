@@ -21,7 +21,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
-from longstraw_core.tokenizer import CHATML_TEMPLATE
+from longstraw_core.data.tokenizer import CHATML_TEMPLATE
 
 Schema = dict[str, Any]
 

@@ -26,9 +26,9 @@
 """
 
 from longstraw_core.config import RunConfig
-from longstraw_core.data import Sample
+from longstraw_core.data.samples import Sample
 from longstraw_core.distributed import any_rank
-from longstraw_core.guard import NonFiniteError
+from longstraw_core.process.guard import NonFiniteError
 from longstraw_core.training.main import main
 from longstraw_core.training.session import Session
 from longstraw_core.training.step import Rollout, StepBookkeeping, state_bytes

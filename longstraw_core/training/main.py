@@ -3,10 +3,10 @@ overrides, checks the config and the memory plan, runs ``setup`` / ``train`` / `
 and ends the process the way launchers and schedulers expect.
 
 Why one function for every recipe: the one-line errors and exit codes are a contract
-(``longstraw_core.exits``): a config, data or checkpoint problem exits 1 with one line
+(``longstraw_core.process.exits``): a config, data or checkpoint problem exits 1 with one line
 before any training; a diverged run or a failed checkpoint exits 1 on every rank; a stop
 signal exits 128 + the signal after saving; a distributed run that finished skips gloo's
-teardown. ``longstraw_core.trainer.train`` (the Python API) calls a recipe's ``main`` so
+teardown. ``longstraw_core.training.trainer.train`` (the Python API) calls a recipe's ``main`` so
 that it cannot drift from the command line.
 """
 
@@ -16,19 +16,12 @@ import argparse
 from pathlib import Path
 from typing import TypeVar
 
-from longstraw_core import (
-    checkpoint,
-    config,
-    data,
-    distributed,
-    exits,
-    failure_causes,
-    guard,
-    launch_settings,
-    plan,
-)
+from longstraw_core import checkpoint, config, distributed, plan
+from longstraw_core.data import samples as data
+from longstraw_core.launch import settings as launch_settings
+from longstraw_core.launch.preemption import exit_after_stop
+from longstraw_core.process import exits, failure_causes, guard
 from longstraw_core.rewards import RewardError, RewardNameError
-from longstraw_core.stop import exit_after_stop
 from longstraw_core.tools import AgentError
 from longstraw_core.training.session import Session
 
@@ -106,4 +99,4 @@ def main(
         )
     if run.world_size > 1:  # a distributed run is done on every rank: skip gloo's teardown
         distributed.exit_ranks()
-    return run  # the trained run (longstraw_core.trainer.train returns it)
+    return run  # the trained run (longstraw_core.training.trainer.train returns it)

@@ -18,7 +18,7 @@ one rollout, yielding each optimizer step's metrics.
 - Inside a step the passes report their progress on rank 0 (``self.bars``): bars on a
   terminal, plain lines every ``train.progress_every_seconds`` elsewhere (``progress``).
 - Evaluation (``eval.every`` > 0) runs after the optimizer step, before a checkpoint, and
-  leaves the training untouched (``longstraw_core.evaluation``).
+  leaves the training untouched (``longstraw_core.training.evaluation``).
 - Faults lose nothing: SIGTERM/SIGINT/SIGHUP saves the last finished step at once
   (``checkpoint.kept``), then finishes the rollout's steps, saves and returns the signal; a non-finite step is
   skipped (``StepBookkeeping``); ``train.resume_from=latest`` continues from the newest
@@ -36,32 +36,22 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import longstraw_core as ls
-from longstraw_core import (
-    checkpoint,
-    config,
-    data,
-    distributed,
-    evaluation,
-    guard,
-    loading,
-    mixed_precision,
-    models,
-    output_dir,
-    plan,
-    resume,
-    run_shape,
-    same_run,
-    threads,
-    tokenizer,
-    tracking,
-)
-from longstraw_core.pipeline.topology import RunTopology
-from longstraw_core.progress import StepProgress
-from longstraw_core.prompt_group import PromptGroup, template_kwargs
+from longstraw_core import checkpoint, config, distributed, plan
+from longstraw_core.data import samples as data
+from longstraw_core.data import tokenizer
+from longstraw_core.launch import output_dir, resume, run_shape, same_run
+from longstraw_core.launch.preemption import GracefulStop
+from longstraw_core.models import build as models
+from longstraw_core.models import mixed_precision
+from longstraw_core.models import sharded_loading as loading
+from longstraw_core.parallel.topology import RunTopology
+from longstraw_core.process import guard, threads
+from longstraw_core.process.progress import StepProgress
 from longstraw_core.rewards import RewardSet, trainer_state_at
-from longstraw_core.stop import GracefulStop
 from longstraw_core.tools import Agents
 from longstraw_core.tools.turns import ToolTurns
+from longstraw_core.training import evaluation, tracking
+from longstraw_core.training.prompt_group import PromptGroup, template_kwargs
 from longstraw_core.training.step import Rollout, StepBookkeeping, state_bytes
 
 

@@ -4,7 +4,7 @@ non-finite guard, skipped steps, the step's peak memory, and its metrics.
 Why apart from the loop: none of this is GRPO. A recipe's ``train_rollout`` calls
 ``optimizer_step`` and ``step_metrics`` once per optimizer step, ``skip_rollout`` for a
 rollout that cannot be trained on, and ``start_step`` / ``note_peak`` around its passes; the
-metric names are ``longstraw_core.metrics``' (TRL's where TRL has them).
+metric names are ``longstraw_core.metrics.names``' (TRL's where TRL has them).
 """
 
 from __future__ import annotations
@@ -13,19 +13,23 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import longstraw_core as ls
-from longstraw_core import data, distributed, generation, guard, tracking
-from longstraw_core import metrics as names
-from longstraw_core.failpoints import failpoint
+from longstraw_core import distributed
+from longstraw_core.data import samples as data
+from longstraw_core.grpo import generation
+from longstraw_core.metrics import names as names
+from longstraw_core.process import guard
+from longstraw_core.process.failpoints import failpoint
 from longstraw_core.rewards import RewardResult, RewardSet
+from longstraw_core.training import tracking
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
     from longstraw_core.config import RunConfig
-    from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
-    from longstraw_core.pipeline.topology import RunTopology
-    from longstraw_core.progress import StepProgress
+    from longstraw_core.models.mixed_precision import FullPrecision, WorkingWeights
+    from longstraw_core.parallel.topology import RunTopology
+    from longstraw_core.process.progress import StepProgress
 
 
 class Rollout(NamedTuple):

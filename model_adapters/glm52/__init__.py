@@ -15,7 +15,7 @@ own indexer. The latent is never expanded into per-head keys and values (``docs/
   block. When ``index_topk`` covers every visible position, the selection is everything and
   attention is dense causal: it goes through ``segmented_attention``. The indexer runs under
   ``no_grad``, as in transformers (its projections are frozen).
-- **Exact mode.** The record's exact view (``longstraw_core.exact.LatentKVExactView``) gives
+- **Exact mode.** The record's exact view (``longstraw_core.state.exact.LatentKVExactView``) gives
   a gradient buffer for the latent; both attention paths add the gradient of their prefix
   reads into it (``segmented_attention``'s ``prefix_grads``, or ``index_add_`` of the gathered
   rows in the sparse backward), never building a prefix-sized temporary. The indexer keys

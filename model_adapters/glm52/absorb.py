@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longstraw_core import quantization
 from longstraw_core.adapters.model_functions import RotaryFn
+from longstraw_core.tensors import quantization
 
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from longstraw_core.adapters.model_functions import RotaryFn
-from longstraw_core.fake import representative
+from longstraw_core.tensors.fake import representative
 from model_adapters.glm52.absorb import PositionEmbeddings
 from model_adapters.glm52.family import work_elements_like
 

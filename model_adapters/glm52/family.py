@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from longstraw_core import gpu_emulation
 from longstraw_core.adapters.family import ModelFamily, Preset
 from longstraw_core.adapters.probe import GPU_CHECK, TEST_CAPABILITIES, FamilyProbe, GpuShapes
 from longstraw_core.kinds.latent import LatentKV
+from longstraw_core.tensors import gpu_emulation
 from model_adapters.dense import MLP_TARGETS
 
 # --- the family: what config, tiny models, planner and offload know of it -------------------
@@ -21,7 +21,7 @@ from model_adapters.dense import MLP_TARGETS
 # as transformers runs it under no_grad). Routed experts are fused 3-D parameters, not
 # ``nn.Linear``, so LoRA reaches only the dense MLP layers and the shared experts through
 # ``gate/up/down_proj`` (plain peft would move those names onto the routed experts:
-# ``longstraw_core.models.add_lora`` keeps them as written).
+# ``longstraw_core.models.build.add_lora`` keeps them as written).
 _MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 # MLA + DSA + MoE (GLM-5.x, DeepSeek-V3.2): a dense-MLP layer then MoE layers; the latent

@@ -8,7 +8,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from longstraw_core.attention import accumulation_dtype, segmented_attention
-from longstraw_core.fake import is_fake, representative
+from longstraw_core.tensors.fake import is_fake, representative
 from model_adapters.glm52.family import work_elements_like
 
 

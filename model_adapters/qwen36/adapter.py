@@ -8,14 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from longstraw_core import gpu_emulation
 from longstraw_core.adapters.base import ModelAdapter, Span, as_token_ids
 from longstraw_core.adapters.model_functions import model_rotary_function
 from longstraw_core.adapters.registry import register_adapter
 from longstraw_core.kinds.attention import AttentionKV, BranchKV
 from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
 from longstraw_core.offload import OffloadPolicy, home_options
-from longstraw_core.state import PrefixState
+from longstraw_core.state.prefix import PrefixState
+from longstraw_core.tensors import gpu_emulation
 from model_adapters.qwen36.family import FAMILY
 from model_adapters.qwen36.kernels import deltanet_kernels
 from model_adapters.qwen36.layers import run_gated_attention, run_gated_deltanet

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from longstraw_core import gpu_emulation
 from longstraw_core.adapters.model_functions import model_function
+from longstraw_core.tensors import gpu_emulation
 
 _FLA_DTYPES = (torch.float16, torch.bfloat16)  # fla's chunk kernel refuses float32
 _CAUSAL_CONV1D_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

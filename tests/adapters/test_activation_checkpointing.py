@@ -29,14 +29,14 @@ import longstraw_core as ls
 import longstraw_core.adapters.base as base
 from longstraw_core.adapters import registry
 from longstraw_core.adapters.matrix import probe_types
-from longstraw_core.exact import new_state_grad
 from longstraw_core.kinds.attention import AttentionKVExactView
 from longstraw_core.kinds.latent import LatentKVExactView
 from longstraw_core.kinds.recurrent import RecurrentExactView
 from longstraw_core.kinds.window import WindowExactView
-from longstraw_core.memory import LiveTensorMemory
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.state.exact import new_state_grad
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -292,7 +292,7 @@ def test_offloaded_layers_stay_within_budget(model_type, resident_layers):
 def test_sharded_checkpointing_changes_no_gradient(world_of_one, monkeypatch, case, offload):
     """Checkpointing inside each layer's FSDP forward method (FSDP gathers, then the
     checkpointed work; backward gathers again before the recompute)."""
-    from longstraw_core.distributed import shard_model
+    from longstraw_core.parallel.fsdp import shard_model
 
     group = worker.step_groups(0)[0]
     args = (group.prompt, group.responses, group.rewards)

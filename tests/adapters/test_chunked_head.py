@@ -16,9 +16,9 @@ from reference import detached_reference_logps, with_lora
 
 import longstraw_core as ls
 import longstraw_core.adapters.lm_head as lm_head
-from longstraw_core.memory import LiveTensorMemory
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.offload import OffloadPolicy
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 VOCAB = 512
 ONE_CHUNK = 1 << 40
@@ -151,7 +151,7 @@ def test_exact_mode_grpo_step_is_unchanged(monkeypatch) -> None:
 def test_sharded_chunked_head_equals_one_chunk(world_of_one, monkeypatch, lora) -> None:
     """The chunks run inside the root's FSDP forward method; backward recomputes them with
     the root's parameters still gathered, and the gradients are the unsharded model's."""
-    from longstraw_core.distributed import shard_model
+    from longstraw_core.parallel.fsdp import shard_model
 
     prompt, response = _ids(23, 0), _ids(10, 1)
     weights = torch.randn(10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))

@@ -8,7 +8,7 @@ import torch
 import longstraw_core as ls
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import PREFILL_OPTIONS
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 VOCAB = 512
 

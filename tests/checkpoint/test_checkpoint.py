@@ -26,8 +26,8 @@ from longstraw_core.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from longstraw_core.distributed import shard_model
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from longstraw_core.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 

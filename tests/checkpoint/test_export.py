@@ -1,4 +1,4 @@
-"""``python -m longstraw_core.export``: a checkpoint as a plain transformers model directory.
+"""``python -m longstraw_core.models.export``: a checkpoint as a plain transformers model directory.
 
 A tiny recipe run (in this process, its model kept) saves a checkpoint; the exported directory
 loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` and its
@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from longstraw_core.checkpoint import CheckpointError
 from longstraw_core.checkpoint.files import write_manifest
 from longstraw_core.config import load_config
-from longstraw_core.export import ExportError, export, main
-from longstraw_core.tokenizer import encode_prompt
+from longstraw_core.data.tokenizer import encode_prompt
+from longstraw_core.models.export import ExportError, export, main
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {  # kind: (recipe, config, overrides)

@@ -14,7 +14,7 @@ from test_checkpoint_faults import LORA
 from tiny_training import optimizer_and_schedule, seed_all, tiny_policy, train_step
 
 from longstraw_core.checkpoint import MANIFEST, StepCheckpoints, load_checkpoint, save_checkpoint
-from longstraw_core.guard import TrainingDiverged
+from longstraw_core.process.guard import TrainingDiverged
 
 EXTRA = {"config": {"optim": {"lr": 1e-3}}, "data": {"bytes": 12, "sha256": "ab"}}
 

@@ -17,7 +17,6 @@ from fault_runs import CONFIG, RECIPE, ROOT, SMALL, run_env
 from recipe_runs import run_recipe
 from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 
-from longstraw_core import output_dir, resume
 from longstraw_core.checkpoint import (
     INCOMPLETE,
     CheckpointError,
@@ -27,7 +26,8 @@ from longstraw_core.checkpoint import (
     save_checkpoint,
 )
 from longstraw_core.config import ConfigError, TrainSection, load_config
-from longstraw_core.failpoints import ENV as FAILPOINTS
+from longstraw_core.launch import output_dir, resume
+from longstraw_core.process.failpoints import ENV as FAILPOINTS
 
 DEMO = "configs/qwen36/tiny_grpo_cpu.yaml"  # `make demo`'s config
 

@@ -20,8 +20,8 @@ from longstraw_core.config import (
     relative_paths,
     to_yaml,
 )
-from longstraw_core.grpo_config import GRPOConfig, GRPOConfigError
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.schema.grpo import GRPOConfig, GRPOConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

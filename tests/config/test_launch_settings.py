@@ -25,8 +25,8 @@ from accelerate.utils.launch import (
 )
 from safetensors.torch import load_file
 
-from longstraw_core import launch_settings
 from longstraw_core.config import ConfigError, load_config
+from longstraw_core.launch import settings as launch_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from longstraw_core.config import ConfigError, DataSection, load_config
-from longstraw_core.data import (
+from longstraw_core.data.files import fingerprint
+from longstraw_core.data.samples import (
     SHOWN,
     DataError,
     SampleSource,
@@ -24,9 +25,8 @@ from longstraw_core.data import (
     sample_source,
     scan_samples,
 )
-from longstraw_core.data_files import fingerprint
-from longstraw_core.tasks import sample_at
-from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.data.tasks import sample_at
+from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 POSITIONS, NEW_TOKENS = 32768, 16  # TINY's model positions and rollout.max_new_tokens

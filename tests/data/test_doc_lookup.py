@@ -13,8 +13,7 @@ from test_tasks import check, parse_doc_note
 from transformers import AutoTokenizer
 
 from longstraw_core.config import ConfigError, eval_data, load_config
-from longstraw_core.rewards import BUILTIN_REWARDS, answer_token_f1, exact_match
-from longstraw_core.tasks import (
+from longstraw_core.data.tasks import (
     DOC_KINDS,
     STDLIB_MODULES,
     DocumentFiller,
@@ -25,7 +24,8 @@ from longstraw_core.tasks import (
     module_text,
     sample_at,
 )
-from longstraw_core.tokenizer import load_tokenizer, render_prompt
+from longstraw_core.data.tokenizer import load_tokenizer, render_prompt
+from longstraw_core.rewards import BUILTIN_REWARDS, answer_token_f1, exact_match
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 HELDOUT = (

@@ -18,13 +18,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import (
+from longstraw_core.data.tokenizer import (
     BUILTIN_NAME,
     CHATML_TEMPLATE,
     encode_prompt,
     load_tokenizer,
 )
+from longstraw_core.models.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/qwen36/tiny_grpo_cpu.yaml"

@@ -9,9 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from longstraw_core import tasks
-from longstraw_core.rewards import sample_columns
-from longstraw_core.tasks import (
+from longstraw_core.data import tasks
+from longstraw_core.data.tasks import (
     TASKS,
     VaultEnvironment,
     agent_lookup,
@@ -24,7 +23,8 @@ from longstraw_core.tasks import (
     uuid_retrieval,
     variable_tracking,
 )
-from longstraw_core.tokenizer import count_prompt_tokens, load_tokenizer, render_prompt
+from longstraw_core.data.tokenizer import count_prompt_tokens, load_tokenizer, render_prompt
+from longstraw_core.rewards import sample_columns
 
 # --------------------------------------------------------------------------- tokenizers
 

@@ -8,9 +8,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from longstraw_core.data import DataError, load_samples
-from longstraw_core.tasks import Sample
-from longstraw_core.tokenizer import (
+from longstraw_core.data.samples import DataError, load_samples
+from longstraw_core.data.tasks import Sample
+from longstraw_core.data.tokenizer import (
     BUILTIN_SPECIAL_TOKENS,
     count_prompt_tokens,
     encode_prompt,

@@ -21,10 +21,15 @@ from trl.data_utils import maybe_apply_chat_template
 from trl.trainer.utils import RepeatSampler
 
 from longstraw_core.config import ConfigError, DataSection, load_config
-from longstraw_core.data import DataError, load_samples, sample_source, scan_samples
-from longstraw_core.data_order import DataOrder
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import CHATML_TEMPLATE, encode_prompt, load_tokenizer, render_prompt
+from longstraw_core.data.order import DataOrder
+from longstraw_core.data.samples import DataError, load_samples, sample_source, scan_samples
+from longstraw_core.data.tokenizer import (
+    CHATML_TEMPLATE,
+    encode_prompt,
+    load_tokenizer,
+    render_prompt,
+)
+from longstraw_core.models.tiny import tiny_model
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 

@@ -24,15 +24,10 @@ import torch.distributed as dist
 from launch import SUPPORT, torchrun_ok
 
 from longstraw_core.checkpoint import ranks
-from longstraw_core.distributed import (
-    gather_rows,
-    group_loss_scales,
-    reduce_metrics,
-    step_reward_std,
-    sum_over_ranks,
-)
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.distributed import gather_rows, reduce_metrics, sum_over_ranks
+from longstraw_core.grpo.groups import group_loss_scales, step_reward_std
 from longstraw_core.pipeline.gradients import SQUARES_DTYPE, clip_grad_norm, reduction_device
+from longstraw_core.schema.grpo import GRPOConfig
 
 # The clip's norm: float32 gradients' squares are summed in float32 (n <= 16 terms: relative
 # error <= 16 * 2**-24 ~ 1e-6, plus the sqrt's and the coefficient's roundings); torch's

@@ -34,16 +34,14 @@ from reference import (
 from torch.distributed.tensor import DTensor
 
 import longstraw_core as ls
-from longstraw_core.distributed import (
-    group_loss_scales,
-    reduce_metrics,
-    shard_model,
-    spread_groups,
-)
-from longstraw_core.losses import loss_weights
-from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.distributed import reduce_metrics
+from longstraw_core.grpo.groups import group_loss_scales, spread_groups
+from longstraw_core.grpo.losses import loss_weights
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
+from longstraw_core.parallel.topology import RunTopology
 from longstraw_core.rewards import reward_metrics
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.schema.grpo import LOSS_TYPES
 
 TRAINING_CASES = list(worker.CASES)
 
@@ -247,7 +245,7 @@ def test_spread_groups_gives_every_rank_the_same_number():
 
 
 @pytest.mark.filterwarnings("ignore:loss_type='luspo'")
-@pytest.mark.parametrize("loss_type", list(ls.grpo_config.LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_loss_scales_weight_groups_as_one_batch(loss_type, mask_truncated):
     """Each group's own weights times its scale are the weights of the step's batch."""

@@ -27,8 +27,8 @@ from launch import SUPPORT, torchrun_ok
 from reference import assert_grads_close
 
 import longstraw_core as ls
-from longstraw_core.distributed import group_loss_scales
-from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
+from longstraw_core.grpo.groups import group_loss_scales
+from longstraw_core.models.mixed_precision import FullPrecision, WorkingWeights
 
 CASES = [(family, policy) for family in worker.FAMILIES for policy in worker.POLICIES]
 IDS = [f"{family}-{policy}" for family, policy in CASES]

@@ -12,7 +12,7 @@ import pytest
 from fault_runs import CONFIG, RECIPE, SMALL, run_env
 
 from longstraw_core.config import load_config
-from longstraw_core.same_run import differences, run_record
+from longstraw_core.launch.same_run import differences, run_record
 
 WORKER = launch.SUPPORT / "same_run_worker.py"
 

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import longstraw_core as ls
 from longstraw_core.adapters.base import ModelAdapter
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 DENSE_TYPES = ["qwen3", "llama", "qwen2"]
 PROMPT_LENGTH = 45  # 44 stored positions: 7 and 16 do not divide it, 1000 exceeds it

@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
 from longstraw_core import attention
-from longstraw_core.exact import new_state_grad
 from longstraw_core.kinds.latent import LatentKV, LatentKVGrad
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.state.exact import new_state_grad
 from model_adapters import glm52
 from model_adapters.glm52 import GlmMoeDsaAdapter, latent_attention
 

@@ -23,7 +23,7 @@ import longstraw_core as ls
 from longstraw_core.adapters import registry
 from longstraw_core.config import load_config
 from longstraw_core.kinds.window import WindowKV
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 from model_adapters import gpt_oss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,8 +233,8 @@ def test_lora_on_the_experts_through_peft_target_parameters() -> None:
 def test_lora_target_parameters_in_the_config() -> None:
     """``lora.target_parameters`` reaches peft (``models.add_lora``); with a dropout, which
     peft's parameter adapters do not take, the config is refused."""
-    from longstraw_core import models
     from longstraw_core.config import ConfigError, LoraSection
+    from longstraw_core.models import build as models
 
     section = LoraSection(enabled=True, r=4, target_parameters=gpt_oss.EXPERT_PARAMETERS)
     wrapped = models.add_lora(tiny_model("gpt_oss", seed=1), section)

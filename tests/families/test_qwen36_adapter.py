@@ -34,8 +34,8 @@ from transformers.cache_utils import LinearAttentionLayer
 import longstraw_core as ls
 from longstraw_core.adapters import registry
 from longstraw_core.kinds.recurrent import BranchRecurrent, RecurrentState
-from longstraw_core.state import BranchCache
-from longstraw_core.tiny_models import slow_gated_deltanet_decay, tiny_model
+from longstraw_core.models.tiny import slow_gated_deltanet_decay, tiny_model
+from longstraw_core.state.prefix import BranchCache
 from model_adapters import qwen36
 
 VOCAB = 512

@@ -50,8 +50,8 @@ from trl_trainer import grpo_args, grpo_trainer
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
-from longstraw_core.losses import group_advantages
-from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.grpo.losses import group_advantages
 
 # The prompts' text: the docstrings of these, in this order, as many as a prompt's length
 # needs (they differ a little between Python versions: the lengths are checked, not fixed).

@@ -19,7 +19,7 @@ from reference import (
 
 import longstraw_core as ls
 from longstraw_core.kinds.window import WindowKV
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 VOCAB = 512
 WINDOW = 6

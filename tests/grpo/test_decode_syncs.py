@@ -29,12 +29,12 @@ from torch.overrides import TorchFunctionMode
 
 import longstraw_core as ls
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.config.schema import RolloutSection
-from longstraw_core.guard import NonFiniteError
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.pipeline.schedule import Collective, Compute, Ring, ring_program, ring_steps
 from longstraw_core.pipeline.simulate import simulate
-from longstraw_core.rollout import STOP_CHECK_EVERY
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.process.guard import NonFiniteError
+from longstraw_core.rollout.decode import STOP_CHECK_EVERY
+from longstraw_core.schema.run_config import RolloutSection
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 

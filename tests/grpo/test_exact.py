@@ -17,10 +17,10 @@ from reference import (
 
 import longstraw_core as ls
 import longstraw_core.adapters.lm_head as lm_head
-from longstraw_core.exact import new_state_grad
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.base import attach_grad_sink
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.state.exact import new_state_grad
 
 VOCAB = 512
 LENGTHS = [6, 3, 8]

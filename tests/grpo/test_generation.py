@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import longstraw_core as ls
-from longstraw_core.generation import combine_group_metrics, scale_gradients
-from longstraw_core.losses import loss_weights
+from longstraw_core.grpo.generation import Share, combine_group_metrics, scale_gradients
+from longstraw_core.grpo.losses import loss_weights
 
 GROUPS = [  # (response lengths, rewards)
     ([3, 5], [1.0, 0.0]),
@@ -25,7 +25,7 @@ def responses(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.zeros(n, dtype=torch.long) for n in lengths]
 
 
-def fill(batch: ls.GenerationBatch) -> list[ls.generation.Share | None]:
+def fill(batch: ls.GenerationBatch) -> list[Share | None]:
     return [
         batch.add(
             torch.zeros(4, dtype=torch.long), responses(lengths), rewards, [False] * len(lengths)

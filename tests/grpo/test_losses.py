@@ -8,8 +8,7 @@ import pytest
 import torch
 from reference import trl_group_loss
 
-from longstraw_core.grpo_config import GRPOConfig
-from longstraw_core.losses import (
+from longstraw_core.grpo.losses import (
     branch_loss,
     group_advantages,
     loss_weights,
@@ -17,6 +16,7 @@ from longstraw_core.losses import (
     per_token_loss,
     reduce_branch_stats,
 )
+from longstraw_core.schema.grpo import GRPOConfig
 
 F64 = torch.float64
 CLIPPED_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo"]

@@ -12,7 +12,7 @@ from dispatch_probes import RecordIndexScores, assert_no_ties_at_k
 from float64_internals import Float64Internals
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 VOCAB = 512
 CASES = {

@@ -18,10 +18,10 @@ from reference import (
 )
 
 import longstraw_core as ls
-from longstraw_core import metrics as names
+from longstraw_core.data.tasks import Sample
+from longstraw_core.metrics import names as names
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.rewards import RewardSet
-from longstraw_core.tasks import Sample
-from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
 LENGTHS = [5, 9, 2]

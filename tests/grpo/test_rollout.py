@@ -16,8 +16,8 @@ from dispatch_probes import RecordIndexScores, RecordLargestOutput, assert_no_ti
 from reference import assert_grads_close, full_sequence_logps, step_grads
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
+from longstraw_core.data.tokenizer import load_tokenizer
+from longstraw_core.models.tiny import tiny_model
 from model_adapters import glm52
 
 VOCAB = 512

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import longstraw_core as ls
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 VOCAB = 512
 EOS = list(range(40))  # many end tokens: turns end every few tokens
@@ -149,7 +149,7 @@ def test_noise_blocks_asked_in_any_order_are_the_blocks_drawn_in_order() -> None
     """Block ``k`` is the ``k``-th ``[G, vocab]`` Exp(1) draw of the seeded generator, as
     ``generate`` draws it, also when asked for after later blocks (a branch that fell
     behind) or again."""
-    from longstraw_core.sampled_group import NoiseBlocks
+    from longstraw_core.rollout.sampled_group import NoiseBlocks
 
     generator = torch.Generator().manual_seed(9)
     in_order = [torch.empty(3, 7).exponential_(1, generator=generator) for _ in range(5)]

@@ -1,4 +1,4 @@
-"""Loading that scales (``longstraw_core.loading``): each rank reads only what it owns.
+"""Loading that scales (``longstraw_core.models.sharded_loading``): each rank reads only what it owns.
 
 - ``multiprocess``: a qwen3 model of ~560 MB (float32, hidden 1024, 8 layers, vocab 32000)
   saved as safetensors in shards; 4 CPU ranks (gloo) load it as S=4 pipeline stages. Each
@@ -36,13 +36,15 @@ from recipe_runs import GLM, QWEN, SMALL, run_on_ranks, tensors
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import longstraw_core as ls
-from longstraw_core import loading, models, quantization
 from longstraw_core.adapters import registry
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import LOADING
 from longstraw_core.config import LoraSection, ModelSection, load_config
+from longstraw_core.models import build as models
+from longstraw_core.models import sharded_loading as loading
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import ModelSpec, Workload, compute_plan, render_text
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tensors import quantization
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = SUPPORT / "loading_worker.py"

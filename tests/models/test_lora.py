@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from longstraw_core import models
 from longstraw_core.adapters import registry
 from longstraw_core.config import LoraSection
+from longstraw_core.models import build as models
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import ModelSpec, Workload
 from longstraw_core.plan.core import MemoryParts
-from longstraw_core.tiny_models import tiny_model
 
 MODEL_TYPES = sorted(set(registry.default_lora_targets()) & set(registry.tiny_configs()))
 

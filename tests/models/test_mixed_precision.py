@@ -1,4 +1,4 @@
-"""bf16 compute over float32 master weights without FSDP (``longstraw_core.mixed_precision``).
+"""bf16 compute over float32 master weights without FSDP (``longstraw_core.models.mixed_precision``).
 
 - What a step computes is bit-identical to FSDP2's ``MixedPrecisionPolicy(bf16, reduce
   float32)`` on a world of one rank (what ``distributed.fsdp=true`` runs), loss and float32
@@ -25,8 +25,8 @@ from reference import full_sequence_logps, group_reference
 import longstraw_core as ls
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import MIXED_PRECISION
-from longstraw_core.distributed import shard_model
-from longstraw_core.mixed_precision import WorkingWeights
+from longstraw_core.models.mixed_precision import WorkingWeights
+from longstraw_core.parallel.fsdp import shard_model
 
 # Every family full, in exact mode; and the first one under LoRA.
 FAMILIES = probe_types(MIXED_PRECISION)

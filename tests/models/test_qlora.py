@@ -32,7 +32,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 import longstraw_core as ls
-from longstraw_core import models, quantization
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import QLORA
 from longstraw_core.config import (
@@ -42,9 +41,11 @@ from longstraw_core.config import (
     load_config,
     lora_targets,
 )
+from longstraw_core.models import build as models
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import ModelSpec, Workload, compute_plan
 from longstraw_core.plan.core import MemoryParts
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tensors import quantization
 
 MODEL_TYPES = probe_types(QLORA)
 VOCAB = 200

@@ -21,9 +21,9 @@ from longstraw_core.adapters.probe import OFFLOAD
 from longstraw_core.kinds import registry as kinds
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.recurrent import RecurrentState
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.offload.policy import placement_fields
-from longstraw_core.tiny_models import tiny_model
 
 VOCAB = 512
 LENGTHS = [5, 3, 7]

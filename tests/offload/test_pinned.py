@@ -1,4 +1,4 @@
-"""Exactly sized pinned arenas for offloaded records (``longstraw_core.offload.pinned``).
+"""Exactly sized pinned arenas for offloaded records (``longstraw_core.tensors.pinned``).
 
 On CPU the registration calls (``cudaHostRegister`` / ``cudaHostUnregister``) are stood in
 for: what is checked is the sizing (no power-of-two rounding), the layout of a record's
@@ -16,7 +16,7 @@ import torch
 from longstraw_core.kinds.attention import AttentionKV
 from longstraw_core.kinds.latent import LatentKV
 from longstraw_core.kinds.recurrent import RecurrentState
-from longstraw_core.offload import pinned
+from longstraw_core.tensors import pinned
 
 
 @pytest.fixture

@@ -30,16 +30,16 @@ from launch import SUPPORT, torchrun_ok
 import longstraw_core as ls
 from longstraw_core import checkpoint
 from longstraw_core.adapters.matrix import probe_of
-from longstraw_core.distributed import shard_model
+from longstraw_core.adapters.stage_cut import stage_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
+from longstraw_core.parallel.mesh import pipeline_mesh, stage_link
 from longstraw_core.pipeline import (
     StageLayout,
     StageLayoutError,
     balanced_boundaries,
     check_stage_count,
 )
-from longstraw_core.pipeline.cut import stage_model
-from longstraw_core.pipeline.mesh import pipeline_mesh, stage_link
-from longstraw_core.tiny_models import tiny_model
 
 # (stages, ranks) -> the cases that run there
 TOPOLOGIES = {

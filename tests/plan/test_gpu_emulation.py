@@ -1,4 +1,4 @@
-"""Dry runs' GPU emulation (``longstraw_core.gpu_emulation``): fake CPU tensors that choose
+"""Dry runs' GPU emulation (``longstraw_core.tensors.gpu_emulation``): fake CPU tensors that choose
 CUDA's kernels, and the flash-linear-attention stand-ins' memory.
 
 On the CPU: the choices (inside the context only, fake tensors only), and that the stand-ins
@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from longstraw_core import attention, gpu_emulation
-from longstraw_core.memory import LiveTensorMemory
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core import attention
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.tensors import gpu_emulation
+from longstraw_core.tensors.memory import LiveTensorMemory
 from model_adapters import qwen36
 
 # Qwen3.6-27B's Gated DeltaNet heads: 16 key heads and 48 value heads of 128.

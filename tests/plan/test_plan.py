@@ -21,8 +21,8 @@ import torch
 import longstraw_core as ls
 import longstraw_core.adapters.lm_head as lm_head
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.memory import LiveTensorMemory, parse_bytes
-from longstraw_core.mixed_precision import FullPrecision, WorkingWeights
+from longstraw_core.models.mixed_precision import FullPrecision, WorkingWeights
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import (
     MemoryPlanError,
     ModelSpec,
@@ -34,8 +34,8 @@ from longstraw_core.plan import (
     plan_memory,
 )
 from longstraw_core.plan.sources import PRESET_LORA_TARGETS
-from longstraw_core.state import format_bytes
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.state.prefix import format_bytes
+from longstraw_core.tensors.memory import LiveTensorMemory, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15

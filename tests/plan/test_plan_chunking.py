@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 
 import longstraw_core as ls
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.memory import LiveTensorMemory
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import (
     ModelSpec,
     Workload,
@@ -30,7 +30,7 @@ from longstraw_core.plan import (
 )
 from longstraw_core.plan.chunking import CHUNKS, SLACK, SWEEP_GRAPH, candidates
 from longstraw_core.plan.units import GIB
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
@@ -126,7 +126,7 @@ def test_null_is_the_default_and_the_planner_resolves_it():
     assert longer.chunk_size == auto_chunk(spec, longer).chunk
     with pytest.raises(ValueError, match="chunk_size=None"):
         compute_plan(spec, dataclasses.replace(work, chunk_size=None))
-    from longstraw_core.config.schema import TrainSection
+    from longstraw_core.schema.run_config import TrainSection
 
     assert TrainSection().chunk_size is None
 

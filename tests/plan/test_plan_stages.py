@@ -37,7 +37,7 @@ from longstraw_core.plan.pieces import most_held, pieces_of
 from longstraw_core.plan.sources import PRESET_LORA_TARGETS
 from longstraw_core.plan.stages import full_attention_counts, layer_costs, stage_spec
 from longstraw_core.plan.units import GIB
-from longstraw_core.quantization import nf4_bytes
+from longstraw_core.tensors.quantization import nf4_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 _QWEN = PRESET_LORA_TARGETS["Qwen3.6-27B"]

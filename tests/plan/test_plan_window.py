@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import longstraw_core as ls
-from longstraw_core.exact import new_state_grad
 from longstraw_core.kinds import registry
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import ModelSpec, Workload, compute_plan
 from longstraw_core.plan.activations import Activations
 from longstraw_core.plan.flops import layer_flops, pair_flops, token_flops
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.state.exact import new_state_grad
 
 WINDOW = 6
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]

@@ -25,10 +25,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from longstraw_core.fake import is_fake, known_bool, known_float, known_list
 from longstraw_core.plan import pipeline_plan
 from longstraw_core.plan.pieces import pieces_of
-from longstraw_core.quantization import nf4_bytes
 from longstraw_core.scale_check.runs import (
     GLM,
     PAPER,
@@ -40,6 +38,8 @@ from longstraw_core.scale_check.runs import (
     table,
     worst_stages,
 )
+from longstraw_core.tensors.fake import is_fake, known_bool, known_float, known_list
+from longstraw_core.tensors.quantization import nf4_bytes
 
 REDUCED = DryRun(
     "qwen36-27b-widths-4-layers",
@@ -191,9 +191,9 @@ def test_the_planners_sparse_attention_scratch_is_what_the_kernel_holds(
     top-2048) on fake tensors, its tracked scratch against ``plan.kernels``' formula, in
     blocks of 16 queries: one block, and several (the previous block's tensors bound while
     the next gathers)."""
-    from longstraw_core import gpu_emulation
-    from longstraw_core.memory import LiveTensorMemory
     from longstraw_core.plan.kernels import sparse_attention_scratch
+    from longstraw_core.tensors import gpu_emulation
+    from longstraw_core.tensors.memory import LiveTensorMemory
     from model_adapters import glm52
 
     heads, dim, value, topk, step = 64, 576, 512, 2048, 16

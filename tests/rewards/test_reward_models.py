@@ -12,10 +12,10 @@ from recipe_runs import QWEN, ROOT, recipe_in_process
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.data import record_to_sample
+from longstraw_core.data.samples import record_to_sample
+from longstraw_core.data.tokenizer import builtin_tokenizer
 from longstraw_core.rewards import RewardNameError, RewardSet
 from longstraw_core.rewards.models import RewardModel
-from longstraw_core.tokenizer import builtin_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,14 @@ from trl.rewards import (
 )
 from trl.trainer.utils import is_async_callable as trl_is_async_callable
 
-from longstraw_core import metrics as names
 from longstraw_core import rewards
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.data import record_to_sample
-from longstraw_core.losses import group_advantages
+from longstraw_core.data.samples import record_to_sample
+from longstraw_core.data.tasks import Sample
+from longstraw_core.data.tokenizer import load_tokenizer
+from longstraw_core.grpo.losses import group_advantages
+from longstraw_core.metrics import names as names
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.rewards import (
     DEFAULT_TIMEOUT_SECONDS,
     RewardError,
@@ -58,10 +61,7 @@ from longstraw_core.rewards import (
     resolve_reward,
     sample_columns,
 )
-from longstraw_core.tasks import Sample
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
-from longstraw_core.tracking import MAX_CELL_CHARS, completion_rows
+from longstraw_core.training.tracking import MAX_CELL_CHARS, completion_rows
 
 NAN = math.nan
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
@@ -223,7 +223,7 @@ def test_rewards_check_lengths():
 
 
 def test_end_to_end_on_a_task_sample():
-    from longstraw_core.tasks import passkey_retrieval
+    from longstraw_core.data.tasks import passkey_retrieval
 
     sample = passkey_retrieval(load_tokenizer(None), 1024, seed=0)
     good = f"I found it. <answer>{sample.answer}</answer>"

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from longstraw_core.failure_causes import cause_of
+from longstraw_core.process.failure_causes import cause_of
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
 if dist.get_rank() == 1:

@@ -22,22 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longstraw_core import config, same_run
+from longstraw_core import config
 from longstraw_core.checkpoint import ranks
 from longstraw_core.distributed import (
     any_rank,
     exit_ranks,
     gather_rows,
-    group_loss_scales,
     max_over_ranks,
     reduce_metrics,
-    step_reward_std,
     sum_over_ranks,
 )
 from longstraw_core.distributed.collectives import collective_device
-from longstraw_core.distributed.fsdp import FSDPRun
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core.grpo.groups import group_loss_scales, step_reward_std
+from longstraw_core.launch import same_run
+from longstraw_core.parallel.fsdp import FSDPRun
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
+from longstraw_core.schema.grpo import GRPOConfig
 
 RANKS = 2
 MAX_NORM = 0.5  # below every case's total norm, so the clip scales

@@ -32,15 +32,12 @@ from rank_exit import leave_process_group_and_exit
 from reference import with_lora
 
 import longstraw_core as ls
-from longstraw_core.distributed import (
-    group_loss_scales,
-    reduce_metrics,
-    shard_model,
-    spread_groups,
-)
-from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.distributed import reduce_metrics
+from longstraw_core.grpo.groups import group_loss_scales, spread_groups
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
+from longstraw_core.parallel.topology import RunTopology
 from longstraw_core.rewards import RewardResult
-from longstraw_core.tiny_models import tiny_model
 
 CHUNK_SIZE = 8
 STEPS = 2

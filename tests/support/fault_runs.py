@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from longstraw_core.failpoints import ENV as FAILPOINTS
+from longstraw_core.process.failpoints import ENV as FAILPOINTS
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_qwen36.py"

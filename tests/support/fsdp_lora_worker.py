@@ -35,8 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw_core as ls
 from longstraw_core.adapters import registry
-from longstraw_core.distributed import group_loss_scales, shard_model, spread_groups
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.grpo.groups import group_loss_scales, spread_groups
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
 
 FAMILIES = ("qwen3_5_text", "glm_moe_dsa")
 POLICIES = ("bf16", "fp32")

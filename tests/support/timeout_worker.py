@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from longstraw_core import distributed
 from longstraw_core.checkpoint import ranks
 from longstraw_core.distributed import processes
-from longstraw_core.pipeline.mesh import REPLICA, STAGE, pipeline_mesh
+from longstraw_core.parallel.mesh import REPLICA, STAGE, pipeline_mesh
 
 MARK = "timeouts: "  # before each rank's JSON (the ranks' lines may run together in the log)
 

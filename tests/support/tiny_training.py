@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
 
 
 def tiny_policy(seed: int = 0) -> torch.nn.Module:

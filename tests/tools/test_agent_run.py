@@ -118,7 +118,7 @@ def run_metrics(root: Path, name: str, *overrides: str, ranks: int = 1) -> tuple
 
 def policy_tokens(name: str) -> int:
     """The scripted conversation's assistant tokens (its loss mask's ones)."""
-    from longstraw_core.tokenizer import load_tokenizer
+    from longstraw_core.data.tokenizer import load_tokenizer
 
     return sum(training_sequence(load_tokenizer(None), name)[1])
 

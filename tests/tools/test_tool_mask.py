@@ -31,15 +31,15 @@ from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 import longstraw_core as ls
 from longstraw_core.adapters.matrix import probe_types
 from longstraw_core.adapters.probe import TOOL_MASK
-from longstraw_core.grpo_config import LOSS_TYPES
-from longstraw_core.losses import (
+from longstraw_core.grpo.losses import (
     branch_loss,
     check_loss_masks,
     group_advantages,
     loss_weights,
     reduce_branch_stats,
 )
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.schema.grpo import LOSS_TYPES
 
 F64 = torch.float64
 G = 4

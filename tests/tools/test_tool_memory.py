@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import longstraw_core as ls
-from longstraw_core.memory import LiveTensorMemory
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.tensors.memory import LiveTensorMemory
 
 G, PROMPT, BRANCH, RESULT = 4, 64, 192, 24  # branch tokens, a tool result's tokens
 

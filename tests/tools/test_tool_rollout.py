@@ -50,11 +50,10 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import qwen3_template
 
 import longstraw_core as ls
-from longstraw_core.config.schema import RolloutSection
-from longstraw_core.prompt_group import PromptGroup
-from longstraw_core.tasks import Sample
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import load_tokenizer
+from longstraw_core.data.tasks import Sample
+from longstraw_core.data.tokenizer import load_tokenizer
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.schema.run_config import RolloutSection
 from longstraw_core.tools import (
     TOOL_CHATML_TEMPLATE,
     Agents,
@@ -63,6 +62,7 @@ from longstraw_core.tools import (
     template_kwargs,
     tool_metrics,
 )
+from longstraw_core.training.prompt_group import PromptGroup
 
 G = 2
 VAULT = {"teal-otter": "4411"}

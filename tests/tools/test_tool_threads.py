@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-from longstraw_core.tokenizer import builtin_tokenizer
+from longstraw_core.data.tokenizer import builtin_tokenizer
 from longstraw_core.tools import ToolRunner, ToolSet, template_kwargs, tool_schema
 from longstraw_core.tools.branch import ToolBranch
 from longstraw_core.tools.turns import ToolTurns

@@ -20,9 +20,9 @@ from transformers.utils import get_json_schema
 from trl.chat_template_utils import add_response_schema, parse_response, qwen2_5_chat_template
 
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.config.schema import RolloutSection
-from longstraw_core.tasks import Sample, VaultEnvironment
-from longstraw_core.tokenizer import CHATML_TEMPLATE, builtin_tokenizer
+from longstraw_core.data.tasks import Sample, VaultEnvironment
+from longstraw_core.data.tokenizer import CHATML_TEMPLATE, builtin_tokenizer
+from longstraw_core.schema.run_config import RolloutSection
 from longstraw_core.tools import (
     TOOL_CHATML_TEMPLATE,
     AgentError,
@@ -563,7 +563,7 @@ def _tools_module(directory: Path) -> None:
          ["two tools are named 'good'", "rename one"]),
         (["rollout.tools=[my_tools:lookup]"], "rollout.environment",
          ["two tools are named 'lookup'", "my_tools:lookup",
-          "longstraw_core.tasks.agent:VaultEnvironment.lookup"]),
+          "longstraw_core.data.tasks.agent:VaultEnvironment.lookup"]),
         (["rollout.tools=[my_tools:missing]"], "rollout.tools[0]", ["cannot import", "missing"]),
         (["rollout.tools=[no_such_module:f]"], "rollout.tools[0]", ["no_such_module"]),
         (["rollout.tools=[my_tools:NoTools]"], "rollout.tools[0]", ["not a function"]),

@@ -1,4 +1,4 @@
-"""The SFT warm start (``longstraw_core.warm_start``): what it teaches is token for token what a
+"""The SFT warm start (``longstraw_core.models.warm_start``): what it teaches is token for token what a
 rollout sees, and on the real model it makes a run call tools.
 
 On the built-in byte tokenizer (the tiny agent config): each example is the rendered prompt,
@@ -22,8 +22,8 @@ from real_model import smollm2_dir
 from wandb_records import wandb_history, wandb_records
 
 from longstraw_core import config as lsc
-from longstraw_core import warm_start as ws
-from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.models import warm_start as ws
 from longstraw_core.tools.agents import Agents
 from longstraw_core.tools.parsing import parse_turn
 from longstraw_core.tools.rendering import resume_ids, tool_suffix
@@ -84,7 +84,7 @@ def test_an_example_is_the_rollouts_tokens_with_only_the_models_turns_trained(by
 
 def test_examples_come_from_other_samples_than_the_runs(byte_agents):
     cfg, agents = byte_agents
-    from longstraw_core.data import sample_source
+    from longstraw_core.data.samples import sample_source
 
     run = sample_source(cfg.data, agents.tokenizer, template_kwargs=agents.template_kwargs)
     _, taught = ws.build_examples(cfg, agents, 4)

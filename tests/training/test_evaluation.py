@@ -1,4 +1,4 @@
-"""Evaluation during training (``longstraw_core.evaluation``, config section ``eval``).
+"""Evaluation during training (``longstraw_core.training.evaluation``, config section ``eval``).
 
 A tiny recipe run evaluates after its last step: its greedy completions are transformers'
 ``generate(do_sample=False)`` on the trained model, its samples ``ls.rollout`` with the
@@ -26,13 +26,13 @@ from varied_reward import even_characters
 from wandb_records import wandb_history, wandb_records
 
 import longstraw_core as ls
-from longstraw_core import evaluation
-from longstraw_core import metrics as names
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.data import DataError
-from longstraw_core.pipeline.topology import RunTopology
+from longstraw_core.data.samples import DataError
+from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.metrics import names as names
+from longstraw_core.parallel.topology import RunTopology
 from longstraw_core.rewards import RewardResult, reward_metrics
-from longstraw_core.tokenizer import encode_prompt, load_tokenizer
+from longstraw_core.training import evaluation
 
 QWEN = "configs/qwen36/tiny_grpo_cpu.yaml"
 K, NEW, THRESHOLD = 4, 8, 0.5

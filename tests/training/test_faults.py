@@ -1,7 +1,7 @@
 """Fault injection on the real recipe processes: kills, signals, NaNs, changed settings.
 
 Each fault is what a long run on preemptible machines meets: SIGKILL at every stage of a
-checkpoint save (through ``longstraw_core.failpoints``), SIGTERM mid-step, a NaN gradient,
+checkpoint save (through ``longstraw_core.process.failpoints``), SIGTERM mid-step, a NaN gradient,
 a learning rate that diverges, a resume with other optimizer settings. After each, the run
 either continues to the result an uninterrupted run reaches (``torch.equal`` on weights and
 optimizer state) or stops with a one-line message and a non-zero status.
@@ -37,7 +37,7 @@ from wandb_records import wandb_config, wandb_records
 
 from longstraw_core import checkpoint
 from longstraw_core.config import load_config
-from longstraw_core.failpoints import ENV as FAILPOINTS
+from longstraw_core.process.failpoints import ENV as FAILPOINTS
 
 pytestmark = pytest.mark.multiprocess
 

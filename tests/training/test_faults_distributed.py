@@ -19,7 +19,7 @@ import pytest
 from fault_runs import CONFIG, RECIPE, ROOT, SMALL, assert_same_state, run_env
 from test_faults import SLOW_STEP_2, slow_step_env
 
-from longstraw_core.failpoints import ENV as FAILPOINTS
+from longstraw_core.process.failpoints import ENV as FAILPOINTS
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,9 +15,13 @@ import pytest
 import torch
 
 import longstraw_core as ls
-from longstraw_core import resume
 from longstraw_core.config import ConfigError, load_config
-from longstraw_core.guard import (
+from longstraw_core.data.tasks import Sample
+from longstraw_core.launch import resume
+from longstraw_core.launch.preemption import GracefulStop
+from longstraw_core.models.build import build_optimizer, build_scheduler
+from longstraw_core.models.tiny import tiny_model
+from longstraw_core.process.guard import (
     NonFiniteError,
     NonFiniteGuard,
     TrainingDiverged,
@@ -25,12 +29,8 @@ from longstraw_core.guard import (
     non_finite_reason,
     optimizer_tensors,
 )
-from longstraw_core.models import build_optimizer, build_scheduler
 from longstraw_core.rewards import MAX_ABS_REWARD, RewardError, RewardSet
-from longstraw_core.stop import GracefulStop
-from longstraw_core.tasks import Sample
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tracking import RunLogger
+from longstraw_core.training.tracking import RunLogger
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 

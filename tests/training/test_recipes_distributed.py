@@ -29,7 +29,8 @@ from recipe_runs import (
 )
 from wandb_records import wandb_history, wandb_records
 
-from longstraw_core import checkpoint, config, models
+from longstraw_core import checkpoint, config
+from longstraw_core.models import build as models
 
 pytestmark = pytest.mark.multiprocess
 

@@ -33,8 +33,8 @@ from recipe_runs import (
 )
 from reference import float32_sum_rtol
 
-from longstraw_core import models
 from longstraw_core.config import load_config
+from longstraw_core.models import build as models
 
 pytestmark = pytest.mark.multiprocess
 

@@ -21,15 +21,15 @@ from rich.console import Console
 from tiny_training import optimizer_and_schedule, tiny_policy, train_step
 from wandb_records import wandb_history, wandb_records
 
-from longstraw_core import metrics as names
-from longstraw_core import models
 from longstraw_core.checkpoint import save_checkpoint
 from longstraw_core.config import LoraSection, load_config
+from longstraw_core.metrics import names as names
+from longstraw_core.metrics.curves import CURVES_PNG, METRICS_CSV
+from longstraw_core.metrics.summary import SUMMARY_TXT
+from longstraw_core.models import build as models
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.plan import chunk_for_config
-from longstraw_core.run_curves import CURVES_PNG, METRICS_CSV
-from longstraw_core.run_summary import SUMMARY_TXT
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tracking import RunLogger, log_with
+from longstraw_core.training.tracking import RunLogger, log_with
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"

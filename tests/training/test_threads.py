@@ -1,4 +1,4 @@
-"""Threads per process (``longstraw_core.threads``): the node's cores not busy with other
+"""Threads per process (``longstraw_core.process.threads``): the node's cores not busy with other
 work, shared by its processes, unless ``OMP_NUM_THREADS`` says otherwise (a run's own is read from its shape
 block: ``test_run_output``, and the 2-rank run of ``test_recipes_distributed``)."""
 
@@ -8,7 +8,7 @@ import multiprocessing
 
 import torch
 
-from longstraw_core import threads
+from longstraw_core.process import threads
 
 
 def test_the_cores_are_shared_by_the_processes_of_the_node_at_least_one_each():

@@ -12,12 +12,12 @@ from accelerate import Accelerator
 from rich.console import Console
 from wandb_records import wandb_config, wandb_history, wandb_records
 
-from longstraw_core import metrics as names
 from longstraw_core.config import load_config, to_dict
-from longstraw_core.progress import StepProgress, counter
-from longstraw_core.run_curves import METRICS_CSV
-from longstraw_core.run_summary import SUMMARY_TXT
-from longstraw_core.tracking import RunLogger, flatten_metrics, log_with, wandb_metrics
+from longstraw_core.metrics import names as names
+from longstraw_core.metrics.curves import METRICS_CSV
+from longstraw_core.metrics.summary import SUMMARY_TXT
+from longstraw_core.process.progress import StepProgress, counter
+from longstraw_core.training.tracking import RunLogger, flatten_metrics, log_with, wandb_metrics
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "qwen36" / "tiny_grpo_cpu.yaml"
 
@@ -104,7 +104,7 @@ def test_disabled_tracking_still_logs_to_the_console(
 
 
 def test_step_line_shows_length_throughput_and_peak_memory(tmp_path: Path) -> None:
-    """Every key of the step line is a name the recipes emit (``longstraw_core.metrics``)."""
+    """Every key of the step line is a name the recipes emit (``longstraw_core.metrics.names``)."""
     cfg = load_config(TINY, [f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false"])
     lines: list[str] = []
     logger = RunLogger.from_config(Accelerator(cpu=True), cfg, write=lines.append)

@@ -32,8 +32,8 @@ import pytest
 import torch
 from recipe_runs import QWEN, ROOT, SMALL, run_on_ranks, tensors
 
-from longstraw_core import models
 from longstraw_core.config import load_config
+from longstraw_core.models import build as models
 
 pytestmark = pytest.mark.multiprocess
 

@@ -23,15 +23,16 @@ import trl
 from safetensors.torch import load_file
 from trl.rewards import get_soft_overlong_punishment
 
-from longstraw_core import checkpoint, hub, models
-from longstraw_core.config import ConfigError, RunConfig, load_config, to_dict
-from longstraw_core.export import export
-from longstraw_core.grpo_config import GRPOConfig
+from longstraw_core import checkpoint
+from longstraw_core.config import ConfigError, RunConfig, hub, load_config, to_dict
+from longstraw_core.data.tasks import Sample
+from longstraw_core.data.tokenizer import builtin_tokenizer, encode_prompt, load_tokenizer
+from longstraw_core.models import build as models
+from longstraw_core.models.export import export
+from longstraw_core.models.tiny import tiny_model
 from longstraw_core.rewards import RewardSet, completion_text
-from longstraw_core.tasks import Sample
-from longstraw_core.tiny_models import tiny_model
-from longstraw_core.tokenizer import builtin_tokenizer, encode_prompt, load_tokenizer
-from longstraw_core.trainer import RunError, dataset_directory, reward_entries, train
+from longstraw_core.schema.grpo import GRPOConfig
+from longstraw_core.training.trainer import RunError, dataset_directory, reward_entries, train
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/qwen36/tiny_grpo_cpu.yaml"

@@ -38,8 +38,8 @@ from trl import GRPOTrainer
 from trl_trainer import grpo_args, grpo_trainer, trl_loss_and_logps
 
 import longstraw_core as ls
-from longstraw_core.losses import TOKEN_NORMALISED, branch_loss, group_advantages, loss_weights
-from longstraw_core.tiny_models import tiny_model
+from longstraw_core.grpo.losses import TOKEN_NORMALISED, branch_loss, group_advantages, loss_weights
+from longstraw_core.models.tiny import tiny_model
 
 F64 = torch.float64
 G = 4
