@@ -50,7 +50,9 @@ def test_every_package_is_on_one_floor_named_for_it() -> None:
         f"longstraw_core.{path.parent.name}"
         for path in (ROOT / "longstraw_core").glob("*/__init__.py")
     } | {"longstraw_core", "model_adapters"}
-    loose = sorted(p.name for p in (ROOT / "longstraw_core").glob("*.py") if p.name != "__init__.py")
+    loose = sorted(
+        p.name for p in (ROOT / "longstraw_core").glob("*.py") if p.name != "__init__.py"
+    )
     assert loose == [], f"modules outside a package: {loose}"
     assert set(named) == on_disk
 

@@ -217,7 +217,9 @@ def main() -> int:
     edges = graph(lazy=args.lazy)
     found = circles(edges)
     packages = package_graph(edges)
-    print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(packages)} packages")
+    print(
+        f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(packages)} packages"
+    )
     found += circles(packages)
     for component in found:
         print(f"circle of {len(component)}: {', '.join(component)}")
