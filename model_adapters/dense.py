@@ -13,7 +13,7 @@ branch's ``BranchKV`` and the queries attend to the shared prefix plus all of it
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,7 +117,7 @@ def run_full_attention(
 
     Mirrors the transformers attention forward (q/k norms when present, RoPE, GQA) and
     returns the input of ``o_proj``'s caller: the projected attention output. ``branch``:
-    the ``B`` decoded branches' own keys/values (see ``attend_with_state``). ``state_only``
+    the ``B`` decoded branches' own keys/values (see ``AttentionInputs``). ``state_only``
     (a writing span's last layer): write the keys/values, attend to nothing, return None.
     ``gated`` (Qwen3.5's gated attention, ``qwen36.run_gated_attention``): ``q_proj`` yields
     each head's query and its output gate side by side, and the attention output is
@@ -143,10 +143,13 @@ def run_full_attention(
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     cos, sin = position_embeddings
     queries, keys = apply_rotary(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-    attend = attend_with_state if window is None else partial(attend_in_window, window=window)
-    output = attend(
-        queries, keys, values, record, span, attention.scaling, branch, state_only, sink=sink
+    inputs = AttentionInputs(
+        queries, keys, values, span, attention.scaling, branch, state_only, sink
     )
+    if window is None:
+        output = attend_with_state(inputs, record)
+    else:
+        output = attend_in_window(inputs, record, window=window)
     if output is None:
         return None
     output = output.transpose(1, 2).reshape(batch, length, -1)
@@ -155,52 +158,73 @@ def run_full_attention(
     return attention.o_proj(output)
 
 
-def attend_with_state(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    record: AttentionKV,
-    span: Span,
-    scale: float,
-    branch: BranchKV | None = None,
-    state_only: bool = False,
-    *,
-    sink: torch.Tensor | None = None,
-) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One span's attention inputs, as ``attend_with_state`` (full attention) and
+    ``attend_in_window`` (sliding window) both take them: the two differ only in what they
+    read of the record, so they share these, and the write and branch append below.
+
+    ``queries`` ``[B, H, T, D]`` and ``keys``/``values`` ``[B, KVH, T, D]`` after RoPE;
+    ``scale``: the softmax scale. ``branch`` (decoding): the ``B`` branches' own
+    keys/values, which the span is appended to. ``state_only`` (a writing span's last
+    layer): write the keys/values, attend to nothing. ``sink``: per-head attention sinks.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    span: Span
+    scale: float
+    branch: BranchKV | None = None
+    state_only: bool = False
+    sink: torch.Tensor | None = None
+
+    def write(self, record: AttentionKV | WindowReads) -> None:
+        """Fold a prefill chunk's keys and values (``B = 1``) into ``record``."""
+        record.write(self.span.start, self.keys[0], self.values[0])
+
+    def own_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys/values of what the queries belong to: the span alone, or appended to the
+        ``branch``'s own (all the branches hold)."""
+        if self.branch is None:
+            return self.keys, self.values
+        return self.branch.append(self.keys, self.values, ragged=self.span.rows)
+
+
+def attend_with_state(inputs: AttentionInputs, record: AttentionKV) -> torch.Tensor | None:
     """Attention of a span over the stored prefix and itself; a prefill chunk is stored.
 
-    ``queries`` ``[B, H, T, D]`` and ``keys``/``values`` ``[B, KVH, T, D]`` after RoPE. A
-    prefill chunk (``span.write``, ``B = 1``) reads the prefix before it and writes its own
-    keys and values; a branch reads the whole prefix. With ``branch`` (decoding), the span
-    is appended to the ``B`` branches' own keys/values and attends to all they hold; without
-    it the branch is the span alone. In exact mode ``record`` is a view whose
+    A prefill chunk (``span.write``, ``B = 1``) reads the prefix before it and writes its
+    own keys and values; a branch reads the whole prefix. With ``inputs.branch`` (decoding),
+    the span is appended to the ``B`` branches' own keys/values and attends to all they hold;
+    without it the branch is the span alone. In exact mode ``record`` is a view whose
     ``grad_segments`` receive the gradient of every prefix read. A record that keeps
     attention outputs stores a prefill chunk's, and exact mode's recompute of that chunk
     reuses it instead of attending again (``AttentionKV.keeps_outputs``).
     """
+    span = inputs.span
     prefix_end = span.start if span.write else None
     prefix = record.segments(end=prefix_end)
     reuse = keep = None
     if span.write:
-        record.write(span.start, keys[0], values[0])
-        if state_only:
+        inputs.write(record)
+        if inputs.state_only:
             return None
         reuse = record.output_for(span.start, span.length)
         keep = [] if reuse is None and record.keeps_outputs else None
-    if branch is not None:
-        keys, values = branch.append(keys, values, ragged=span.rows)
+    keys, values = inputs.own_keys()
     ragged = span.rows is not None
     output = segmented_attention(
-        queries,
+        inputs.queries,
         keys,
         values,
         prefix,
-        scale=scale,
+        scale=inputs.scale,
         prefix_grads=record.grad_segments(end=prefix_end),
         reuse=reuse,
         keep=keep,
         branch_positions=span.rows.query_positions(span.length) if ragged else None,
-        sink=sink,
+        sink=inputs.sink,
     )
     if keep:
         record.write_output(span.start, keep[0])
@@ -208,17 +232,7 @@ def attend_with_state(
 
 
 def attend_in_window(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    record: WindowReads,
-    span: Span,
-    scale: float,
-    branch: BranchKV | None = None,
-    state_only: bool = False,
-    *,
-    window: int,
-    sink: torch.Tensor | None = None,
+    inputs: AttentionInputs, record: WindowReads, *, window: int
 ) -> torch.Tensor | None:
     """``attend_with_state`` for a sliding-window layer of width ``window``.
 
@@ -229,12 +243,12 @@ def attend_in_window(
     positions before it. A prefill chunk then folds its keys and values into the record
     (after the read: the record shifts in place).
     """
+    span, queries = inputs.span, inputs.queries
     stored_keys, stored_values = record.read(span.start if span.write else None)
-    if span.write and state_only:
-        record.write(span.start, keys[0], values[0])
+    if span.write and inputs.state_only:
+        inputs.write(record)
         return None
-    if branch is not None:
-        keys, values = branch.append(keys, values, ragged=span.rows)
+    keys, values = inputs.own_keys()
     if span.rows is None:  # only the stored keys the first query still sees (none once the
         # branch has run ``window - 1`` positions): decoding copies less, then nothing
         first = keys.shape[2] - queries.shape[2]  # the first query's branch position
@@ -246,7 +260,7 @@ def attend_in_window(
         for stored, own in ((stored_keys, keys), (stored_values, values))
     )
     if span.write:
-        record.write(span.start, keys[0], values[0])
+        inputs.write(record)
     positions = None
     if span.rows is not None:
         positions = span.rows.query_positions(span.length) + ahead
@@ -254,10 +268,10 @@ def attend_in_window(
         queries,
         all_keys,
         all_values,
-        scale=scale,
+        scale=inputs.scale,
         window=window,
         branch_positions=positions,
-        sink=sink,
+        sink=inputs.sink,
     )
 
 

@@ -9,9 +9,9 @@ the model's own YaRN ``rotary_emb``) but for three things:
   full ones) serve them as they stand.
 - Every attention layer has learned sinks (``self_attn.sinks``, one logit per query head):
   transformers' ``eager_attention_forward`` appends them as one more softmax column and drops
-  it after the softmax. ``segmented_attention(sink=)`` does the same (torch backend; the
-  fused flash backends take no sink and refuse one), and the sinks get their gradients
-  there, through the prompt's chunks in exact mode too.
+  it after the softmax. ``segmented_attention(sink=)`` does the same on every backend (the
+  fused ones fold the sink in after their kernels; not yet run on a GPU), and the sinks get
+  their gradients there, through the prompt's chunks in exact mode too.
 - The MLP is ``GptOssMLP`` (top-k router, ``GptOssExperts`` with its clamped gated
   activation), which returns ``(hidden, router_scores)``: the layer keeps the first, as the
   model does. The experts run the model's own module, routing per token, so a branch and
@@ -59,8 +59,8 @@ TINY_GPT_OSS: dict[str, Any] = {
 }
 
 # Every CPU test of the family matrix (offload, QLoRA, loading, mixed precision, pipeline,
-# TRL's losses, the demo): checked with -k gpt_oss. No GPU benchmark: its sinks run on the
-# torch backend (no fused kernel takes them), which gpu_check would fail as a fallback.
+# TRL's losses, the demo): checked with -k gpt_oss. No GPU benchmark yet: the fused backends
+# take its sinks (folded in after their kernels) but have not run them on a GPU.
 PROBE = FamilyProbe(
     model_type="gpt_oss",
     capabilities=TEST_CAPABILITIES,

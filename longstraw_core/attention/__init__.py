@@ -23,10 +23,13 @@ Backends:
 - ``"sdpa"``: the same wrapper over PyTorch's own CUDA flash kernels (``sdpa_flash``): the
   public ``torch.nn.attention.varlen.varlen_attn`` forward and, for the merged-lse backward,
   the op its own backward calls. Fused attention on CUDA with nothing to build. ``"auto"``
-  takes flash-attn when installed and
-  usable, else these, else the torch backend.
+  takes flash-attn when installed and usable, else these, else the torch backend.
 
-The modules: ``common`` (``AttentionOutput``, ``accumulation_dtype``, the merge),
+Attention sinks (``sink=``) run on every backend, folded in after the merge
+(``common.fold_sink``); the fused kernels never see them (``fused``'s docstring).
+
+The modules: ``common`` (``AttentionOutput``, ``accumulation_dtype``, the merge, the sink's
+fold and gradient, the fused kernels' window bound),
 ``blocks`` (the torch backend's layouts and key blocks), ``cpu_flash`` (PyTorch's fused CPU
 kernels under the torch backend), ``torch_backend``, ``flash_backend`` (flash-attn's two
 functions), ``sdpa_flash`` (PyTorch's CUDA flash kernels behind the same two), ``fused`` (the
@@ -44,6 +47,10 @@ written from the flash-attn 2.8.x source (``flash_attn/flash_attn_interface.py``
 GPU; a test compares them with the torch backend when CUDA and flash-attn are present. The
 sdpa backend is the same wrapper over PyTorch's CUDA flash ops, tested on CPU against a
 stand-in with those ops' contract; ``make gpu-check`` compares it with the torch backend.
+Attention sinks (``sink=``) run on every backend: the torch backend is tested against a
+plain softmax with one more column (float64); the fused backends fold the sink in after
+their merge and are tested on CPU against the torch backend through the stand-ins only
+(``tests/attention/test_attention_sinks.py``): the sink path has NOT run on a GPU.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from longstraw_core.attention.common import AttentionOutput, Segment, accumulati
 # The autograd Functions keep their names, which autograd graphs show (``grad_fn``).
 from longstraw_core.attention.fused import _FlashSegmentedAttention, _SdpaSegmentedAttention
 from longstraw_core.attention.ragged import check_ragged
-from longstraw_core.attention.torch_backend import _TorchSegmentedAttention, _TorchSinkAttention
+from longstraw_core.attention.torch_backend import _TorchSegmentedAttention
 
 __all__ = [
     "AttentionOutput",
@@ -133,7 +140,8 @@ def segmented_attention(
             query head ``h`` gets one more logit, ``sink[h]``, of a key with no value, which
             takes probability mass and adds nothing to the output (transformers'
             ``eager_attention_forward`` of gpt-oss). Gradients flow to it when it requires
-            grad. Torch backend only (``_check_sink``).
+            grad. Every backend takes it: each folds it in after its merge (``common.fold_sink``;
+            the fused backends' kernels never see it).
 
     Returns:
         ``[B, H, Tq, Dv]`` in the dtype of ``q``. Query head ``h`` reads kv head
@@ -142,8 +150,8 @@ def segmented_attention(
     segments = tuple((ks, vs) for ks, vs in prefix)
     _check_shapes(q, k, v, segments)
     _check_window(window, segments)
-    _check_sink(sink, q, backend)
-    chosen = _choose_backend("torch" if sink is not None else backend, q, k, v, segments)
+    _check_sink(sink, q)
+    chosen = _choose_backend(backend, q, k, v, segments)
     flat = [t for segment in segments for t in segment]
     if branch_positions is not None:
         check_ragged(q, k, branch_positions)
@@ -152,33 +160,28 @@ def segmented_attention(
                 q, k, v, scale, block_size, flat, branch_positions, window, sink
             )
             return out
-        return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions, window)
-    function = _FUNCTIONS[chosen]
-    sinks = _check_sinks(prefix_grads, segments)
+        return fused.ragged_forward(chosen, q, k, v, scale, flat, branch_positions, window, sink)
+    buffers = _check_prefix_grads(prefix_grads, segments)
     if reuse is not None:
         _check_reuse(reuse, q, v)
-    if sink is not None:
-        return _TorchSinkAttention.apply(
-            sink, q, k, v, float(scale), block_size, window, sinks, reuse, keep, *flat
-        )
-    return function.apply(q, k, v, float(scale), block_size, window, sinks, reuse, keep, *flat)
+    return _FUNCTIONS[chosen].apply(
+        q, k, v, sink, float(scale), block_size, window, buffers, reuse, keep, *flat
+    )
 
 
-def _check_sink(sink: torch.Tensor | None, q: torch.Tensor, backend: str) -> None:
+def _check_sink(sink: torch.Tensor | None, q: torch.Tensor) -> None:
+    """A sink is one logit per query head. Every backend takes it: none refuses a sink.
+
+    NOTE: the fused backends (flash-attn 2's ``flash_attn_func``, PyTorch's flash kernels)
+    take no sink logit; they fold it in after their merge (``fused``'s docstring) and their
+    backward calls take the folded ``out'``/``lse'``. That path is checked on CPU against
+    the kernels' plain-torch stand-ins only (``tests/attention/test_attention_sinks.py``),
+    not yet on a GPU. flash-attn 3 / 4's kernels with a sink argument are not wired in.
+    """
     if sink is None:
         return
     if sink.shape != (q.shape[1],):
         raise ValueError(f"sink must be [heads] = [{q.shape[1]}], got {tuple(sink.shape)}")
-    if backend in ("flash", "sdpa"):
-        # NOTE: flash-attn 2's flash_attn_func and PyTorch's flash kernels take no sink
-        # logit. The sink could still be folded in after them (out * exp(lse - lse'), lse' =
-        # logaddexp(lse, sink)) since their backward takes the merged out/lse, but that path
-        # has not been written or run on a GPU; flash-attn 3 / 4 kernels with sinks are not
-        # wired in either.
-        raise ValueError(
-            f"attention sinks run on the torch backend only; backend={backend!r} has no sink "
-            "logit (flash-attn 2 and PyTorch's flash kernels take none): use 'torch' or 'auto'"
-        )
 
 
 def _check_window(window: int | None, segments: Sequence[Segment]) -> None:
@@ -206,24 +209,24 @@ def _check_reuse(reuse: AttentionOutput, q: torch.Tensor, v: torch.Tensor) -> No
         )
 
 
-def _check_sinks(
+def _check_prefix_grads(
     prefix_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
     segments: Sequence[Segment],
 ) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
     """One ``(dk, dv)`` accumulation buffer pair per segment (``None`` where not wanted)."""
     if prefix_grads is None:
         return tuple((None, None) for _ in segments)
-    sinks = tuple(tuple(pair) for pair in prefix_grads)
-    if len(sinks) != len(segments):
-        raise ValueError(f"prefix_grads has {len(sinks)} pairs for {len(segments)} segments")
-    for i, (pair, segment) in enumerate(zip(sinks, segments, strict=True)):
+    buffers = tuple(tuple(pair) for pair in prefix_grads)
+    if len(buffers) != len(segments):
+        raise ValueError(f"prefix_grads has {len(buffers)} pairs for {len(segments)} segments")
+    for i, (pair, segment) in enumerate(zip(buffers, segments, strict=True)):
         for buffer, tensor in zip(pair, segment, strict=True):
             if buffer is not None and buffer.shape != tensor.shape:
                 raise ValueError(
                     f"prefix_grads[{i}] buffer {tuple(buffer.shape)} does not match its "
                     f"segment {tuple(tensor.shape)}"
                 )
-    return sinks
+    return buffers
 
 
 def _check_shapes(

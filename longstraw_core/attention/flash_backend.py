@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from longstraw_core.attention.common import window_left
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # flash-attn versions whose ``_flash_attn_backward`` signature ``_private_backward`` knows:
 # 2.6.x takes ``window_size`` as a pair, 2.7 and 2.8 take ``window_size_left``/``_right``.
@@ -70,14 +72,10 @@ def unsupported_version_reason() -> str | None:
 
 def _window_size(causal: bool, window: int | None) -> tuple[int, int]:
     """flash-attn's ``window_size``: query ``i`` sees keys ``[i + Tk - Tq - left, i + Tk - Tq
-    + right]`` (bottom-right aligned, -1: unbounded). A sliding window of ``window`` keys,
-    the query's own included, is ``(window - 1, 0)`` on the causal branch segment, which is
-    transformers' ``kv_idx > q_idx - sliding_window``."""
-    if window is None:
-        return (-1, -1)
-    if not causal:
-        raise ValueError("a sliding window applies to the causal branch segment only")
-    return (window - 1, 0)
+    + right]`` (bottom-right aligned, -1: unbounded). A sliding window is ``(window - 1, 0)``
+    on the causal branch segment (``common.window_left``); none is ``(-1, -1)``."""
+    left = window_left(causal, window)
+    return (-1, -1) if left < 0 else (left, 0)
 
 
 def forward(

@@ -21,7 +21,7 @@ calls, with the same arguments it passes, from ``_private_backward`` alone; ``_o
 the op's schema and refuses (naming the torch versions) where it differs.
 
 NOTE: what has been run. On CPU, the layouts and argument handling against plain-torch
-stand-ins with the two functions' contracts (``tests/attention/flash_standins.py``) and the
+stand-ins with the two functions' contracts (``tests/support/flash_standins.py``) and the
 fake-tensor dry runs. The CUDA kernels themselves have NOT run yet: ``make gpu-check``
 compares them with the torch backend.
 """
@@ -33,6 +33,8 @@ import inspect
 from collections.abc import Callable
 
 import torch
+
+from longstraw_core.attention.common import window_left
 
 SUPPORTED_TEXT = "torch 2.10 or newer (torch.nn.attention.varlen.varlen_attn with return_aux)"
 # What ``_private_backward`` passes to ``aten._flash_attention_backward`` (varlen's own call).
@@ -92,16 +94,6 @@ def _packed(
     return (*packed, steps * tq, steps * tk)
 
 
-def _window_left(causal: bool, window: int | None) -> int:
-    """The kernels' left window: ``window - 1`` keys before the query's own (a sliding
-    window, causal only), or -1 (unbounded)."""
-    if window is None:
-        return -1
-    if not causal:
-        raise ValueError("a sliding window applies to the causal branch segment only")
-    return window - 1
-
-
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,7 +110,7 @@ def forward(
     q_, k_, v_, cu_q, cu_k = _packed(q, k, v)
     out, lse = _ops()[0](
         q_, k_, v_, cu_q, cu_k, tq, k.shape[1], return_aux=AuxRequest(lse=True), scale=scale,
-        window_size=(_window_left(causal, window), 0 if causal else -1), enable_gqa=True,
+        window_size=(window_left(causal, window), 0 if causal else -1), enable_gqa=True,
     )  # fmt: skip
     return out.reshape(batch, tq, heads, -1), lse.reshape(heads, batch, tq).transpose(0, 1)
 
@@ -145,7 +137,7 @@ def backward(
     d_out_, out_ = (x.reshape(batch * tq, heads, -1).contiguous() for x in (d_out, out))
     lse_ = lse.transpose(0, 1).reshape(heads, batch * tq).contiguous()  # the kernel's [H, BT]
     results = _private_backward(d_out_, q_, k_, v_, out_, lse_, cu_q, cu_k, tq, k.shape[1],
-                                scale, causal, _window_left(causal, window))  # fmt: skip
+                                scale, causal, window_left(causal, window))  # fmt: skip
     for grad, value in zip(grads, results[:3], strict=True):
         grad.copy_(value.reshape(grad.shape))
 

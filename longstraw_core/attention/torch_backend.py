@@ -1,5 +1,6 @@
 """The torch backend: online-softmax attention per segment, key block by key block, its
-FlashAttention-style backward, and their ``autograd.Function`` (``_TorchSegmentedAttention``).
+FlashAttention-style backward, and their ``autograd.Function`` (``_TorchSegmentedAttention``,
+with or without attention sinks).
 Pure PyTorch, any device, dtype and head dims; PyTorch's fused CPU kernels take a segment's
 forward and backward where they can (``cpu_flash``)."""
 
@@ -26,7 +27,9 @@ from longstraw_core.attention.common import (
     N_LEADING_ARGS,
     AttentionOutput,
     accumulation_dtype,
+    fold_sink,
     merge,
+    sink_row_grads,
     unflatten_segments,
 )
 from longstraw_core.attention.ragged import ragged_branch
@@ -144,8 +147,7 @@ def _torch_attention(
         seg_out, seg_lse = _segment_forward(q_folded, k_seg, v_seg, scale, block_size, None)
         out, lse = merge(out, lse, unfold_batch(seg_out, batch), unfold_batch(seg_lse, batch))
     if sink is not None:  # one more key per head, of logit ``sink`` and value zero
-        with_sink = torch.logaddexp(lse, sink_rows(sink, k.shape[1], tq, lse.dtype))
-        out, lse = out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
+        out, lse = fold_sink(out, lse, sink_rows(sink, k.shape[1], tq, lse.dtype))
     return out.to(q.dtype).reshape(batch, heads, tq, v.shape[-1]), lse
 
 
@@ -155,86 +157,9 @@ def sink_rows(sink: torch.Tensor, kv_heads: int, tq: int, dtype: torch.dtype) ->
     return rows.reshape(kv_heads, -1)
 
 
-def _forward(
-    ctx: FunctionCtx,
-    sink: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    block_size: int | None,
-    window: int | None,
-    sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
-    reuse: AttentionOutput | None,
-    keep: list[AttentionOutput] | None,
-    flat_prefix: Sequence[torch.Tensor],
-) -> torch.Tensor:
-    """The forward of both torch autograd Functions (``sink``: ``_TorchSinkAttention``'s)."""
-    batch, heads, tq, _ = q.shape
-    if reuse is not None:  # lse in grouped rows, as _torch_attention returns it
-        result = reuse.out.to(q.dtype, copy=True)  # (with the sink in, if any)
-        lse = group_rows(reuse.lse[..., None], k.shape[1])[..., 0]
-    else:
-        result, lse = _torch_attention(q, k, v, scale, block_size, flat_prefix, None, window, sink)
-    if keep is not None:
-        keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
-    extra = () if sink is None else (sink,)
-    ctx.save_for_backward(q, k, v, result, lse, *flat_prefix, *extra)
-    ctx.scale, ctx.block_size, ctx.sinks, ctx.window = scale, block_size, sinks, window
-    ctx.has_sink = sink is not None
-    return result
-
-
-def _backward(
-    ctx: FunctionCtx, d_result: torch.Tensor, needs: Sequence[bool], need_sink: bool = False
-) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None]:
-    """The backward of both torch autograd Functions: the gradients of ``q, k, v``, the
-    leading arguments and the prefix (``needs``: which inputs want one), and the sink's.
-
-    With a sink, ``result``/``lse`` were saved with the sink in, so the FlashAttention
-    backward below is exact as it stands (the sink's column has no value, hence no ``dP``);
-    the sink's own gradient is ``-sum_rows P_sink * D``, ``D = rowsum(dO * O)``."""
-    saved = ctx.saved_tensors
-    sink = saved[-1] if ctx.has_sink else None
-    q, k, v, result, lse, *flat_prefix = saved[:-1] if ctx.has_sink else saved
-    scale, block_size = ctx.scale, ctx.block_size
-    batch, kv_heads = q.shape[0], k.shape[1]
-    q_rows = group_rows(q, kv_heads).to(lse.dtype)
-    d_out = group_rows(d_result, kv_heads).to(lse.dtype)
-    out = group_rows(result, kv_heads).to(lse.dtype)
-    d_sum = (d_out * out).sum(-1)
-    d_sink = None
-    if sink is not None and need_sink:
-        rows = sink_rows(sink, kv_heads, q.shape[2], lse.dtype)
-        d_rows = -(torch.exp(rows - lse) * d_sum).sum(0)  # [KVH, n_rep * Tq]
-        d_sink = d_rows.reshape(kv_heads, -1, q.shape[2]).sum(-1).reshape(sink.shape)
-        d_sink = d_sink.to(sink.dtype)
-
-    positions = branch_query_positions(q, k)
-    d_q, d_k, d_v = _segment_backward(
-        q_rows, k, v, d_out, out, lse, d_sum, scale, block_size, positions,
-        needs[1], needs[2], window=ctx.window,
-    )  # fmt: skip
-    q_f, d_out_f, out_f, lse_f, d_sum_f = (fold_batch(x) for x in (q_rows, d_out, out, lse, d_sum))
-    prefix_grads: list[torch.Tensor | None] = []
-    for i, (k_seg, v_seg) in enumerate(unflatten_segments(flat_prefix)):
-        need_k, need_v = needs[N_LEADING_ARGS + 2 * i : N_LEADING_ARGS + 2 * i + 2]
-        sinks = ctx.sinks[i]
-        if needs[0] or need_k or need_v or any(b is not None for b in sinks):
-            seg_d_q, seg_d_k, seg_d_v = _segment_backward(
-                q_f, k_seg, v_seg, d_out_f, out_f, lse_f, d_sum_f, scale, block_size, None,
-                need_k, need_v, sinks,
-            )  # fmt: skip
-            d_q += unfold_batch(seg_d_q, batch)
-            prefix_grads += [seg_d_k, seg_d_v]
-        else:
-            prefix_grads += [None, None]
-    d_q = d_q.to(q.dtype).reshape(q.shape) if needs[0] else None
-    return (d_q, d_k, d_v, *([None] * (N_LEADING_ARGS - 3)), *prefix_grads), d_sink
-
-
 class _TorchSegmentedAttention(torch.autograd.Function):
-    """Pure-torch segmented attention; see ``segmented_attention`` for the arguments."""
+    """Pure-torch segmented attention, with per-head attention sinks (gpt-oss' ``sinks``) when
+    ``sink`` is not None; see ``segmented_attention`` for the arguments."""
 
     @staticmethod
     def forward(
@@ -242,51 +167,72 @@ class _TorchSegmentedAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sink: torch.Tensor | None,
         scale: float,
         block_size: int | None,
         window: int | None,
-        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+        prefix_grads: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
         reuse: AttentionOutput | None,
         keep: list[AttentionOutput] | None,
         *flat_prefix: torch.Tensor,
     ) -> torch.Tensor:
-        return _forward(
-            ctx, None, q, k, v, scale, block_size, window, sinks, reuse, keep, flat_prefix
-        )
+        batch, heads, tq, _ = q.shape
+        if reuse is not None:  # lse in grouped rows, as _torch_attention returns it
+            result = reuse.out.to(q.dtype, copy=True)  # (with the sink in, if any)
+            lse = group_rows(reuse.lse[..., None], k.shape[1])[..., 0]
+        else:
+            result, lse = _torch_attention(
+                q, k, v, scale, block_size, flat_prefix, None, window, sink
+            )
+        if keep is not None:
+            keep.append(AttentionOutput(result.detach(), lse.reshape(batch, heads, tq)))
+        extra = () if sink is None else (sink,)
+        ctx.save_for_backward(q, k, v, result, lse, *flat_prefix, *extra)
+        ctx.scale, ctx.block_size, ctx.window = scale, block_size, window
+        ctx.prefix_grads, ctx.has_sink = prefix_grads, sink is not None
+        return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _backward(ctx, d_result, ctx.needs_input_grad)[0]
+        """With a sink, ``result``/``lse`` were saved with the sink in (``fold_sink``), so the
+        FlashAttention backward below is exact as it stands; the sink's own gradient is
+        ``-sum_rows exp(sink - lse') * D`` (``sink_row_grads``)."""
+        saved = ctx.saved_tensors
+        sink = saved[-1] if ctx.has_sink else None
+        q, k, v, result, lse, *flat_prefix = saved[:-1] if ctx.has_sink else saved
+        needs, scale, block_size = ctx.needs_input_grad, ctx.scale, ctx.block_size
+        batch, kv_heads = q.shape[0], k.shape[1]
+        q_rows = group_rows(q, kv_heads).to(lse.dtype)
+        d_out = group_rows(d_result, kv_heads).to(lse.dtype)
+        out = group_rows(result, kv_heads).to(lse.dtype)
+        d_sum = (d_out * out).sum(-1)
+        d_sink = None
+        if sink is not None and needs[3]:
+            rows = sink_rows(sink, kv_heads, q.shape[2], lse.dtype)
+            d_rows = sink_row_grads(rows, lse, d_sum).sum(0)  # [KVH, n_rep * Tq]
+            d_sink = d_rows.reshape(kv_heads, -1, q.shape[2]).sum(-1).reshape(sink.shape)
+            d_sink = d_sink.to(sink.dtype)
 
-
-class _TorchSinkAttention(torch.autograd.Function):
-    """``_TorchSegmentedAttention`` with per-head attention sinks (gpt-oss' ``sinks``), its
-    first argument: one more logit per query head in every softmax row, a key with no value
-    (``segmented_attention(sink=)``)."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        sink: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        block_size: int | None,
-        window: int | None,
-        sinks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
-        reuse: AttentionOutput | None,
-        keep: list[AttentionOutput] | None,
-        *flat_prefix: torch.Tensor,
-    ) -> torch.Tensor:
-        return _forward(
-            ctx, sink, q, k, v, scale, block_size, window, sinks, reuse, keep, flat_prefix
-        )
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, d_result: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        needs = ctx.needs_input_grad
-        grads, d_sink = _backward(ctx, d_result, needs[1:], need_sink=needs[0])
-        return (d_sink, *grads)
+        positions = branch_query_positions(q, k)
+        d_q, d_k, d_v = _segment_backward(
+            q_rows, k, v, d_out, out, lse, d_sum, scale, block_size, positions,
+            needs[1], needs[2], window=ctx.window,
+        )  # fmt: skip
+        folded = (fold_batch(x) for x in (q_rows, d_out, out, lse, d_sum))
+        q_f, d_out_f, out_f, lse_f, d_sum_f = folded
+        grads: list[torch.Tensor | None] = []
+        for i, (k_seg, v_seg) in enumerate(unflatten_segments(flat_prefix)):
+            need_k, need_v = needs[N_LEADING_ARGS + 2 * i : N_LEADING_ARGS + 2 * i + 2]
+            buffers = ctx.prefix_grads[i]
+            if needs[0] or need_k or need_v or any(b is not None for b in buffers):
+                seg_d_q, seg_d_k, seg_d_v = _segment_backward(
+                    q_f, k_seg, v_seg, d_out_f, out_f, lse_f, d_sum_f, scale, block_size,
+                    None, need_k, need_v, buffers,
+                )  # fmt: skip
+                d_q += unfold_batch(seg_d_q, batch)
+                grads += [seg_d_k, seg_d_v]
+            else:
+                grads += [None, None]
+        d_q = d_q.to(q.dtype).reshape(q.shape) if needs[0] else None
+        return (d_q, d_k, d_v, d_sink, *([None] * (N_LEADING_ARGS - 4)), *grads)

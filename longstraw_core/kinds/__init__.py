@@ -11,6 +11,8 @@ planner's formulas for its layers; it registers them last (``registry.register_k
 - ``registry``: ``LayerKind`` and the lookups (``kind``, ``kinds``, ``offload_fields``) the
   rest of LongStraw uses instead of naming kinds;
 - ``planning``: ``KindPlan``, what the planner asks a kind;
+- ``checkpoints``: ``ChunkCheckpoints``, the state at each chunk start that the fixed-size
+  records (``window``, ``recurrent``) keep for exact mode's sweep;
 - ``forwarding``: ``ForwardedReads``, the declared reads of the wrappers a pass hands
   adapters instead of a record (offload's ``StreamedRecord``, checkpointing's
   ``LayerRecord``);

@@ -22,20 +22,20 @@ import torch
 from longstraw_core.kinds.base import (
     ExactViewBase,
     Produced,
-    RecordBase,
     Seed,
     attach_grad_sink,
     piece_leaf,
     record_writes,
     tensor_nbytes,
 )
+from longstraw_core.kinds.checkpoints import ChunkCheckpoints
 from longstraw_core.kinds.planning import FP32, KindPlan
 from longstraw_core.kinds.registry import LayerKind, register_kind
-from longstraw_core.tensors.pinned import empty_buffers, pinned_copy
+from longstraw_core.tensors.pinned import empty_buffers
 
 
 @dataclass
-class RecurrentState(RecordBase):
+class RecurrentState(ChunkCheckpoints):
     """One linear-attention (Gated DeltaNet) layer's prefix state: a fixed size at any length.
 
     ``conv``: the last ``kernel - 1`` inputs of the causal conv, ``[conv_dim, kernel - 1]`` in
@@ -48,6 +48,7 @@ class RecurrentState(RecordBase):
 
     kind: ClassVar[str] = "linear_attention"
     grows_with_prompt: ClassVar[bool] = False
+    state_name: ClassVar[str] = "recurrent state"
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -82,13 +83,7 @@ class RecurrentState(RecordBase):
         """``(conv, recurrent)`` at position ``start``; ``None``: after the whole prompt."""
         if start is None or start == self.length:
             return self.conv, self.recurrent
-        if start in self.checkpoints:
-            conv, recurrent = self.checkpoints[start]
-            return conv.to(self.conv.device), recurrent.to(self.recurrent.device)
-        raise RuntimeError(
-            f"no recurrent state at position {start} (state holds {self.length} positions and "
-            f"checkpoints at {sorted(self.checkpoints)}); prefill with checkpoints for exact mode"
-        )
+        return self.checkpoint(start, (self.conv.device, self.recurrent.device))
 
     def window(self, position: int | None) -> RecurrentState:
         """What a pass starting at ``position`` (``None``: after the prompt) reads: the state
@@ -98,34 +93,14 @@ class RecurrentState(RecordBase):
 
     def update(self, start: int, length: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Fold one prefill chunk of ``length`` positions at ``start`` into the state."""
-        if start != self.length:
-            raise RuntimeError(
-                f"prefill wrote positions {start}..{start + length} into a recurrent state "
-                f"holding {self.length} positions; chunks must be written in order"
-            )
-        if self.checkpoint_device is not None:
-            self.checkpoints[start] = (
-                _copy_to(self.conv, self.checkpoint_device),
-                _copy_to(self.recurrent, self.checkpoint_device),
-            )
+        self.check_order(start, length)
+        self.keep_checkpoint(start, self.conv, self.recurrent)
         self.conv.copy_(conv)
         self.recurrent.copy_(recurrent)
         self.length = start + length
 
     def nbytes(self) -> int:
         return tensor_nbytes(self.conv) + tensor_nbytes(self.recurrent)
-
-    def checkpoint_nbytes(self) -> int:
-        return sum(tensor_nbytes(c) + tensor_nbytes(r) for c, r in self.checkpoints.values())
-
-    def summary_bytes(self) -> dict[str, int]:
-        return {"checkpoint_bytes": self.checkpoint_nbytes()}
-
-    def keep_checkpoints(self, device: torch.device) -> None:
-        self.checkpoint_device = device
-
-    def needs_checkpoints(self) -> bool:
-        return bool(self.length and not self.checkpoints)
 
     def new_grad(self, dtype: torch.dtype) -> RecurrentStateGrad:
         return RecurrentStateGrad.zeros_like(self, dtype)
@@ -157,14 +132,6 @@ class RecurrentState(RecordBase):
             self.checkpoint_device,
             dict(self.checkpoints),
         )
-
-
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device``; pinned when it goes from pinned memory to the CPU
-    (offloaded checkpoints stream to the device like the state)."""
-    if device.type == "cpu" and tensor.device.type == "cpu" and tensor.is_pinned():
-        return pinned_copy(tensor)  # exactly sized, not the caching host allocator's
-    return tensor.to(device, copy=True)
 
 
 @dataclass

@@ -38,14 +38,14 @@ from longstraw_core.kinds.base import (
     ExactViewBase,
     GrowingPieces,
     Produced,
-    RecordBase,
     Seed,
     attach_grad_sink,
     tensor_nbytes,
 )
+from longstraw_core.kinds.checkpoints import ChunkCheckpoints
 from longstraw_core.kinds.planning import FP32, causal_pairs
 from longstraw_core.kinds.registry import LayerKind, register_kind
-from longstraw_core.tensors.pinned import empty_buffers, pinned_copy
+from longstraw_core.tensors.pinned import empty_buffers
 
 
 class WindowReads(Protocol):
@@ -69,7 +69,7 @@ def _last(rows: torch.Tensor, count: int) -> torch.Tensor:
 
 
 @dataclass
-class WindowKV(RecordBase):
+class WindowKV(ChunkCheckpoints):
     """The keys and values of the last ``width - 1`` positions of one sliding-window layer.
 
     ``keys``/``values``: ``[kv_heads, width - 1, dim]``; the first ``min(length, width - 1)``
@@ -80,6 +80,7 @@ class WindowKV(RecordBase):
 
     kind: ClassVar[str] = "sliding_attention"
     grows_with_prompt: ClassVar[bool] = False
+    state_name: ClassVar[str] = "sliding window"
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -123,28 +124,14 @@ class WindowKV(RecordBase):
         if start is None or start == self.length:
             valid = min(self.length, self.capacity)
             return self.keys[:, :valid], self.values[:, :valid]
-        if start in self.checkpoints:
-            keys, values = self.checkpoints[start]
-            return keys.to(self.keys.device), values.to(self.values.device)
-        raise RuntimeError(
-            f"no sliding window at position {start} (state holds {self.length} positions and "
-            f"checkpoints at {sorted(self.checkpoints)}); prefill with checkpoints for exact mode"
-        )
+        return self.checkpoint(start, (self.keys.device, self.values.device))
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fold one prefill chunk's ``[kv_heads, T, dim]`` keys/values at ``start`` in: the
         window becomes the last ``width - 1`` positions of the old one and the chunk."""
-        if start != self.length:
-            raise RuntimeError(
-                f"prefill wrote positions {start}..{start + keys.shape[1]} into a sliding "
-                f"window holding {self.length} positions; chunks must be written in order"
-            )
+        self.check_order(start, keys.shape[1])
         old_keys, old_values = self.read(start)
-        if self.checkpoint_device is not None:
-            self.checkpoints[start] = (
-                _copy_to(old_keys, self.checkpoint_device),
-                _copy_to(old_values, self.checkpoint_device),
-            )
+        self.keep_checkpoint(start, old_keys, old_values)
         for target, old, new in ((self.keys, old_keys, keys), (self.values, old_values, values)):
             window = _last(torch.cat([old.to(new), new], dim=1), self.capacity)
             # A blocking copy, as the recurrent state's: the next chunk's checkpoint reads it
@@ -162,18 +149,6 @@ class WindowKV(RecordBase):
     def nbytes(self) -> int:
         keys, values = self.read(None)
         return tensor_nbytes(keys) + tensor_nbytes(values)
-
-    def checkpoint_nbytes(self) -> int:
-        return sum(tensor_nbytes(k) + tensor_nbytes(v) for k, v in self.checkpoints.values())
-
-    def summary_bytes(self) -> dict[str, int]:
-        return {"checkpoint_bytes": self.checkpoint_nbytes()}
-
-    def keep_checkpoints(self, device: torch.device) -> None:
-        self.checkpoint_device = device
-
-    def needs_checkpoints(self) -> bool:
-        return bool(self.length and not self.checkpoints)
 
     def new_branch(
         self, batch: int, capacity: int, device: torch.device | None = None
@@ -209,13 +184,6 @@ class WindowKV(RecordBase):
             self.checkpoint_device,
             dict(self.checkpoints),
         )
-
-
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device``; pinned when it stays in pinned CPU memory."""
-    if device.type == "cpu" and tensor.device.type == "cpu" and tensor.is_pinned():
-        return pinned_copy(tensor)
-    return tensor.to(device, copy=True)
 
 
 class BranchWindowKV(BranchKV):

@@ -277,7 +277,7 @@ def _check_fused_wrapper(function: type[torch.autograd.Function]) -> torch.Tenso
     for t in prefix[2]:
         t.requires_grad_(False)
     out = function.apply(
-        q, k, v, SCALE, case.block_size, None, ((None, None),) * len(prefix), None, None,
+        q, k, v, None, SCALE, case.block_size, None, ((None, None),) * len(prefix), None, None,
         *flat(prefix),
     )  # fmt: skip
     want = reference_attention(q, k, v, prefix, SCALE)
@@ -317,7 +317,7 @@ def test_flash_backward_refuses_unknown_versions(monkeypatch, version):
     q, k, v, prefix = make_inputs(CASES["mha-one-segment"])
     with pytest.raises(RuntimeError, match=r"2\.6\.x, 2\.7\.x or 2\.8\.x"):
         attention._FlashSegmentedAttention.apply(
-            q, k, v, SCALE, None, None, ((None, None),), None, None, *flat(prefix)
+            q, k, v, None, SCALE, None, None, ((None, None),), None, None, *flat(prefix)
         ).sum().backward()
     monkeypatch.setattr(attention.choice, "fused_unsupported_reason", lambda *a: None)
     monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: None)
@@ -569,7 +569,7 @@ def test_reuse_through_the_flash_wrapper_with_fake_kernel(monkeypatch):
     kept: list[AttentionOutput] = []
     with torch.no_grad():
         attention._FlashSegmentedAttention.apply(
-            q, k, v, SCALE, None, None, ((None, None),) * 3, None, kept, *flat(prefix)
+            q, k, v, None, SCALE, None, None, ((None, None),) * 3, None, kept, *flat(prefix)
         )
     assert kept[0].out.shape == (1, 4, 5, 8) and kept[0].lse.shape == (1, 4, 5)
 
@@ -578,7 +578,7 @@ def test_reuse_through_the_flash_wrapper_with_fake_kernel(monkeypatch):
         sinks = tuple((torch.zeros_like(ks), torch.zeros_like(vs)) for ks, vs in prefix)
         segments = [t.detach() for t in flat(prefix)]
         out = attention._FlashSegmentedAttention.apply(
-            *inputs, SCALE, None, None, sinks, reuse, None, *segments
+            *inputs, None, SCALE, None, None, sinks, reuse, None, *segments
         )
         out.backward(grad_out)
         return out.detach(), [x.grad for x in inputs] + [g for pair in sinks for g in pair]

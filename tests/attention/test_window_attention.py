@@ -105,7 +105,7 @@ def test_flash_wrapper_passes_flash_attns_own_window(monkeypatch):
     monkeypatch.setattr(attention.flash_backend, "flash_version", lambda: (2, 8))
     monkeypatch.setattr(FakeFlashInterface, "windows", [])
     q, k, v = _inputs(1, 4, 2, 5, 9, 8, seed=1)
-    out = attention._FlashSegmentedAttention.apply(q, k, v, SCALE, None, 4, (), None, None)
+    out = attention._FlashSegmentedAttention.apply(q, k, v, None, SCALE, None, 4, (), None, None)
     _check(out, q, k, v, 4, tol=1e-6)
     assert FakeFlashInterface.windows == [(3, 0), (3, 0)]  # the forward, the backward
 
@@ -117,7 +117,7 @@ def test_flash_26_backward_takes_the_window_as_a_pair(monkeypatch):
     monkeypatch.setattr(attention.flash_backend, "flash_version", lambda: (2, 6))
     monkeypatch.setattr(FakeFlashInterface, "windows", [])
     q, k, v = _inputs(1, 2, 2, 3, 6, 8, seed=2)
-    out = attention._FlashSegmentedAttention.apply(q, k, v, SCALE, None, 2, (), None, None)
+    out = attention._FlashSegmentedAttention.apply(q, k, v, None, SCALE, None, 2, (), None, None)
     _check(out, q, k, v, 2, tol=1e-6)
     assert set(FakeFlashInterface.windows) == {(1, 0)}
 
@@ -126,7 +126,7 @@ def test_sdpa_wrapper_passes_the_varlen_window(monkeypatch):
     ops = FakeVarlenOps()
     monkeypatch.setattr(attention.sdpa_flash, "_ops", lambda: (ops.forward, ops.backward))
     q, k, v = _inputs(2, 4, 2, 4, 7, 8, seed=4)
-    out = attention._SdpaSegmentedAttention.apply(q, k, v, SCALE, None, 3, (), None, None)
+    out = attention._SdpaSegmentedAttention.apply(q, k, v, None, SCALE, None, 3, (), None, None)
     _check(out, q, k, v, 3, tol=1e-6)
     assert set(ops.windows) == {(2, 0)}
 
@@ -136,4 +136,4 @@ def test_fused_kernels_refuse_a_window_on_a_prefix_segment():
     with pytest.raises(ValueError, match="causal branch segment only"):
         attention.flash_backend._window_size(False, 4)
     with pytest.raises(ValueError, match="causal branch segment only"):
-        attention.sdpa_flash._window_left(False, 4)
+        attention.common.window_left(False, 4)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ragged_decode import assert_ragged_decode_matches_forward
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -170,34 +171,8 @@ def test_exact_step_equals_full_graph(chunk_size: int, offload, keep) -> None:
     assert moved > 1e-3 * largest  # the prompt's own paths matter here: exact mode kept them
 
 
-# Per step, how many tokens each of three branches takes (``tests/grpo/test_ragged_decode.py``).
-SCHEDULE = [[1, 1, 1], [0, 3, 1], [2, 0, 1], [1, 1, 0], [3, 1, 2], [0, 0, 1]]
-
-
 def test_ragged_decode_steps_equal_the_full_sequence_forward() -> None:
-    model = _model()
-    adapter = ls.adapt(model)
-    prompt = _ids(30, 1)
-    totals = [sum(step[row] for step in SCHEDULE) for row in range(3)]
-    streams = [
-        torch.cat([prompt[-1:], _ids(total - 1, 10 + row)]) for row, total in enumerate(totals)
-    ]
-    with torch.no_grad():
-        state = adapter.prefill(prompt, chunk_size=8)
-        cache = adapter.new_branch_cache(state, batch=3, capacity=max(totals))
-        done, logits_of = [0, 0, 0], [[] for _ in range(3)]
-        for counts in SCHEDULE:
-            inputs = torch.zeros(3, max(counts), dtype=torch.long)
-            for row, count in enumerate(counts):
-                inputs[row, :count] = streams[row][done[row] : done[row] + count]
-            logits = adapter.decode(state, cache, inputs, counts=counts)
-            for row, count in enumerate(counts):
-                logits_of[row].append(logits[row, :count])
-                done[row] += count
-        for row in range(3):
-            sequence = torch.cat([prompt[:-1], streams[row]])
-            expected = model(input_ids=sequence[None]).logits[0][len(prompt) - 1 :]
-            torch.testing.assert_close(torch.cat(logits_of[row]), expected, rtol=1e-9, atol=1e-9)
+    assert_ragged_decode_matches_forward(_model(), _ids)
 
 
 def test_lora_on_the_experts_through_peft_target_parameters() -> None:

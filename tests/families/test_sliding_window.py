@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ragged_decode import assert_ragged_decode_matches_forward
 from reference import (
     assert_grads_close,
     detached_reference_logps,
@@ -148,38 +149,11 @@ def test_exact_step_equals_full_graph(model_type: str, chunk_size: int, offload,
     assert moved > 1e-3 * largest  # the prompt's own paths matter here: exact mode kept them
 
 
-# Per step, how many tokens each of three branches takes (``tests/grpo/test_ragged_decode.py``):
-# 0 sits out, several at once is a tool result; the branches outgrow the window.
-SCHEDULE = [[1, 1, 1], [0, 3, 1], [2, 0, 1], [1, 1, 0], [3, 1, 2], [0, 0, 1]]
-
-
 @pytest.mark.parametrize("model_type", list(CASES))
 def test_ragged_decode_steps_equal_the_full_sequence_forward(model_type: str) -> None:
     """Branches at their own positions: each row's window is its own (the stored window's
     part it sees shrinks as its branch grows)."""
-    model = _model(model_type)
-    adapter = ls.adapt(model)
-    prompt = _ids(30, 1)
-    totals = [sum(step[row] for step in SCHEDULE) for row in range(3)]
-    streams = [
-        torch.cat([prompt[-1:], _ids(total - 1, 10 + row)]) for row, total in enumerate(totals)
-    ]
-    with torch.no_grad():
-        state = adapter.prefill(prompt, chunk_size=8)
-        cache = adapter.new_branch_cache(state, batch=3, capacity=max(totals))
-        done, logits_of = [0, 0, 0], [[] for _ in range(3)]
-        for counts in SCHEDULE:
-            inputs = torch.zeros(3, max(counts), dtype=torch.long)
-            for row, count in enumerate(counts):
-                inputs[row, :count] = streams[row][done[row] : done[row] + count]
-            logits = adapter.decode(state, cache, inputs, counts=counts)
-            for row, count in enumerate(counts):
-                logits_of[row].append(logits[row, :count])
-                done[row] += count
-        for row in range(3):
-            sequence = torch.cat([prompt[:-1], streams[row]])
-            expected = model(input_ids=sequence[None]).logits[0][len(prompt) - 1 :]
-            torch.testing.assert_close(torch.cat(logits_of[row]), expected, rtol=1e-9, atol=1e-9)
+    assert_ragged_decode_matches_forward(_model(model_type), _ids)
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
