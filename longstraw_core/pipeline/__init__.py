@@ -10,14 +10,12 @@
 - ``transport``: the exchanges (``batch_isend_irecv``, shapes from the plan, no tags);
 - ``stage``: what an adapter on a stage knows of its place (``Stage``), the stand-ins for
   the layers it does not hold;
-- ``cut``: an adapter cut down to its stage (``stage_model``; imported from its module:
-  it knows adapters, which this package's other modules do not);
-- ``gradients``: averaging over replicas, clipping by the whole model's norm;
+- ``gradients``: averaging over replicas, clipping by the whole model's norm.
 
-and two modules of the run's floor, which this ``__init__`` does not import (they read the
-run config and the planner, which sit above the adapters): ``mesh``, the world as stages x
-replicas (``pipeline_mesh``, ``stage_adapter``), and ``topology``, what a recipe's rank does
-(its replica's prompt, its stage; ``RunTopology``).
+Nothing here knows adapters: an adapter is cut down to its stage by
+``longstraw_core.adapters.stage_cut.stage_model``, and the world as stages x replicas
+(``longstraw_core.parallel.mesh``) and what a recipe's rank does
+(``longstraw_core.parallel.topology``) read the run config and the planner, above both.
 
 The adapter's passes on a stage are in ``longstraw_core.adapters.staged_forward`` (no
 autograd) and ``longstraw_core.adapters.staged_backward`` (replay, exact sweep).

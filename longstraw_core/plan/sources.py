@@ -192,7 +192,7 @@ def workload_from_config(
     gpus = gpus or getattr(memory, "gpus", None) or int(os.environ.get("WORLD_SIZE", "1"))
     budget = None if gpu_mem is None else parse_bytes(gpu_mem)
     param_dtype = getattr(torch, cfg.model.dtype)
-    # bf16: FSDP2's policy with fsdp, bf16 working weights without (mixed_precision.py)
+    # bf16: FSDP2's policy with fsdp, bf16 working weights without (models/mixed_precision.py)
     bf16 = cfg.distributed.mixed_precision == "bf16"
     lora = cfg.lora
     targets: tuple[str, ...] = ()

@@ -273,7 +273,7 @@ class TrainSection:
     output_dir: str = "outputs/longstraw"
     resume_from: str | None = None  # null, "latest" (newest in output_dir if any) or a path
     keep_last: int = 0  # keep the newest N complete checkpoints; 0: keep every one
-    max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (guard.py)
+    max_skipped_steps: int = 3  # stop after N steps in a row skipped for inf/NaN (process/guard.py)
     raise_reward_errors: bool = False  # a failing reward function stops the run (else NaN)
     # Keep the last finished step's checkpoint in rank 0's host memory (one gather per step)
     # so that a stop signal writes it at once: launchers kill the ranks 5-30 s after their

@@ -87,7 +87,7 @@ class Session(StepBookkeeping):
     def setup(self) -> None:
         cfg = self.cfg
         # Threads per process before any work: OMP_NUM_THREADS, else this node's cores
-        # shared by its processes (threads.py); restored at cleanup.
+        # shared by its processes (process/threads.py); restored at cleanup.
         self._threads_before = torch.get_num_threads()
         self.threads = threads.apply()
         # The process group's timeout also bounds the other ranks' wait while rank 0

@@ -58,7 +58,7 @@ class Case:
         0  # longstraw_core.adapters.lm_head.HEAD_CHUNK_ELEMENTS for the case (0: as it is)
     )
     keep_outputs: bool = False  # GRPOConfig.keep_attention_outputs
-    bf16: bool = False  # bf16 working weights over float32 masters (mixed_precision.py)
+    bf16: bool = False  # bf16 working weights over float32 masters (models/mixed_precision.py)
     config: tuple[tuple[str, object], ...] = ()  # the tiny config's overrides
 
 

@@ -8,7 +8,7 @@ Each "node" is its own launcher process, started together and meeting at a rende
   on the other, so every hidden state of prefill, rollout, replay and the exact sweep crosses
   the boundary; this one pipeline takes both of the step's prompts (``prompts_per_step=2``).
 - The same torchrun with two processes a node: 2 replicas x 2 stages. Rank ``d * S + s`` is
-  stage ``s`` of replica ``d`` (``pipeline/mesh.py``) and torchrun numbers a node's ranks
+  stage ``s`` of replica ``d`` (``parallel/mesh.py``) and torchrun numbers a node's ranks
   together, so each node holds one whole pipeline and the replicas' gradient average is what
   crosses the boundary; each replica takes one prompt.
 - ``accelerate launch --machine_rank 0|1`` with the shipped two-node config
