@@ -67,7 +67,7 @@ Import from here; the modules hold one job each:
 - ``saving``: ``save_checkpoint`` and the stages of rank 0's write (the failpoints).
 - ``kept``: ``StepCheckpoints``, a run's saves, and the last finished step kept in rank 0's
   host memory for a stop signal to write at once (no collective).
-- ``loading``: ``load_checkpoint`` and the ``ResumeInfo`` it returns.
+- ``restore``: ``load_checkpoint`` and the ``ResumeInfo`` it returns.
 - ``resolution``: what a directory holds: complete, incomplete and later checkpoints,
   ``resolve_checkpoint``, ``complete_checkpoints``, ``prepare_resume``, ``keep_last`` pruning.
 - ``files``: file and format names, ``trainer_state.json``, the sha256 manifest, atomic and
@@ -92,12 +92,12 @@ from longstraw_core.checkpoint.files import (
     checkpoint_name,
 )
 from longstraw_core.checkpoint.kept import StepCheckpoints
-from longstraw_core.checkpoint.loading import ResumeInfo, load_checkpoint
 from longstraw_core.checkpoint.resolution import (
     complete_checkpoints,
     prepare_resume,
     resolve_checkpoint,
 )
+from longstraw_core.checkpoint.restore import ResumeInfo, load_checkpoint
 from longstraw_core.checkpoint.saving import save_checkpoint
 
 __all__ = [

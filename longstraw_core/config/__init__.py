@@ -7,7 +7,7 @@
 Every failure is a ``ConfigError`` whose ``key`` is the full dotted path of the setting.
 Import from here; the modules hold:
 
-- ``loading``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge,
+- ``yaml_files``: ``load_config`` and ``config_from_dict`` (YAML ``defaults:`` chain, merge,
   overrides, unknown-key checks, OmegaConf errors as ``ConfigError``), ``to_dict``, ``to_yaml``.
 - ``validation``: ``validate`` and its per-section checks, ``grpo_config``,
   ``offload_policy``, and what ``eval`` resolves to (``eval_data``, ``eval_generations``,
@@ -28,7 +28,6 @@ from longstraw_core.adapters.model_tables import (
     lora_targets,
     model_facts,
 )
-from longstraw_core.config.loading import config_from_dict, load_config, to_dict, to_yaml
 from longstraw_core.config.validation import (
     eval_data,
     eval_generations,
@@ -37,6 +36,7 @@ from longstraw_core.config.validation import (
     offload_policy,
     validate,
 )
+from longstraw_core.config.yaml_files import config_from_dict, load_config, to_dict, to_yaml
 from longstraw_core.data.tokenizer import BUILTIN_TOKENIZER_SIZE
 from longstraw_core.schema.run_config import (
     ATTN_IMPLEMENTATIONS,

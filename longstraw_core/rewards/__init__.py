@@ -79,7 +79,7 @@ Import from here; the modules hold:
   ``is_async_callable``.
 - ``running``: timeouts, the errors, a call's outcome, the async functions' event loop.
 - ``failures``: ``FailureReport``, the failures tallied until reported.
-- ``models``: reward models (TRL's ``reward_funcs`` strings): ``RewardModel``, a sequence
+- ``reward_models``: reward models (TRL's ``reward_funcs`` strings): ``RewardModel``, a sequence
   classifier's directory or Hub id scored as TRL scores it.
 - ``result``: ``RewardResult``, ``reward_metrics``, ``batch_columns``.
 - ``reward_set``: ``RewardSet``, ``MAX_ABS_REWARD``, ``trainer_state_at`` (what TRL's functions

@@ -20,7 +20,7 @@ from longstraw_core.rewards.imports import (
     registered,
 )
 from longstraw_core.rewards.inputs import TRL_ARGUMENTS, RewardFn
-from longstraw_core.rewards.models import is_model_name, reward_model
+from longstraw_core.rewards.reward_models import is_model_name, reward_model
 
 __all__ = [
     "RewardEntry",

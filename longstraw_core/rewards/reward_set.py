@@ -23,7 +23,6 @@ from longstraw_core.rewards.inputs import (
     is_conversational,
     sample_columns,
 )
-from longstraw_core.rewards.models import RewardModel
 from longstraw_core.rewards.resolution import (
     RewardEntry,
     is_async_callable,
@@ -32,6 +31,7 @@ from longstraw_core.rewards.resolution import (
     signature_problem,
 )
 from longstraw_core.rewards.result import RewardResult
+from longstraw_core.rewards.reward_models import RewardModel
 from longstraw_core.rewards.running import (
     DEFAULT_TIMEOUT_SECONDS,
     EventLoopThread,

@@ -7,7 +7,7 @@ branch's turns. One job per module:
 - ``environments``: environment classes (``reset``, tool methods, ``get_reward``).
 - ``callbacks``: an environment built and reset within ``rollout.environment_timeout_seconds``,
   a failure as one ``AgentError`` line.
-- ``loading``: ``ToolSet``, the tools a config names, loaded once.
+- ``tool_set``: ``ToolSet``, the tools a config names, loaded once.
 - ``parsing``: a turn's tokens -> an assistant message with its ``tool_calls``
   (``parse_turn``: the tokenizer's own parser, else the documented Hermes fallback).
 - ``running``: ``ToolRunner``, sync and async tools with a timeout, errors as
@@ -35,7 +35,6 @@ from longstraw_core.tools.environments import (
     reward_function,
     with_observation,
 )
-from longstraw_core.tools.loading import ToolLoadError, ToolSet
 from longstraw_core.tools.parsing import has_response_parser, parse_hermes, parse_turn
 from longstraw_core.tools.rendering import ToolSuffix, overflows, resume_ids, tool_suffix
 from longstraw_core.tools.running import DEFAULT_TIMEOUT_SECONDS, ToolResult, ToolRunner
@@ -46,6 +45,7 @@ from longstraw_core.tools.schemas import (
     template_kwargs,
     tool_schema,
 )
+from longstraw_core.tools.tool_set import ToolLoadError, ToolSet
 from longstraw_core.tools.turns import ToolTurns
 
 __all__ = [

@@ -38,9 +38,9 @@ from longstraw_core.rewards.inputs import sample_columns
 from longstraw_core.tools.branch import ToolBranch
 from longstraw_core.tools.callbacks import AgentError, call_environment
 from longstraw_core.tools.environments import reset_group, reward_function, with_observation
-from longstraw_core.tools.loading import ToolSet
 from longstraw_core.tools.running import ToolRunner
 from longstraw_core.tools.schemas import template_kwargs
+from longstraw_core.tools.tool_set import ToolSet
 from longstraw_core.tools.turns import ToolTurns
 
 if TYPE_CHECKING:

@@ -20,10 +20,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from longstraw_core.tools.loading import ToolSet
 from longstraw_core.tools.parsing import parse_turn
 from longstraw_core.tools.rendering import overflows, resume_ids, tool_suffix
 from longstraw_core.tools.running import ToolRunner
+from longstraw_core.tools.tool_set import ToolSet
 
 # Branches end their turns in worker threads (``ToolTurns``) and share one tokenizer; a fast
 # tokenizer is not safe to call from several threads at once ("Already borrowed"), so its

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstraw_core.schema.run_config import ConfigError
-from longstraw_core.tools.loading import ToolLoadError, ToolSet
+from longstraw_core.tools.tool_set import ToolLoadError, ToolSet
 
 if TYPE_CHECKING:
     from longstraw_core.schema.run_config import RunConfig

@@ -15,7 +15,7 @@ from longstraw_core.config import ConfigError, load_config
 from longstraw_core.data.samples import record_to_sample
 from longstraw_core.data.tokenizer import builtin_tokenizer
 from longstraw_core.rewards import RewardNameError, RewardSet
-from longstraw_core.rewards.models import RewardModel
+from longstraw_core.rewards.reward_models import RewardModel
 
 
 @pytest.fixture(scope="module")
