@@ -64,7 +64,7 @@ import torch
 import longstraw_core.config as lsc
 from longstraw_core.data.samples import sample_source
 from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.rewards.inputs import sample_columns
 from longstraw_core.training.evaluation import is_correct

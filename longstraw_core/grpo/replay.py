@@ -29,7 +29,7 @@ from longstraw_core.grpo.losses import (
     reduce_branch_stats,
 )
 from longstraw_core.grpo.replay_totals import totals_from_last
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.offload import OffloadPolicy
 from longstraw_core.process.progress import counter
 from longstraw_core.schema.grpo import GRPOConfig

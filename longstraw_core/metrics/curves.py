@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 
 METRICS_CSV = "metrics.csv"
 CURVES_PNG = "curves.png"

@@ -24,7 +24,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.metrics.curves import History, replace_atomically
 
 SUMMARY_TXT = "summary.txt"

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_core.config import ConfigError
 from longstraw_core.distributed import gather_rows, reduce_metrics
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.parallel.fsdp import shard_model
 from longstraw_core.parallel.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm

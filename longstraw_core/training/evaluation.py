@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from longstraw_core.config import RunConfig, eval_data, eval_generations, eval_max_new_tokens
 from longstraw_core.data.samples import DataError, SampleSource, sample_source
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.process.guard import NonFiniteError
 from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics, trainer_state_at
 from longstraw_core.rollout.decode import rollout

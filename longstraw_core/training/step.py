@@ -16,7 +16,7 @@ import longstraw_core as ls
 from longstraw_core import distributed
 from longstraw_core.data import samples as data
 from longstraw_core.grpo import generation
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.process import guard
 from longstraw_core.process.failpoints import failpoint
 from longstraw_core.rewards import RewardResult, RewardSet

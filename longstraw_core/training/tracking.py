@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from longstraw_core.checkpoint import ownership
 from longstraw_core.config import RunConfig, TrackingSection, to_dict
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.metrics import summary as run_summary
 from longstraw_core.metrics.curves import write_run_curves
 from longstraw_core.state.prefix import format_bytes

@@ -19,7 +19,7 @@ from reference import (
 
 import longstraw_core as ls
 from longstraw_core.data.tasks import Sample
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.models.tiny import tiny_model
 from longstraw_core.rewards import RewardSet
 

@@ -37,7 +37,7 @@ from longstraw_core.data.samples import record_to_sample
 from longstraw_core.data.tasks import Sample
 from longstraw_core.data.tokenizer import load_tokenizer
 from longstraw_core.grpo.losses import group_advantages
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.models.tiny import tiny_model
 from longstraw_core.rewards import (
     DEFAULT_TIMEOUT_SECONDS,

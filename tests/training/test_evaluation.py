@@ -29,7 +29,7 @@ import longstraw_core as ls
 from longstraw_core.config import ConfigError, load_config
 from longstraw_core.data.samples import DataError
 from longstraw_core.data.tokenizer import encode_prompt, load_tokenizer
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.parallel.topology import RunTopology
 from longstraw_core.rewards import RewardResult, reward_metrics
 from longstraw_core.training import evaluation

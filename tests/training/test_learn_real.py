@@ -11,7 +11,7 @@ import sys
 from real_model import smollm2_dir
 from recipe_runs import ROOT
 
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.metrics.curves import CURVES_PNG, METRICS_CSV
 
 CONFIG = ROOT / "configs" / "smollm2" / "learn_real_cpu.yaml"

@@ -23,7 +23,7 @@ from wandb_records import wandb_history, wandb_records
 
 from longstraw_core.checkpoint import save_checkpoint
 from longstraw_core.config import LoraSection, load_config
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.metrics.curves import CURVES_PNG, METRICS_CSV
 from longstraw_core.metrics.summary import SUMMARY_TXT
 from longstraw_core.models import build as models

@@ -13,7 +13,7 @@ from rich.console import Console
 from wandb_records import wandb_config, wandb_history, wandb_records
 
 from longstraw_core.config import load_config, to_dict
-from longstraw_core.metrics import names as names
+from longstraw_core.metrics import names
 from longstraw_core.metrics.curves import METRICS_CSV
 from longstraw_core.metrics.summary import SUMMARY_TXT
 from longstraw_core.process.progress import StepProgress, counter
