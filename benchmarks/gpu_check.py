@@ -77,6 +77,7 @@ NCCL_TIMEOUT_MINUTES = 0.25
 # test files import (wandb, datasets) off the GPU machine. ``test_gpu_check`` keeps it whole.
 GPU_TEST_FILES = (
     "tests/attention/test_attention.py",
+    "tests/attention/test_attention_sinks.py",
     "tests/plan/test_gpu_emulation.py",
     "tests/offload/test_offload.py",
     "tests/offload/test_pinned.py",

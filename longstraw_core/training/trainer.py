@@ -53,7 +53,7 @@ from longstraw_core.rewards import callable_name, register_callable
 if TYPE_CHECKING:
     import datasets
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = RECIPES / "grpo_qwen36.py"  # the recipes' code is the same for every model
 
 RewardFunc = str | Callable[..., Any] | Mapping[str, Any]
