@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from longstraw_core.adapters.family import ModelFamily
+from longstraw_core.adapters.family import ModelFamily, Preset
 from longstraw_core.adapters.model_functions import model_function
 from longstraw_core.adapters.probe import TEST_CAPABILITIES, FamilyProbe
 from longstraw_core.adapters.registry import register_adapter
@@ -58,6 +58,37 @@ TINY_GPT_OSS: dict[str, Any] = {
     "max_position_embeddings": 131072,  # gpt-oss' own: YaRN's factor 32 x its original 4096
 }
 
+# gpt-oss-20b and gpt-oss-120b (openai/gpt-oss-20b, openai/gpt-oss-120b config.json): the
+# same layer, 2880 wide (64 query / 8 key-value heads of 64, attention biases and sinks),
+# experts of 2880 (top-4), vocabulary 201088, untied head, sliding/full layers in turn with a
+# 128-token window, YaRN RoPE (factor 32 over 4096: 131072 positions). They differ in depth
+# and experts: 24 layers of 32 experts, 36 of 128. Everything not written is transformers'
+# GptOssConfig default, which is the 120b's config. The MXFP4 checkpoints' expert weights
+# load dequantized (transformers does without a GPU kernel): the planner counts them in the
+# model's dtype, as they train.
+_GPT_OSS_LAYER: dict[str, Any] = {
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "head_dim": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+_GPT_OSS_20B = Preset(
+    "gpt_oss",
+    {**_GPT_OSS_LAYER, "num_hidden_layers": 24, "num_local_experts": 32},
+    "openai/gpt-oss-20b config.json (transformers GptOssConfig with 24 layers, 32 experts)",
+)
+_GPT_OSS_120B = Preset(
+    "gpt_oss",
+    {**_GPT_OSS_LAYER, "num_hidden_layers": 36, "num_local_experts": 128},
+    "openai/gpt-oss-120b config.json (transformers GptOssConfig defaults: 36 layers, 128 experts)",
+)
+
 # Every CPU test of the family matrix (offload, QLoRA, loading, mixed precision, pipeline,
 # TRL's losses, the demo): checked with -k gpt_oss. No GPU benchmark yet: the fused backends
 # take its sinks (folded in after their kernels) but have not run them on a GPU.
@@ -73,6 +104,7 @@ FAMILY = ModelFamily(
     layer_kinds=(AttentionKV.kind, WindowKV.kind),
     lora_targets={"gpt_oss": list(ATTENTION_TARGETS)},
     tiny_configs={"gpt_oss": TINY_GPT_OSS},
+    presets={"gpt-oss-20b": _GPT_OSS_20B, "gpt-oss-120b": _GPT_OSS_120B},
     probe=PROBE,
 )
 

@@ -1,4 +1,5 @@
-"""The memory planner's tables at paper scale (Qwen3.6-27B, GLM-5.2), with every assumption.
+"""The memory planner's tables at paper scale (Qwen3.6-27B, GLM-5.2, gpt-oss-20b and -120b),
+with every assumption.
 
     python docs/tools/paper_tables.py          # writes docs/memory_plans.md
     python docs/tools/paper_tables.py PATH
@@ -38,6 +39,9 @@ from longstraw_core.plan.units import GIB
 ROOT = Path(__file__).resolve().parents[2]
 _QWEN_LORA = PRESET_LORA_TARGETS["Qwen3.6-27B"]
 _GLM_LORA = PRESET_LORA_TARGETS["GLM-5.2"]
+_OSS_LORA = PRESET_LORA_TARGETS["gpt-oss-20b"]
+# gpt-oss at its longest context: prompt + 2048-token response = 131072 positions.
+OSS_PROMPT = 131072 - 2048
 SCENARIOS = (
     Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 32, _QWEN_LORA),
     Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 0, ()),
@@ -45,6 +49,9 @@ SCENARIOS = (
     Scenario("Qwen3.6-27B", 4_460_000, 8, "96GiB", 0, ()),
     Scenario("GLM-5.2", 2_100_000, 32, "96GiB", 32, _GLM_LORA),
     Scenario("GLM-5.2", 2_100_000, 32, "141GiB", 32, _GLM_LORA),
+    Scenario("gpt-oss-20b", OSS_PROMPT, 8, "96GiB", 32, _OSS_LORA),
+    Scenario("gpt-oss-20b", OSS_PROMPT, 8, "96GiB", 0, ()),
+    Scenario("gpt-oss-120b", OSS_PROMPT, 8, "96GiB", 32, _OSS_LORA),
 )
 
 
@@ -82,7 +89,7 @@ def _scenario_table(spec: ModelSpec, scenario: Scenario) -> list[str]:
     plans = [settle(spec, scenario_workload(scenario, g, mode)) for g, mode in columns]
     tuning = f"LoRA r={scenario.lora_rank}" if scenario.lora_rank else "full fine-tuning"
     out = [
-        f"### {scenario.preset}, {tuning}, {scenario.prompt_tokens / 1e6:.2f}M positions, "
+        f"### {scenario.preset}, {tuning}, {_positions(scenario.prompt_tokens)} positions, "
         f"{scenario.gpus} x {scenario.gpu_mem}",
         "",
         "| GiB per GPU | " + " | ".join(f"{m} G={g}" for g, m in columns) + " |",
@@ -134,6 +141,11 @@ def _plan_rows(plans: list) -> list[str]:
     return rows
 
 
+def _positions(tokens: int) -> str:
+    """A prompt length as the headings write it: 2.10M, or 129,024 below a million."""
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1_000_000 else f"{tokens:,}"
+
+
 def _cell(line: Line | None) -> str:
     if line is None:
         return ""
@@ -169,6 +181,13 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
         "parameters): 78 layers (3 dense, 75 MoE: 256 experts of 2048, top-8, 1 shared), "
         "hidden 6144, MLA q_lora 2048 / kv_lora 512 / rope 64, 64 heads, DSA indexer "
         "(32 x 128, top-2048) on every layer, vocabulary 154880",
+        *(_oss_assumption(name, specs[name]) for name in ("gpt-oss-20b", "gpt-oss-120b")),
+        f"gpt-oss at its longest context: {OSS_PROMPT:,}-token prompts + 2048-token responses "
+        "= 131,072 positions (max_position_embeddings); LoRA r=32 on q/k/v/o (the family's "
+        "default targets: the fused experts take peft's target_parameters, not modelled); "
+        "sliding layers keep 127 positions of K/V (window 128), full layers every position; "
+        "attention with sinks runs the torch backend's loop over key blocks on CUDA (no "
+        "fused kernel takes a sink); full fine-tuning as Qwen3.6-27B's (fp32 masters)",
         "Settings of the shipped configs (configs/qwen36/27b_*_8xgpu.yaml, "
         "configs/glm52/lora_grpo_32xgpu.yaml): 2048 response tokens, prefill chunk 8192, "
         "loss dapo, beta 0 (no reference model), FSDP2 per decoder layer with bf16 mixed "
@@ -200,11 +219,26 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
     ]
 
 
+def _oss_assumption(name: str, spec: ModelSpec) -> str:
+    preset = registry.presets()[name]
+    moe = spec.layers[0].mlp_dims
+    return (
+        f"{name} preset: {preset.source} ({spec.params / 1e9:.2f}B parameters): "
+        f"{len(spec.layers)} layers alternating sliding-window (128) and full attention, "
+        f"{moe['experts']} experts of {moe['expert_dim']} (top-{moe['top_k']}), hidden "
+        f"{spec.hidden}, 64 query / 8 KV heads of 64 with biases and learned sinks, vocabulary "
+        f"{spec.vocab}, YaRN RoPE (factor 32 over 4096); the expert weights in bf16 (the "
+        "checkpoint's MXFP4 dequantized)"
+    )
+
+
 # --- pipeline stages: one prompt over several GPUs, the state on the GPUs ---------------------
 
 STAGED = (
     Scenario("Qwen3.6-27B", 2_100_000, 8, "96GiB", 32, _QWEN_LORA, stages=8),
     Scenario("GLM-5.2", 2_100_000, 32, "96GiB", 32, _GLM_LORA, stages=32),
+    Scenario("gpt-oss-20b", OSS_PROMPT, 2, "96GiB", 32, _OSS_LORA, stages=2),
+    Scenario("gpt-oss-120b", OSS_PROMPT, 8, "96GiB", 32, _OSS_LORA, stages=8),
 )
 STRESS = Scenario("Qwen3.6-27B", 4_460_000, 8, "96GiB", 32, _QWEN_LORA, stages=8)
 # (label, gradient, activation checkpointing, keep_attention_outputs): the modes 4.46M tries.
@@ -282,7 +316,7 @@ def _staged_summary(specs: dict[str, ModelSpec]) -> list[str]:
 def _summary_row(scenario: Scenario, plan: MemoryPlan, label: str) -> str:
     work = plan.work
     run = (
-        f"{scenario.preset} LoRA, {scenario.prompt_tokens / 1e6:.2f}M, "
+        f"{scenario.preset} LoRA, {_positions(scenario.prompt_tokens)}, "
         f"{scenario.gpus} x {scenario.gpu_mem}"
     )
     fits = "yes" if plan.fits else "**no**"
@@ -296,7 +330,7 @@ def _staged_table(spec: ModelSpec, scenario: Scenario) -> list[str]:
     plans = _columns(spec, scenario)
     out = [
         f"#### {scenario.preset}, LoRA r={scenario.lora_rank}, "
-        f"{scenario.prompt_tokens / 1e6:.2f}M positions, {scenario.gpus} x {scenario.gpu_mem}, "
+        f"{_positions(scenario.prompt_tokens)} positions, {scenario.gpus} x {scenario.gpu_mem}, "
         f"{scenario.stages} stages: the worst stage",
         "",
         "| GiB on the worst stage | " + " | ".join(_label(p) for p in plans) + " |",
@@ -441,7 +475,10 @@ def _staged_assumptions() -> list[str]:
         "Stage boundaries from `stage_layout` (the balanced layout the runtime uses): "
         "Qwen3.6-27B on 8 stages 0-7 | 8-15 | ... | 56-63, two full-attention layers each; "
         "GLM-5.2 on 32 stages: the three dense layers, then 18 stages of two MoE layers and 13 "
-        "of three",
+        "of three; gpt-oss-20b on 2 stages 0-11 | 12-23, gpt-oss-120b on 8 stages of four or "
+        "five layers (0-3 | 4-7 | 8-11 | 12-15 | 16-20 | ... | 31-35)",
+        f"gpt-oss at {OSS_PROMPT:,}-token prompts + 2048-token responses = 131,072 positions, "
+        "its longest context",
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_core import gpu_emulation
 from longstraw_core.attention.blocks import key_blocks, load_block, store
 
 # Keys per fused CPU backward call (bounds its dK/dV scratch for long prefix segments).
@@ -53,10 +54,13 @@ def usable(
     float32/half inputs on CPU with equal key and value widths and no explicit
     ``block_size`` (tests use it to exercise the blocked path); either a prefix segment (no
     ``query_positions``: every key visible) or a branch attending to itself with one query
-    per key (causal). Decode steps (fewer queries than keys) keep the torch path.
+    per key (causal). Decode steps (fewer queries than keys) keep the torch path. A fake
+    tensor standing in for a CUDA one (a dry run, ``gpu_emulation``) takes the GPU's path:
+    the blocked loop (attention with sinks runs there on a GPU).
     """
     if (
         q.device.type != "cpu"
+        or gpu_emulation.takes_gpu_path(q)
         or block_size is not None
         or q.dtype not in (torch.float32, torch.bfloat16, torch.float16)
         or k.dtype != q.dtype

@@ -321,10 +321,11 @@ class WindowPlan(AttentionPlan):
         )
 
     @staticmethod
-    def window_path(act: Any, head_dim: int) -> str:
+    def window_path(act: Any, dims: dict[str, int]) -> str:
         """``"flash"`` (flash-attn's ``window_size``) or ``"blocked"``: PyTorch's fused CPU
-        kernel takes no window."""
-        path = AttentionPlan.path(act, head_dim, head_dim)
+        kernel takes no window, and no fused kernel takes a sink."""
+        head_dim = dims["head_dim"]
+        path = AttentionPlan.path(act, head_dim, head_dim, bool(dims.get("sink")))
         return "blocked" if path == "fused" else path
 
     def forward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:
@@ -334,7 +335,7 @@ class WindowPlan(AttentionPlan):
         scratch = tokens * (4 * FP32 * q + 2 * act.b * q)
         if act.b < FP32:
             scratch += FP32 * (tokens * q + 2 * kv * keys)  # cast to the accumulation dtype
-        if self.window_path(act, d["head_dim"]) == "blocked":
+        if self.window_path(act, d) == "blocked":
             rows = d["heads"] // d["kv_heads"] * tokens
             dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
             scratch += act.kernels.blocked_scratch(*dims, keys, act.b, backward=False)
@@ -344,14 +345,14 @@ class WindowPlan(AttentionPlan):
         d = layer.dims
         kv, head = d["kv_heads"], d["head_dim"]
         keys = int(self.seen(layer, prefix)) + tokens
-        if self.window_path(act, head) == "flash":
+        if self.window_path(act, d) == "flash":
             return act.kernels.flash_backward_scratch(kv, d["heads"] * tokens, head, keys, act.b)
         group_rows = d["heads"] // kv * tokens
         return act.kernels.blocked_scratch(kv, group_rows, head, head, keys, act.b, True)
 
     def decode_scratch(self, act: Any, layer: Any, group: int, prefix: int) -> int:
         d = layer.dims
-        if self.window_path(act, d["head_dim"]) != "blocked":
+        if self.window_path(act, d) != "blocked":
             return 0
         rows = group * d["heads"] // d["kv_heads"]
         dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])

@@ -39,6 +39,10 @@ PRESET_LORA_TARGETS: dict[str, tuple[str, ...]] = {
         "up_proj",
         "down_proj",
     ),
+    # gpt-oss: the attention projections (the family's default targets); its experts are
+    # fused 3-D parameters that ``target_modules`` cannot reach.
+    "gpt-oss-20b": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "gpt-oss-120b": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 
 

@@ -39,6 +39,7 @@ class DryRun:
 
 QWEN = "configs/qwen36/27b_lora_grpo_8stages.yaml"
 GLM = "configs/glm52/lora_grpo_32stages.yaml"
+GPT_OSS_20B = "configs/gpt_oss/20b_lora_grpo_2stages.yaml"
 PAPER: tuple[DryRun, ...] = (
     DryRun("qwen36-27b-lora-2.1M", QWEN, "Qwen3.6-27B"),
     # exact mode at 4.46M needs 16 stages (dS alone is 64 GiB a stage): the paper's stress
@@ -51,6 +52,8 @@ PAPER: tuple[DryRun, ...] = (
     ),
     DryRun("qwen36-27b-qlora-2.1M", QWEN, "Qwen3.6-27B", ("model.quantization=nf4",)),
     DryRun("glm52-lora-2.1M", GLM, "GLM-5.2"),
+    # 2 stages of 80 GiB: 129,024 + 2,048 = 131,072 positions, gpt-oss' longest context
+    DryRun("gpt-oss-20b-lora-128K", GPT_OSS_20B, "gpt-oss-20b"),
 )
 
 

@@ -36,7 +36,7 @@ def test_the_tables_hold_every_familys_declarations() -> None:
         t: v for f in families for t, v in f.lora_targets.items()
     }
     assert registry.tiny_configs() == {t: v for f in families for t, v in f.tiny_configs.items()}
-    assert list(registry.presets()) == ["Qwen3.6-27B", "GLM-5.2"]
+    assert list(registry.presets()) == ["Qwen3.6-27B", "GLM-5.2", "gpt-oss-20b", "gpt-oss-120b"]
     assert kinds.offload_fields() == {
         "full_attention": "attention",
         "linear_attention": "recurrent",

@@ -50,6 +50,27 @@ def test_only_fake_tensors_inside_the_context_take_the_cuda_kernels():
     assert qwen36.deltanet_kernels(deltanet, cpu, torch.bfloat16).names == ("torch", "torch")
 
 
+def test_attention_with_sinks_takes_the_gpus_blocked_loop():
+    """Sinks run the torch backend; on a GPU its segments cannot use PyTorch's fused CPU
+    kernel, so a fake tensor standing in for a CUDA one must not either (a dry run of
+    gpt-oss would otherwise measure the CPU's path, not the GPU's score blocks)."""
+    from longstraw_core.attention import cpu_flash
+
+    real = [t[0] for t in _attention_inputs()]  # a prefix segment: [KVH, R, D]
+    assert cpu_flash.usable(*real, None, None)
+    with FakeTensorMode():
+        fake = _attention_inputs()
+        assert cpu_flash.usable(fake[0][0], fake[1][0], fake[2][0], None, None)
+        with gpu_emulation.gpu_kernels():
+            assert not cpu_flash.usable(fake[0][0], fake[1][0], fake[2][0], None, None)
+            assert cpu_flash.usable(*real, None, None)
+            q, k, v = (t.requires_grad_() for t in fake)
+            sink = torch.empty(8, dtype=torch.bfloat16).requires_grad_()
+            out = attention.segmented_attention(q, k, v, [], scale=0.125, sink=sink)
+            out.sum().backward()
+            assert sink.grad.shape == sink.shape and q.grad.shape == q.shape
+
+
 def test_fake_attention_runs_sdpa_flash_with_its_gradients():
     with FakeTensorMode(), gpu_emulation.gpu_kernels():
         q, k, v = (t.requires_grad_() for t in _attention_inputs())

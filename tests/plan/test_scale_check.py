@@ -169,13 +169,14 @@ def test_each_kind_of_stage_is_worst_first_in_the_pipeline():
     """Qwen3.6-27B's 8 stages are 3 kinds (the embeddings', 6 alike, the head's) and
     GLM-5.2's 32 are 4 (the dense layers', two-layer and three-layer MoE stages, the
     head's): each kind's first stage is its worst (most microbatches in flight), and the
-    planner agrees."""
+    planner agrees; gpt-oss-20b's 2 stages are 2 kinds (embeddings, head)."""
     worst = {run.name: worst_stages(run) for run in PAPER}
     assert worst == {
         "qwen36-27b-lora-2.1M": [0, 1, 7],
         "qwen36-27b-lora-4.46M": [0, 1, 7],
         "qwen36-27b-qlora-2.1M": [0, 1, 7],
         "glm52-lora-2.1M": [0, 1, 19, 31],
+        "gpt-oss-20b-lora-128K": [0, 1],
     }
     _, _, spec, work, _ = _prepare(PAPER[0])
     planned = [stage.peak for stage in pipeline_plan(spec, work).stage_plans]
