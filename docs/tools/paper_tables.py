@@ -186,8 +186,8 @@ def _paper_assumptions(specs: dict[str, ModelSpec]) -> list[str]:
         "= 131,072 positions (max_position_embeddings); LoRA r=32 on q/k/v/o (the family's "
         "default targets: the fused experts take peft's target_parameters, not modelled); "
         "sliding layers keep 127 positions of K/V (window 128), full layers every position; "
-        "attention with sinks runs the torch backend's loop over key blocks on CUDA (no "
-        "fused kernel takes a sink); full fine-tuning as Qwen3.6-27B's (fp32 masters)",
+        "attention with sinks takes flash-attn on CUDA (the sink folded in after the kernel); "
+        "full fine-tuning as Qwen3.6-27B's (fp32 masters)",
         "Settings of the shipped configs (configs/qwen36/27b_*_8xgpu.yaml, "
         "configs/glm52/lora_grpo_32xgpu.yaml): 2048 response tokens, prefill chunk 8192, "
         "loss dapo, beta 0 (no reference model), FSDP2 per decoder layer with bf16 mixed "

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_core import gpu_emulation
 from longstraw_core.attention.blocks import key_blocks, load_block, store
+from longstraw_core.tensors import gpu_emulation
 
 # Keys per fused CPU backward call (bounds its dK/dV scratch for long prefix segments).
 FUSED_BWD_CHUNK = 1 << 14

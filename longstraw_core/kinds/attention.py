@@ -322,8 +322,6 @@ class AttentionPlan(KindPlan):
             "kv_heads": attention.k_proj.out_features // head_dim,
             "head_dim": head_dim,
             "qk_norm": int(hasattr(attention, "q_norm")),
-            # learned sinks (gpt-oss): segmented_attention then runs the torch loop only
-            "sink": int(isinstance(getattr(attention, "sinks", None), torch.nn.Parameter)),
         }
 
     # --- what autograd saves
@@ -385,23 +383,22 @@ class AttentionPlan(KindPlan):
     def decode_scratch(self, act: Any, layer: Any, group: int, prefix: int) -> int:
         """The pure-torch loop over the prefix when no fused kernel serves it."""
         d = layer.dims
-        if self.path(act, d["head_dim"], d["head_dim"], bool(d.get("sink"))) != "blocked":
+        if self.path(act, d["head_dim"], d["head_dim"]) != "blocked":
             return 0
         rows = group * d["heads"] // d["kv_heads"]
         dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
         return act.kernels.blocked_scratch(*dims, prefix, act.b, backward=False)
 
     @staticmethod
-    def path(act: Any, dk: int, dv: int, sink: bool = False) -> str:
+    def path(act: Any, dk: int, dv: int) -> str:
         """Which kernel ``segmented_attention`` runs: ``"flash"`` (flash-attn on CUDA, 16-bit,
         equal head dims), ``"fused"`` (PyTorch's CPU flash kernel: float32, equal head dims)
         or ``"blocked"`` (the pure-torch loop over key blocks: everything else). Attention
-        with sinks (``sink``) runs the torch backend, which on a CPU still hands each segment
-        to PyTorch's fused kernel, and on CUDA the pure-torch loop: flash-attn takes no sink."""
+        with sinks takes the same kernels: the fused backends fold the sink in after them."""
         if dk != dv:
             return "blocked"
         if act.work.device == "cuda":
-            ok = act.b < FP32 and dk % 8 == 0 and dk <= 256 and not sink
+            ok = act.b < FP32 and dk % 8 == 0 and dk <= 256
             return "flash" if ok else "blocked"
         return "fused" if act.b == FP32 else "blocked"
 
@@ -414,10 +411,7 @@ class AttentionPlan(KindPlan):
         scratch = tokens * (4 * FP32 * q + 2 * act.b * q)
         if act.b < FP32:
             scratch += tokens * FP32 * (q + 2 * kv)  # rows cast to the accumulation dtype
-        if (
-            self.path(act, d["head_dim"], d["head_dim"], bool(d.get("sink"))) == "blocked"
-            and prefix
-        ):
+        if self.path(act, d["head_dim"], d["head_dim"]) == "blocked" and prefix:
             rows = d["heads"] // d["kv_heads"] * tokens
             dims = (d["kv_heads"], rows, d["head_dim"], d["head_dim"])
             scratch += act.kernels.blocked_scratch(*dims, prefix, act.b, backward=False)
@@ -427,7 +421,7 @@ class AttentionPlan(KindPlan):
         d = layer.dims
         kv, head = d["kv_heads"], d["head_dim"]
         rows = d["heads"] * tokens
-        path = self.path(act, head, head, bool(d.get("sink")))
+        path = self.path(act, head, head)
         if path == "flash":
             return act.kernels.flash_backward_scratch(kv, rows, head, prefix, act.b)
         if path == "blocked":

@@ -323,9 +323,9 @@ class WindowPlan(AttentionPlan):
     @staticmethod
     def window_path(act: Any, dims: dict[str, int]) -> str:
         """``"flash"`` (flash-attn's ``window_size``) or ``"blocked"``: PyTorch's fused CPU
-        kernel takes no window, and no fused kernel takes a sink."""
+        kernel takes no window."""
         head_dim = dims["head_dim"]
-        path = AttentionPlan.path(act, head_dim, head_dim, bool(dims.get("sink")))
+        path = AttentionPlan.path(act, head_dim, head_dim)
         return "blocked" if path == "fused" else path
 
     def forward_scratch(self, act: Any, layer: Any, tokens: int, prefix: int) -> int:

@@ -33,8 +33,6 @@ def assumptions(plan: MemoryPlan) -> list[str]:
         if work.device == "cuda"
         else "CPU kernels: PyTorch's fused attention for float32, the torch loops otherwise"
     )
-    if any(layer.dims.get("sink") for layer in spec.layers):
-        kernels += "; attention with sinks in the torch loop (no fused kernel takes a sink)"
     tuning = (
         f"LoRA r={work.lora_rank} on {', '.join(work.lora_targets)} (adapters fp32)"
         if work.lora_rank

@@ -50,10 +50,10 @@ def test_only_fake_tensors_inside_the_context_take_the_cuda_kernels():
     assert qwen36.deltanet_kernels(deltanet, cpu, torch.bfloat16).names == ("torch", "torch")
 
 
-def test_attention_with_sinks_takes_the_gpus_blocked_loop():
-    """Sinks run the torch backend; on a GPU its segments cannot use PyTorch's fused CPU
-    kernel, so a fake tensor standing in for a CUDA one must not either (a dry run of
-    gpt-oss would otherwise measure the CPU's path, not the GPU's score blocks)."""
+def test_fake_cuda_tensors_take_the_gpus_paths_attention_with_sinks_included():
+    """On a GPU the torch backend's segments cannot use PyTorch's fused CPU kernel, so a fake
+    tensor standing in for a CUDA one must not either (a dry run would otherwise measure the
+    CPU's path); attention with sinks runs under the emulation with its gradients."""
     from longstraw_core.attention import cpu_flash
 
     real = [t[0] for t in _attention_inputs()]  # a prefix segment: [KVH, R, D]

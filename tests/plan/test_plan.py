@@ -94,8 +94,8 @@ CASES = [
     # Sliding-window layers (width 64) around a full-attention one: a fixed window per layer.
     Case("qwen3", "exact", 1024, 2, 64, 256, config=SLIDING),
     Case("qwen3", "detached", 1024, 3, 48, 256, config=SLIDING),
-    # gpt-oss: sliding (width 8) and full layers in turn, attention sinks (the torch loop on
-    # every device: no fused kernel takes a sink), a top-2 mixture of 4 experts.
+    # gpt-oss: sliding (width 8) and full layers in turn, attention sinks (on a CPU the torch
+    # backend, each segment through PyTorch's fused kernel), a top-2 mixture of 4 experts.
     Case("gpt_oss", "exact", 1024, 2, 64, 256),
     Case("gpt_oss", "detached", 1024, 3, 48, 256),
 ]

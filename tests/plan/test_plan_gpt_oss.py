@@ -2,14 +2,11 @@
 
 What the planner must get right of them: the experts' fused 3-D weights in the parameter
 count (the published 21B and 117B), the sliding layers' state fixed at ``W - 1`` positions
-while the full layers' grows with the prompt, and the attention sinks, which no fused CUDA
-kernel takes: on CUDA those layers run the pure-torch loop, whose score blocks the plan
-must count (the tiny model's plan against a measured step: ``test_plan.py``'s gpt_oss cases).
+while the full layers' grows with the prompt, and plans that fit at the longest context (the
+tiny model's plan against a measured step: ``test_plan.py``'s gpt_oss cases).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -67,19 +64,15 @@ def test_sliding_state_is_constant_and_full_state_grows(specs) -> None:
     assert _line(short, "prefix state: full_attention") == 12 * 2 * 8191 * 8 * 64 * 2
 
 
-def test_sinks_take_the_torch_loop_on_cuda(specs) -> None:
-    """The same layer without its sinks would run flash-attn: with them, its prefill chunk
-    holds the pure-torch loop's score blocks over the prefix (on a CPU both run PyTorch's
-    fused kernel per segment, as the measured tiny step shows)."""
+def test_sinks_take_the_same_kernels(specs) -> None:
+    """The fused backends fold a sink in after their kernels (``attention.fused``), so a
+    layer with sinks plans flash-attn's scratch on CUDA, as one without would."""
+    from longstraw_core.kinds.attention import AttentionPlan
+
     spec = specs["gpt-oss-20b"]
-    full = spec.layers[1]
-    assert full.dims["sink"] == 1
-    plain = dataclasses.replace(full, dims={**full.dims, "sink": 0})
     act = Activations(spec, _work(LONGEST))
-    with_sink = act.forward_working(full, 8192, LONGEST - 8192)
-    assert with_sink > act.forward_working(plain, 8192, LONGEST - 8192)
-    cpu = Activations(spec, _work(LONGEST, device="cpu", compute_dtype=torch.float32))
-    assert cpu.forward_working(full, 8192, 4096) == cpu.forward_working(plain, 8192, 4096)
+    assert AttentionPlan.path(act, 64, 64) == "flash"
+    assert "sink" not in spec.layers[1].dims
 
 
 def test_plans_at_the_longest_context(specs) -> None:
