@@ -38,6 +38,7 @@ from longstraw_core.config.probes import (
     check_train_paths,
 )
 from longstraw_core.data.tasks import TASKS
+from longstraw_core.data.tasks.haystack import longest_prompt
 from longstraw_core.data.tokenizer import BUILTIN_TOKENIZER_SIZE, tokenizer_source
 from longstraw_core.offload import PLACEMENTS, OffloadPolicy, placement_fields
 from longstraw_core.schema.grpo import GRPOConfig, GRPOConfigError
@@ -278,8 +279,9 @@ def _check_positions(
     the data section's name, ``new_key`` the section of ``new``, its max_new_tokens)."""
     if facts.max_positions is None:
         return
-    tolerance = float(data.task_kwargs.get("tolerance", 0.01)) if data.task else 0.0
-    longest = math.ceil(data.prompt_tokens * (1 + tolerance))
+    longest = data.prompt_tokens
+    if data.task:  # a generated prompt may run over by the task's tolerance
+        longest = longest_prompt(data.prompt_tokens, float(data.task_kwargs.get("tolerance", 0.01)))
     if longest + new <= facts.max_positions:
         return
     if cfg.model.tiny:

@@ -358,3 +358,46 @@ def test_agent_lookup_in_the_registry_and_deterministic(builtin):
     assert a.meta["subject"] in a.prompt[0]["content"]
     with pytest.raises(ValueError, match="num_distractors"):
         agent_lookup(builtin, 2048, num_distractors=99)
+
+
+class _NineTokenPieces:
+    """Filler whose pieces are 9 tokens each under the byte tokenizer (a space and 8 bytes):
+    most targets then cannot be met exactly."""
+
+    separator = " "
+
+    def __init__(self, seed: int) -> None:
+        self.pieces: list[str] = []
+        self.boundaries: list[int] = [0]
+
+    def ensure(self, n_pieces: int) -> None:
+        while len(self.pieces) < n_pieces:
+            self.pieces.append(" meadowsx")
+            self.boundaries.append(len(self.pieces))
+
+
+def test_a_short_prompt_fits_within_a_few_tokens_where_one_percent_is_less_than_a_piece(builtin):
+    """At a few hundred tokens 1% is under one piece of filler (real text's words can be
+    several tokens): a fit within ``MIN_SLACK_TOKENS`` is accepted, and the config's position
+    check counts that slack (``longest_prompt``)."""
+    from longstraw_core.data.tasks.haystack import MIN_SLACK_TOKENS, fit_prompt, longest_prompt
+
+    misses = []
+    for target in range(200, 209):  # every residue modulo the 9-token piece
+        _, got, _ = fit_prompt(
+            builtin,
+            "test",
+            "Read this.",
+            "What?",
+            [(0.5, "The key is here.")],
+            target,
+            seed=0,
+            chat=False,
+            tolerance=0.01,
+            filler=_NineTokenPieces,
+        )
+        assert abs(got - target) <= MIN_SLACK_TOKENS, (target, got)
+        misses.append(abs(got - target))
+    assert max(misses) > 0.01 * 208  # the slack was needed: 1% alone would have refused
+    assert longest_prompt(256, 0.01) == 256 + MIN_SLACK_TOKENS
+    assert longest_prompt(10_000, 0.01) == 10_100

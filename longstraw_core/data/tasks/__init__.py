@@ -2,9 +2,10 @@
 
 Each generator builds one ``Sample`` whose prompt, rendered for the given tokenizer (through
 its chat template when ``chat=True`` and it has one), is within ``tolerance`` (1%) of
-``prompt_tokens`` tokens. The prompt is an instruction, a haystack of seeded filler sentences
-from a fixed word list (no downloads, no digits, no capitals but a sentence's first letter,
-so needles cannot be confused with filler) with the needle sentences inserted at sentence
+``prompt_tokens`` tokens, or 4 where that is more (``haystack.MIN_SLACK_TOKENS``). The prompt
+is an instruction, a haystack of seeded filler sentences from a fixed word list (no
+downloads, no digits, no capitals but a sentence's first letter, so needles cannot be
+confused with filler) with the needle sentences inserted at sentence
 boundaries at the requested depth (a fraction of the haystack's tokens, 0 = start, 1 = end),
 and a question asking for the answer inside ``<answer></answer>`` tags.
 

@@ -7,6 +7,7 @@ nothing of the tasks."""
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
@@ -17,6 +18,16 @@ from transformers import PreTrainedTokenizerBase
 from longstraw_core.data.tokenizer import Prompt, count_prompt_tokens
 
 MAX_FIT_PASSES = 6
+# A fit is accepted within ``tolerance`` of the target or this many tokens, the larger: a
+# piece of real text (``documents.DocumentFiller``) can be several tokens, and at a few hundred
+# tokens 1% is less than one piece (SmolLM2 on a 256-token doc_lookup prompt: 253 at best).
+MIN_SLACK_TOKENS = 4
+
+
+def longest_prompt(prompt_tokens: int, tolerance: float) -> int:
+    """The most tokens ``fit_prompt`` may return for ``prompt_tokens`` (what a run's positions
+    must hold)."""
+    return max(math.ceil(prompt_tokens * (1 + tolerance)), prompt_tokens + MIN_SLACK_TOKENS)
 
 
 # Lower-case, digit-free, and disjoint from every needle's wording and key words.
@@ -166,7 +177,8 @@ def fit_prompt(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     filler: Callable[[int], Filler] = WordFiller,
 ) -> tuple[Prompt, int, list[float]]:
-    """Grow the haystack until the rendered prompt has ``prompt_tokens`` tokens (+-tolerance).
+    """Grow the haystack until the rendered prompt has ``prompt_tokens`` tokens (+-tolerance,
+    or +-``MIN_SLACK_TOKENS`` where that is more).
 
     Each pass tokenizes the full prompt once and corrects the filler budget by the observed
     ratio of real to estimated filler tokens, so a tokenizer whose words do not add up
@@ -186,7 +198,8 @@ def fit_prompt(
 
     empty, _ = build(0)
     base = count_prompt_tokens(tokenizer, empty, chat_template_kwargs)
-    if base > prompt_tokens * (1 + tolerance):
+    slack = max(tolerance * prompt_tokens, MIN_SLACK_TOKENS)
+    if base > prompt_tokens + slack:
         raise ValueError(
             f"{task}: prompt_tokens={prompt_tokens} is too small; the instruction, needles and "
             f"question alone take {base} tokens with this tokenizer"
@@ -210,9 +223,10 @@ def fit_prompt(
         budget += (prompt_tokens - got) / rate
     assert best is not None
     got, prompt, depths = best
-    if abs(got - prompt_tokens) > tolerance * prompt_tokens:
+    if abs(got - prompt_tokens) > slack:
         raise RuntimeError(
-            f"{task}: could not fit the prompt to {prompt_tokens} tokens (+-{tolerance:.1%}); "
+            f"{task}: could not fit the prompt to {prompt_tokens} tokens (+-{tolerance:.1%} or "
+            f"+-{MIN_SLACK_TOKENS} tokens); "
             f"best was {got} tokens with {type(tokenizer).__name__} {tokenizer.name_or_path!r}"
         )
     return prompt, got, depths
