@@ -56,7 +56,7 @@ def usable(
     ``query_positions``: every key visible) or a branch attending to itself with one query
     per key (causal). Decode steps (fewer queries than keys) keep the torch path. A fake
     tensor standing in for a CUDA one (a dry run, ``gpu_emulation``) takes the GPU's path:
-    the blocked loop (attention with sinks runs there on a GPU).
+    the blocked loop, as the torch backend runs on a GPU.
     """
     if (
         q.device.type != "cpu"
