@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -69,6 +68,7 @@ from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.rewards.inputs import sample_columns
 from longstraw_core.training.evaluation import is_correct
 from longstraw_core.training.session import rollout_seed
+from longstraw_core.training.trainer import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/smollm2/learn_real_cpu.yaml"
@@ -90,9 +90,7 @@ def read_config(config: str, overrides: list[str], seed: int) -> lsc.RunConfig:
 
 def run_longstraw(cfg: lsc.RunConfig) -> dict[str, Any]:
     """The recipe in this process (setup, train, cleanup); its logged metrics per step."""
-    spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes/grpo_qwen36.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_recipe(ROOT / "recipes/grpo_qwen36.py")
     run = module.Recipe(cfg)
     run.setup()
     try:

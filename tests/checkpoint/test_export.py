@@ -9,7 +9,6 @@ damaged checkpoints, a missing run config, a moved base and a non-empty target a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from longstraw_core.checkpoint.files import write_manifest
 from longstraw_core.config import load_config
 from longstraw_core.data.tokenizer import encode_prompt
 from longstraw_core.models.export import ExportError, export, main
+from longstraw_core.training.trainer import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {  # kind: (recipe, config, overrides)
@@ -42,12 +42,7 @@ SMALL = [  # the configs' own rewards and group of 8: every group has reward var
 
 
 def _recipe_module(recipe: str):
-    spec = importlib.util.spec_from_file_location(
-        f"export_{recipe[:-3]}", ROOT / "recipes" / recipe
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(ROOT / "recipes" / recipe)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ multi-rank run (its groups vary in reward, so every step trains).
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from longstraw_core.config import load_config
+from longstraw_core.training.trainer import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [
@@ -55,11 +55,7 @@ def train_in_process(recipe: str, config: str, output_dir: Path, *overrides: str
 
 def recipe_in_process(recipe: str, config: str, output_dir: Path, *overrides: str):
     """``train_in_process``, returning the finished ``Recipe`` (its model, adapter, logger)."""
-    spec = importlib.util.spec_from_file_location(
-        f"{recipe[:-3]}_in_process", ROOT / "recipes" / recipe
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_recipe(ROOT / "recipes" / recipe)
     cfg = load_config(ROOT / config, [*FAST, *overrides, f"train.output_dir={output_dir}"])
     run = module.Recipe(cfg)
     run.setup()

@@ -9,7 +9,6 @@ optimizer state) or stops with a one-line message and a non-zero status.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from wandb_records import wandb_config, wandb_records
 from longstraw_core import checkpoint
 from longstraw_core.config import load_config
 from longstraw_core.process.failpoints import ENV as FAILPOINTS
+from longstraw_core.training.trainer import load_recipe
 
 pytestmark = pytest.mark.multiprocess
 
@@ -203,9 +203,7 @@ def test_lr_that_diverges_stops_with_the_guard_and_saves_nothing_non_finite(tmp_
 def test_nan_gradient_skips_the_step_and_the_run_continues(tmp_path, capsys):
     """One NaN entry in one gradient at step 2 (a real hook on the real recipe): no update,
     no scheduler step, no non-finite checkpoint, and step 3 trains on."""
-    spec = importlib.util.spec_from_file_location("grpo_qwen36_under_test", RECIPE)
-    recipe_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe_module)
+    recipe_module = load_recipe(RECIPE)
     out = tmp_path / "run"
     cfg = load_config(CONFIG, [*SMALL, f"train.steps={STEPS}", "train.save_every=1",
                                f"train.output_dir={out}"])  # fmt: skip
@@ -245,9 +243,7 @@ def test_a_step_whose_rewards_all_failed_is_not_trained_on(tmp_path, capsys, cap
     """Every reward fails in step 2 (between two steps that train): one line per function
     for the step (its count, its one sample id), the step skipped as the rewards', no
     update (step 2's weights and optimizer state are step 1's), and step 3 trains on."""
-    spec = importlib.util.spec_from_file_location("grpo_qwen36_rewards_fail", RECIPE)
-    recipe_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe_module)
+    recipe_module = load_recipe(RECIPE)
     out = tmp_path / "run"
     cfg = load_config(CONFIG, [*SMALL, f"train.steps={STEPS}", "train.save_every=1",
                                "rewards=[{name: 'varied_reward:fails_in_step_two'}]",
