@@ -334,12 +334,14 @@ class Evaluation:
         del state
         loops = group.outcomes[-1] if group.outcomes else None  # the k samples' tool loops
         responses = [response for out in outs for response in out.responses]
-        scored = rewards(
-            texts,
-            [sample] * len(texts),
-            completion_ids=[response.tolist() for response in responses],
-            trainer_state=trainer_state_at(step, cfg.train.steps),
-            **group.reward_kwargs,
+        scored = self.topology.score_once(  # on stages: once, on the replica's first stage
+            lambda: rewards(
+                texts,
+                [sample] * len(texts),
+                completion_ids=[response.tolist() for response in responses],
+                trainer_state=trainer_state_at(step, cfg.train.steps),
+                **group.reward_kwargs,
+            )
         )
         sampled = RewardResult(
             scored.names,

@@ -248,12 +248,15 @@ class Session(StepBookkeeping):
         with self.progress.phase("reward"):
             self.trainer_state.global_step = self.step
             ids = [response.tolist() for response in out.responses]
-            scored = self.rewards(
-                completions,
-                [group.sample] * len(ids),
-                completion_ids=ids,
-                trainer_state=self.trainer_state,
-                **group.reward_kwargs,
+            # On stages: scored on the replica's first stage, shared with the others.
+            scored = self.topology.score_once(
+                lambda: self.rewards(
+                    completions,
+                    [group.sample] * len(ids),
+                    completion_ids=ids,
+                    trainer_state=self.trainer_state,
+                    **group.reward_kwargs,
+                )
             )
         return Rollout(
             group.sample, out, completions, scored, state_bytes(state), group.tool_counts

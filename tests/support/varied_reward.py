@@ -37,6 +37,14 @@ def even_characters_drawing(completions: list[Any], **kwargs: Any) -> list[float
     return even_characters(completions)
 
 
+def differs_by_rank(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``even_characters`` on rank 0, its opposite (1 - share) on every other rank: a judge
+    whose answers differ between calls. Ranks that share completions must share one
+    scoring of them, or each trains on its own advantages (here: of the opposite sign)."""
+    shares = even_characters(completions)
+    return shares if os.environ.get("RANK", "0") == "0" else [1.0 - s for s in shares]
+
+
 def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:
     raise ConnectionError("the reward server is down")
 

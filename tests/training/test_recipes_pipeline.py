@@ -211,10 +211,12 @@ def test_more_stages_than_branches_train_like_one_process(tmp_path):
     """Two branches on three and on four stages (G < S, where one NCCL stream per rank
     would hang the ring's rollout: ``longstraw_core.pipeline.transport``), and the greedy
     evaluation's one branch on them: one step and its eval metrics equal one process's.
-    Under the tests' NCCL-rules harness, as every torchrun here."""
-    # A reward that differs between the two branches, so that the step trains.
+    The reward differs between the two branches, so the step trains, and between ranks
+    (rank 0's opposite elsewhere): the stages train on stage 0's one scoring
+    (``RunTopology.score_once``), where scoring on each stage would flip the later stages'
+    advantages. Under the tests' NCCL-rules harness, as every torchrun here."""
     overrides = ["train.steps=1", "train.save_every=1", "rollout.num_generations=2", *EVAL,
-                 "rewards=[{name: 'varied_reward:even_characters'}]"]  # fmt: skip
+                 "rewards=[{name: 'varied_reward:differs_by_rank'}]"]  # fmt: skip
     one = tmp_path / "one"
     run_on_ranks("grpo_qwen36.py", QWEN, one, *overrides, ranks=1)
     for stages in (3, 4):  # the tiny Qwen3.6 has four layers
