@@ -16,6 +16,11 @@ one greedy completion each (LongStraw: its evaluation; TRL: a TrainerCallback ca
 ``eval.correct_reward``; at step 0 (eval.on_start), every eval.every steps and after the last.
 Eval time is left out of the step times. Steps to target: the first eval step at which the mean
 over seeds reaches 0.9 x the lower final mean of the two sides (seconds: training time to it).
+Agreement: at each eval step the two sides' mean accuracies, their difference and the seeds'
+spread (each side's std over seeds, pooled); and over the seeds' final accuracies and their
+whole curves (the mean over eval steps), an exact permutation test of "one side is as good as
+the other": the share of all ways to split the pooled seeds into two sides of these sizes
+whose means differ at least as much (two-sided p; small p: the sides differ beyond sampling).
 What both cannot take is set to what both can do and printed with the results (``FORCED``:
 no stop strings, greedy-only eval; TRL's gradient checkpointing only where an estimate of its
 activations would not fit, ``--trl-checkpointing``; timing lengths capped to the positions).
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -334,6 +340,45 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+def permutation_p(first: list[float], second: list[float]) -> float:
+    """Exact two-sided permutation p-value of the difference of means: the share of all
+    splits of the pooled values into groups of these sizes whose means differ at least as
+    much as the observed (1.0 when the sides cannot be told apart at all)."""
+    pooled, n = first + second, len(first)
+    observed = abs(statistics.mean(first) - statistics.mean(second))
+    total = sum(pooled)
+    splits = hits = 0
+    for chosen in itertools.combinations(range(len(pooled)), n):
+        picked = sum(pooled[i] for i in chosen)
+        gap = abs(picked / n - (total - picked) / (len(pooled) - n))
+        hits += gap >= observed - 1e-12
+        splits += 1
+    return hits / splits
+
+
+def agreement(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """Do the held-out curves agree within the seeds' spread? Per eval step: each side's
+    mean, LongStraw minus TRL, and the pooled std over seeds; over seeds: the permutation
+    p-values of the final accuracies and of each seed's mean over the eval steps."""
+    ls, trl = runs["longstraw"], runs["trl"]
+    steps = [step for step, _ in ls[0]["eval"]]
+    rows = []
+    for i, step in enumerate(steps):
+        a, b = [run["eval"][i][1] for run in ls], [run["eval"][i][1] for run in trl]
+        spread = math.sqrt((statistics.pstdev(a) ** 2 + statistics.pstdev(b) ** 2) / 2)
+        rows.append({"step": step, "longstraw": statistics.mean(a), "trl": statistics.mean(b),
+                     "difference": statistics.mean(a) - statistics.mean(b),
+                     "pooled_std": spread})  # fmt: skip
+
+    def curve_means(seeds: list[dict]) -> list[float]:
+        return [statistics.mean(acc for _, acc in run["eval"]) for run in seeds]
+
+    finals = [run["eval"][-1][1] for run in ls], [run["eval"][-1][1] for run in trl]
+    return {"per_eval_step": rows, "final_p": permutation_p(*finals),
+            "curve_mean_p": permutation_p(curve_means(ls), curve_means(trl)),
+            "seeds": [len(ls), len(trl)]}  # fmt: skip
+
+
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
@@ -375,10 +420,10 @@ def learning(args: argparse.Namespace, config: str, overrides: list[str], notes:
             runs[side].append(
                 kept_run(args.out, side, config, overrides, seed, ckpt, args.paired_sampling)
             )
-    summary = summarize(runs)
+    summary, agree = summarize(runs), agreement(runs)
     stem = args.out / "trl_side_by_side"
     record = {"config": config, "overrides": overrides, "seeds": args.seeds, "notes": notes,
-              "summary": summary, "runs": runs}  # fmt: skip
+              "summary": summary, "agreement": agree, "runs": runs}  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     with stem.with_suffix(".csv").open("w", newline="") as f:
         out = csv.writer(f)
@@ -411,6 +456,14 @@ def learning(args: argparse.Namespace, config: str, overrides: list[str], notes:
           f"{ratio(ls['peak_device_bytes'], trl['peak_device_bytes'])}, steps to target "
           f"{ratio(ls['steps_to_target'], trl['steps_to_target'])}, seconds to target "
           f"{ratio(ls['seconds_to_target'], trl['seconds_to_target'])}")  # fmt: skip
+    print("\nheld-out accuracy, mean over seeds (LongStraw - TRL; pooled std over seeds):")
+    for row in agree["per_eval_step"]:
+        print(f"  step {row['step']:>4}: {row['longstraw']:.3f} vs {row['trl']:.3f} "
+              f"({row['difference']:+.3f}; {row['pooled_std']:.3f})")  # fmt: skip
+    print(
+        f"permutation test over {agree['seeds'][0]} and {agree['seeds'][1]} seeds: final "
+        f"accuracy p={agree['final_p']:.3f}, mean over the curve p={agree['curve_mean_p']:.3f}"
+    )
     print("\n".join(f"note: {n}" for n in notes) + f"\nwrote {stem}.{{json,csv,png}}")
 
 
