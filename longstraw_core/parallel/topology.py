@@ -119,6 +119,12 @@ class RunTopology:
             key = "distributed.stage_starts" if self.stage_starts else "distributed.pipeline_stages"
             raise ConfigError(key, str(error)) from None
 
+    @property
+    def scores_here(self) -> bool:
+        """Whether this rank runs the reward functions (``score_once``): every rank without
+        stages, a replica's first stage with them."""
+        return self.stage == 0
+
     def score_once(self, score: Callable[[], Scored]) -> Scored:
         """``score()`` on this replica's first stage, its result on every stage of the replica.
 
@@ -130,7 +136,7 @@ class RunTopology:
         without stages, ``score()`` here."""
         if not self.staged:
             return score()
-        shared = [score() if self.stage == 0 else None]
+        shared = [score() if self.scores_here else None]
         dist.broadcast_object_list(shared, src=self.first_stage_rank, group=self.pipeline_group)
         return shared[0]
 

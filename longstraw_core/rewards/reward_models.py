@@ -13,8 +13,9 @@ the metrics is the last part of the model's name or path (``rewards/<name>/mean`
 LongStraw differs in where and how much at once: a ``RewardModel`` runs on its own
 ``device`` (default: the run's, the current CUDA device or the CPU) in batches of
 ``batch_size`` texts (default: a call's every completion at once, TRL's), since a long
-prompt repeated G times may not fit one pass. Each rank holds its own copy (as TRL's replicas
-do), beside the policy: the memory planner does not count it.
+prompt repeated G times may not fit one pass. Each rank that scores holds its own copy (as
+TRL's replicas do: every rank, or on pipeline stages a replica's first stage alone), beside
+the policy: the memory planner does not count it.
 
 Why the configuration is read eagerly and the weights lazily: the config check resolves
 every reward at load time, so a path that is neither a reward function nor a loadable

@@ -139,12 +139,19 @@ class RewardSet:
 
     @classmethod
     def from_config(
-        cls, cfg: RunConfig, extra: Sequence[RewardFn] = (), *, report_each_call: bool = True
+        cls,
+        cfg: RunConfig,
+        extra: Sequence[RewardFn] = (),
+        *,
+        report_each_call: bool = True,
+        load_models: bool = True,
     ) -> RewardSet:
         """The run's reward functions: ``cfg.rewards`` (names, weights, factory arguments,
         timeouts) and ``train.raise_reward_errors``; ``extra``: more sources of weight 1 and
         the default timeout, after them (an environment's ``get_reward``, TRL's rule).
-        ``report_each_call=False``: failures wait for ``report_failures`` (once per step)."""
+        ``report_each_call=False``: failures wait for ``report_failures`` (once per step).
+        ``load_models=False``: reward models' weights load at their first call, not now (a
+        pipeline stage that never scores: ``RunTopology.scores_here``)."""
         weights = [r.weight for r in cfg.rewards] + [1.0] * len(extra)
         timeouts = [r.timeout_seconds for r in cfg.rewards] + [DEFAULT_TIMEOUT_SECONDS] * len(extra)
         rewards = cls(
@@ -153,7 +160,7 @@ class RewardSet:
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs or {}),
         )  # fmt: skip
         for fn in rewards.funcs:  # reward models' weights, before the first step needs them
-            if isinstance(fn, RewardModel):
+            if load_models and isinstance(fn, RewardModel):
                 fn.load()
         return rewards
 

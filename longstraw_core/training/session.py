@@ -149,8 +149,11 @@ class Session(StepBookkeeping):
         self.sampling = self._sampling_options()
         # names, weights, factories' arguments; an environment's get_reward (TRL's extra source)
         extra = self.agents.reward_functions() if self.agents else []
-        # Failures said once per function and step (``report_failures``), not per group.
-        self.rewards = RewardSet.from_config(cfg, extra, report_each_call=False)
+        # Failures said once per function and step (``report_failures``), not per group;
+        # reward models' weights only where the rewards are scored (a replica's first stage).
+        self.rewards = RewardSet.from_config(
+            cfg, extra, report_each_call=False, load_models=self.topology.scores_here
+        )
         self.trainer_state = trainer_state_at(0, cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
         self.scheduler = models.build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)

@@ -107,3 +107,20 @@ def test_a_training_step_runs_with_a_reward_model(tmp_path, classifier_dir):
     assert model.model.device.type == "cpu"
     assert not any(p.requires_grad for p in model.model.parameters())
     assert run.step == 1 and run.updates == 1
+
+
+def test_a_stage_that_does_not_score_loads_its_reward_model_only_if_called(classifier_dir):
+    """``load_models=False`` (a pipeline stage other than its replica's first, which never
+    scores): no weights at setup; a call still loads them and scores as the classifier."""
+    # batch_size 3: settings no other test uses (a process makes one RewardModel per settings)
+    entry = f"rewards=[{{name: '{classifier_dir}', device: cpu, batch_size: 3}}]"
+    cfg = load_config(ROOT / QWEN, [entry])
+    rewards = RewardSet.from_config(cfg, load_models=False)
+    model = rewards.funcs[0]
+    assert isinstance(model, RewardModel) and model.model is None
+    texts = ["the answer is 4", "no idea"]
+    scored = score(rewards, "2 + 2? ", texts)
+    assert model.model is not None
+    assert scored.rewards == pytest.approx(
+        own_scores(classifier_dir, [f"2 + 2? {t}" for t in texts])
+    )
