@@ -30,7 +30,7 @@ from longstraw_core.parallel.fsdp import shard_model
 from longstraw_core.parallel.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
-from longstraw_core.rewards import RewardResult, batch_columns, reward_metrics
+from longstraw_core.rewards import RewardError, RewardResult, batch_columns, reward_metrics
 
 if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
@@ -132,13 +132,25 @@ class RunTopology:
         (a sampling judge, a server, a clock) would give each stage its own advantages, and
         each stage's layers would train on another objective. So the reward functions run once
         per replica, as TRL runs them once per process, and the result (picklable) travels
-        through the replica's gloo group, never a GPU. Collective over the replica's stages;
-        without stages, ``score()`` here."""
+        through the replica's gloo group, never a GPU. A ``RewardError`` there
+        (``train.raise_reward_errors``, a Ctrl-C in a reward's thread) travels the same way
+        and is raised on every stage, so none waits for rewards that will not come.
+        Collective over the replica's stages; without stages, ``score()`` here."""
         if not self.staged:
             return score()
-        shared = [score() if self.scores_here else None]
+        shared: list[tuple[str, Any] | None] = [None]
+        if self.scores_here:
+            try:
+                shared = [("scored", score())]
+            except RewardError as error:
+                shared = [("failed", str(error))]
         dist.broadcast_object_list(shared, src=self.first_stage_rank, group=self.pipeline_group)
-        return shared[0]
+        kind, value = shared[0]
+        if kind == "failed":
+            if not self.scores_here:
+                value += f" (on rank {self.first_stage_rank}, which scores for this replica)"
+            raise RewardError(value)
+        return value
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The ranks whose prompts make one optimizer step's batch, for one stage."""

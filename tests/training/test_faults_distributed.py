@@ -229,6 +229,26 @@ def test_ranks_do_not_outlive_a_launcher_killed_outright(tmp_path):
     assert (tmp_path / "run" / "step-000001").is_dir(), "".join(lines)[-4000:]
 
 
+def test_a_reward_error_on_a_pipelines_scoring_stage_stops_every_stage(tmp_path):
+    """Two stages: the first scores for both (``RunTopology.score_once``); its reward error
+    (``train.raise_reward_errors``) reaches stage 1 through the same broadcast, so both stop
+    with the error's line (stage 1's naming the rank that scored), neither waits for the
+    other, and no checkpoint is written."""
+    out = tmp_path / "run"
+    code, log = launch.torchrun(
+        RECIPE, "--config", str(CONFIG), *SMALL, "distributed.pipeline_stages=2",
+        "train.steps=2", "train.save_every=1", "train.raise_reward_errors=true",
+        "rewards=[{name: 'varied_reward:always_fails'}]", f"train.output_dir={out}",
+        timeout=180, env=run_env(),
+    )  # fmt: skip
+    assert code != 0, log[-3000:]
+    stopped = [ln for ln in log.splitlines() if "training stopped: reward function" in ln]
+    assert any("'always_fails' failed" in ln and "the reward server is down" in ln
+               for ln in stopped), log[-3000:]  # fmt: skip
+    assert any("(on rank 0, which scores for this replica)" in ln for ln in stopped), log[-3000:]
+    assert not list(out.glob("step-*"))
+
+
 def test_rewards_failing_on_rank_1_only_skip_the_step_on_both_naming_rank_1(tmp_path):
     """Every reward fails on rank 1 alone: both ranks skip the step (one reduction), the
     skip names rank 1 of 2, rank 1's failure line says its rank, and with
