@@ -15,7 +15,7 @@ what every replica found.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,20 +24,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_core.config import ConfigError
-from longstraw_core.distributed import gather_rows, group_timeout, reduce_metrics
+from longstraw_core.distributed import gather_rows, reduce_metrics
 from longstraw_core.metrics import names
 from longstraw_core.parallel.fsdp import shard_model
 from longstraw_core.parallel.mesh import REPLICA, STAGE, pipeline_mesh, stage_adapter
 from longstraw_core.pipeline.gradients import average_over_replicas, clip_grad_norm
 from longstraw_core.pipeline.layout import StageLayoutError, check_stage_count
-from longstraw_core.rewards import RewardError, RewardResult, batch_columns, reward_metrics
+from longstraw_core.rewards import RewardResult, batch_columns, reward_metrics
 
 if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
     from longstraw_core.config import DistributedSection
 
 Row = TypeVar("Row")
-Scored = TypeVar("Scored")
 # Per-rank byte counts of what a stage holds: summed over a pipeline's stages.
 _STAGE_SUMS = (names.STATE_BYTES, names.STATE_GRAD_BYTES, names.ATTENTION_OUTPUT_BYTES)
 _PEAKS = (names.PEAK_MEMORY_BYTES, names.STEP_PEAK_MEMORY_BYTES)
@@ -59,10 +58,6 @@ class RunTopology:
     replay_pieces: int | None = None  # distributed.replay_pieces (None: the schedule's choice)
     gradient: str = "detached"  # the gradient mode the stage boundaries are balanced for
     fsdp: bool = False  # FSDP2 shards the model (with stages: each stage over its replicas)
-    # With stages: a gloo group of this replica's S ranks, and the global rank of its stage 0
-    # (``score_once``: the rewards, scored there, reach the other stages through it).
-    pipeline_group: dist.ProcessGroup | None = None
-    first_stage_rank: int = 0
 
     @classmethod
     def from_config(
@@ -78,15 +73,9 @@ class RunTopology:
         if stages == 1:
             return cls(replicas=world, replica=rank, fsdp=distributed.fsdp)
         mesh = pipeline_mesh(stages)
-        pipelines = mesh.mesh.tolist()  # [replica][stage] -> global rank
-        # Every rank makes every pipeline's group, in one order (group creation is collective).
-        pipeline_group, _ = dist.new_subgroups_by_enumeration(
-            pipelines, timeout=group_timeout(), backend="gloo"
-        )
-        replica = mesh.get_local_rank(REPLICA)
         return cls(
             replicas=world // stages,
-            replica=replica,
+            replica=mesh.get_local_rank(REPLICA),
             stages=stages,
             stage=mesh.get_local_rank(STAGE),
             mesh=mesh,
@@ -94,8 +83,6 @@ class RunTopology:
             replay_pieces=distributed.replay_pieces,
             gradient=gradient,
             fsdp=distributed.fsdp,
-            pipeline_group=pipeline_group,
-            first_stage_rank=pipelines[replica][0],
         )
 
     @property
@@ -118,39 +105,6 @@ class RunTopology:
         except StageLayoutError as error:
             key = "distributed.stage_starts" if self.stage_starts else "distributed.pipeline_stages"
             raise ConfigError(key, str(error)) from None
-
-    @property
-    def scores_here(self) -> bool:
-        """Whether this rank runs the reward functions (``score_once``): every rank without
-        stages, a replica's first stage with them."""
-        return self.stage == 0
-
-    def score_once(self, score: Callable[[], Scored]) -> Scored:
-        """``score()`` on this replica's first stage, its result on every stage of the replica.
-
-        The S stages of a replica hold the same completions; rewards that differ between calls
-        (a sampling judge, a server, a clock) would give each stage its own advantages, and
-        each stage's layers would train on another objective. So the reward functions run once
-        per replica, as TRL runs them once per process, and the result (picklable) travels
-        through the replica's gloo group, never a GPU. A ``RewardError`` there
-        (``train.raise_reward_errors``, a Ctrl-C in a reward's thread) travels the same way
-        and is raised on every stage, so none waits for rewards that will not come.
-        Collective over the replica's stages; without stages, ``score()`` here."""
-        if not self.staged:
-            return score()
-        shared: list[tuple[str, Any] | None] = [None]
-        if self.scores_here:
-            try:
-                shared = [("scored", score())]
-            except RewardError as error:
-                shared = [("failed", str(error))]
-        dist.broadcast_object_list(shared, src=self.first_stage_rank, group=self.pipeline_group)
-        kind, value = shared[0]
-        if kind == "failed":
-            if not self.scores_here:
-                value += f" (on rank {self.first_stage_rank}, which scores for this replica)"
-            raise RewardError(value)
-        return value
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The ranks whose prompts make one optimizer step's batch, for one stage."""

@@ -14,7 +14,7 @@ LongStraw differs in where and how much at once: a ``RewardModel`` runs on its o
 ``device`` (default: the run's, the current CUDA device or the CPU) in batches of
 ``batch_size`` texts (default: a call's every completion at once, TRL's), since a long
 prompt repeated G times may not fit one pass. Each rank that scores holds its own copy (as
-TRL's replicas do: every rank, or on pipeline stages a replica's first stage alone), beside
+TRL's replicas do: every rank, or on pipeline stages each pipeline's last stage), beside
 the policy: the memory planner does not count it.
 
 Why the configuration is read eagerly and the weights lazily: the config check resolves

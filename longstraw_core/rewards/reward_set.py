@@ -151,7 +151,7 @@ class RewardSet:
         the default timeout, after them (an environment's ``get_reward``, TRL's rule).
         ``report_each_call=False``: failures wait for ``report_failures`` (once per step).
         ``load_models=False``: reward models' weights load at their first call, not now (a
-        pipeline stage that never scores: ``RunTopology.scores_here``)."""
+        pipeline stage that never scores: ``training.prompt_group.scores_here``)."""
         weights = [r.weight for r in cfg.rewards] + [1.0] * len(extra)
         timeouts = [r.timeout_seconds for r in cfg.rewards] + [DEFAULT_TIMEOUT_SECONDS] * len(extra)
         rewards = cls(

@@ -70,7 +70,7 @@ from longstraw_core.metrics import names
 from longstraw_core.process.guard import NonFiniteError
 from longstraw_core.rewards import RewardResult, RewardSet, reward_metrics, trainer_state_at
 from longstraw_core.rollout.decode import rollout
-from longstraw_core.training.prompt_group import PromptGroup, template_kwargs
+from longstraw_core.training.prompt_group import PromptGroup, score_once, template_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -334,14 +334,15 @@ class Evaluation:
         del state
         loops = group.outcomes[-1] if group.outcomes else None  # the k samples' tool loops
         responses = [response for out in outs for response in out.responses]
-        scored = self.topology.score_once(  # on stages: once, on the replica's first stage
+        scored = score_once(  # on stages: once, on the last stage
+            adapter,
             lambda: rewards(
                 texts,
                 [sample] * len(texts),
                 completion_ids=[response.tolist() for response in responses],
                 trainer_state=trainer_state_at(step, cfg.train.steps),
                 **group.reward_kwargs,
-            )
+            ),
         )
         sampled = RewardResult(
             scored.names,

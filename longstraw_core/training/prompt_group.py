@@ -17,12 +17,12 @@ things around the rollout, and a loop should not branch on it four times:
     turns = group.tool_turns()
     out = ls.rollout(adapter, prefill(group.prompt_ids), G, ..., turns=turns)
     completions = group.completions(out, turns, adapter)
-    scored = rewards(completions, [group.sample] * G, ..., **group.reward_kwargs)
+    scored = score_once(adapter, lambda: rewards(completions, ..., **group.reward_kwargs))
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +31,13 @@ from transformers import PreTrainedTokenizerBase
 
 from longstraw_core.data.tasks import Sample
 from longstraw_core.data.tokenizer import encode_prompt
+from longstraw_core.rewards import RewardError
 from longstraw_core.tools.agents import AgentGroup, Agents, ToolOutcome
 from longstraw_core.tools.turns import ToolTurns
 
 if TYPE_CHECKING:
     from longstraw_core.adapters.base import ModelAdapter
+    from longstraw_core.rewards import RewardResult
     from longstraw_core.rewards.inputs import Completion
     from longstraw_core.rollout.decode import RolloutOutput
 
@@ -46,6 +48,40 @@ def template_kwargs(
     """How a run renders its prompts: ``data.chat_template_kwargs``, or with tools the
     agents' (the schemas added, and the built-in tokenizer's tool template)."""
     return dict(agents.template_kwargs if agents is not None else chat_template_kwargs)
+
+
+def scores_here(adapter: ModelAdapter) -> bool:
+    """Whether this rank calls the reward functions (``score_once``): every rank, or on
+    pipeline stages the last, which ran the tools and holds the environments."""
+    link = adapter.stage.link if adapter.stage is not None else None
+    return link is None or link.is_last
+
+
+def score_once(adapter: ModelAdapter, score: Callable[[], RewardResult]) -> RewardResult:
+    """``score()`` (the reward call) on this rank, or on pipeline stages on the last stage
+    alone, its result sent to the others (``StageLink.objects_from_last``).
+
+    The stages of a pipeline hold the same completions; rewards that differ between calls (a
+    sampling judge, a server, a clock) would give each stage its own advantages, and each
+    stage's layers would train on another objective. So a pipeline scores once, as TRL scores
+    once per process. A ``RewardError`` there (``train.raise_reward_errors``, a Ctrl-C in a
+    reward's thread) is sent the same way and raised on every stage, so none waits for rewards
+    that will not come."""
+    link = adapter.stage.link if adapter.stage is not None else None
+    if link is None or link.stages == 1:
+        return score()
+    outcome: tuple[str, Any] | None = None
+    if link.is_last:
+        try:
+            outcome = ("scored", score())
+        except RewardError as error:
+            outcome = ("failed", str(error))
+    kind, value = link.objects_from_last(outcome)  # type: ignore[misc]
+    if kind == "failed":
+        if not link.is_last:
+            value += f" (on rank {link.last_rank}, which scores for this pipeline)"
+        raise RewardError(value)
+    return value
 
 
 @dataclass

@@ -51,7 +51,12 @@ from longstraw_core.rewards import RewardSet, trainer_state_at
 from longstraw_core.tools import Agents
 from longstraw_core.tools.turns import ToolTurns
 from longstraw_core.training import evaluation, tracking
-from longstraw_core.training.prompt_group import PromptGroup, template_kwargs
+from longstraw_core.training.prompt_group import (
+    PromptGroup,
+    score_once,
+    scores_here,
+    template_kwargs,
+)
 from longstraw_core.training.step import Rollout, StepBookkeeping, state_bytes
 
 
@@ -150,9 +155,9 @@ class Session(StepBookkeeping):
         # names, weights, factories' arguments; an environment's get_reward (TRL's extra source)
         extra = self.agents.reward_functions() if self.agents else []
         # Failures said once per function and step (``report_failures``), not per group;
-        # reward models' weights only where the rewards are scored (a replica's first stage).
+        # reward models' weights only where the rewards are scored (on stages: the last).
         self.rewards = RewardSet.from_config(
-            cfg, extra, report_each_call=False, load_models=self.topology.scores_here
+            cfg, extra, report_each_call=False, load_models=scores_here(self.adapter)
         )
         self.trainer_state = trainer_state_at(0, cfg.train.steps)  # what TRL's rewards get
         self.optimizer = models.build_optimizer(self.model, cfg.optim)
@@ -251,15 +256,16 @@ class Session(StepBookkeeping):
         with self.progress.phase("reward"):
             self.trainer_state.global_step = self.step
             ids = [response.tolist() for response in out.responses]
-            # On stages: scored on the replica's first stage, shared with the others.
-            scored = self.topology.score_once(
+            # On stages: scored on the last stage, shared with the others.
+            scored = score_once(
+                self.adapter,
                 lambda: self.rewards(
                     completions,
                     [group.sample] * len(ids),
                     completion_ids=ids,
                     trainer_state=self.trainer_state,
                     **group.reward_kwargs,
-                )
+                ),
             )
         return Rollout(
             group.sample, out, completions, scored, state_bytes(state), group.tool_counts

@@ -110,8 +110,7 @@ def test_a_training_step_runs_with_a_reward_model(tmp_path, classifier_dir):
 
 
 def test_a_stage_that_does_not_score_loads_its_reward_model_only_if_called(classifier_dir):
-    """``load_models=False`` (a pipeline stage other than its replica's first, which never
-    scores): no weights at setup; a call still loads them and scores as the classifier."""
+    """``load_models=False`` (a pipeline stage other than the last, which never scores): no weights at setup; a call still loads them and scores as the classifier."""
     # batch_size 3: settings no other test uses (a process makes one RewardModel per settings)
     entry = f"rewards=[{{name: '{classifier_dir}', device: cpu, batch_size: 3}}]"
     cfg = load_config(ROOT / QWEN, [entry])

@@ -38,11 +38,14 @@ def even_characters_drawing(completions: list[Any], **kwargs: Any) -> list[float
 
 
 def differs_by_rank(completions: list[Any], **kwargs: Any) -> list[float]:
-    """``even_characters`` on rank 0, its opposite (1 - share) on every other rank: a judge
-    whose answers differ between calls. Ranks that share completions must share one
-    scoring of them, or each trains on its own advantages (here: of the opposite sign)."""
-    shares = even_characters(completions)
-    return shares if os.environ.get("RANK", "0") == "0" else [1.0 - s for s in shares]
+    """``even_characters`` on the last rank (one process's only rank), 0.5 for every
+    completion on the others: a judge whose answers differ between calls. Scored on each
+    pipeline stage, the first stages would see no advantage and skip the replays the last
+    stage runs (``grpo.replay``: a branch of zero advantage contributes nothing)."""
+    last = int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if int(os.environ.get("RANK", "0")) == last:
+        return even_characters(completions)
+    return [0.5] * len(completions)
 
 
 def always_fails(completions: list[Any], **kwargs: Any) -> list[float]:

@@ -230,9 +230,9 @@ def test_ranks_do_not_outlive_a_launcher_killed_outright(tmp_path):
 
 
 def test_a_reward_error_on_a_pipelines_scoring_stage_stops_every_stage(tmp_path):
-    """Two stages: the first scores for both (``RunTopology.score_once``); its reward error
-    (``train.raise_reward_errors``) reaches stage 1 through the same broadcast, so both stop
-    with the error's line (stage 1's naming the rank that scored), neither waits for the
+    """Two stages: the last scores for both (``prompt_group.score_once``); its reward error
+    (``train.raise_reward_errors``) reaches stage 0 through the same broadcast, so both stop
+    with the error's line (stage 0's naming the rank that scored), neither waits for the
     other, and no checkpoint is written."""
     out = tmp_path / "run"
     code, log = launch.torchrun(
@@ -245,7 +245,7 @@ def test_a_reward_error_on_a_pipelines_scoring_stage_stops_every_stage(tmp_path)
     stopped = [ln for ln in log.splitlines() if "training stopped: reward function" in ln]
     assert any("'always_fails' failed" in ln and "the reward server is down" in ln
                for ln in stopped), log[-3000:]  # fmt: skip
-    assert any("(on rank 0, which scores for this replica)" in ln for ln in stopped), log[-3000:]
+    assert any("(on rank 1, which scores for this pipeline)" in ln for ln in stopped), log[-3000:]
     assert not list(out.glob("step-*"))
 
 

@@ -142,11 +142,16 @@ def assert_close(
         )
 
 
-def eval_metrics(checkpoint: Path) -> dict[int, dict[str, float]]:
-    """The ``eval/...`` metrics a run logged, by step (its checkpoint's logger history)."""
+def logged_metrics(checkpoint: Path) -> dict[int, dict[str, float]]:
+    """Every metric a run logged, by step (its checkpoint's logger history)."""
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    history = state["extra"]["logger"]["history"]
-    return {step: {k: v for k, v in m.items() if k.startswith("eval/")} for step, m in history}
+    return dict(state["extra"]["logger"]["history"])
+
+
+def eval_metrics(checkpoint: Path) -> dict[int, dict[str, float]]:
+    """The ``eval/...`` metrics a run logged, by step."""
+    return {step: {k: v for k, v in m.items() if k.startswith("eval/")}
+            for step, m in logged_metrics(checkpoint).items()}  # fmt: skip
 
 
 def assert_same_eval(first: dict[str, float], second: dict[str, float]) -> None:
@@ -212,9 +217,9 @@ def test_more_stages_than_branches_train_like_one_process(tmp_path):
     would hang the ring's rollout: ``longstraw_core.pipeline.transport``), and the greedy
     evaluation's one branch on them: one step and its eval metrics equal one process's.
     The reward differs between the two branches, so the step trains, and between ranks
-    (rank 0's opposite elsewhere): the stages train on stage 0's one scoring
-    (``RunTopology.score_once``), where scoring on each stage would flip the later stages'
-    advantages. Under the tests' NCCL-rules harness, as every torchrun here."""
+    (constant but on the last): the stages train on the last stage's one scoring
+    (``prompt_group.score_once``); scored on each stage, the others would skip the
+    replays the last stage runs. Under the tests' NCCL-rules harness, as every torchrun here."""
     overrides = ["train.steps=1", "train.save_every=1", "rollout.num_generations=2", *EVAL,
                  "rewards=[{name: 'varied_reward:differs_by_rank'}]"]  # fmt: skip
     one = tmp_path / "one"
@@ -235,6 +240,9 @@ def test_more_stages_than_branches_train_like_one_process(tmp_path):
         assert_same_eval(
             eval_metrics(staged / "step-000001")[1], eval_metrics(one / "step-000001")[1]
         )
+        # rank 0 logs the rewards the last stage scored (what the loss there trained on)
+        logged_reward = [logged_metrics(d / "step-000001")[1]["reward"] for d in (staged, one)]
+        assert logged_reward[0] == pytest.approx(logged_reward[1], rel=1e-9)
         assert_first_step_close(staged, one, QWEN)
 
 
